@@ -1,0 +1,3 @@
+"""Deployment configuration for swiftserve applications (``autoconfig`` CLI)."""
+
+__version__ = "0.1.0"

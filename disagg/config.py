@@ -1,0 +1,72 @@
+"""Configuration of the DLRM serving applications, one model per concern.
+
+``DLRMAppConfig`` is what a Ray Serve config file passes as ``args`` to ``disagg.app:build_app``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from disagg.model import PRESETS
+
+
+class DLRMModelConfig(BaseModel):
+    """Which DLRM to build and where to run it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    preset: str = Field(
+        "tiny", description=f"DLRM architecture preset, one of: {', '.join(sorted(PRESETS))}."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the deterministic weight initialisation.")
+    device: str = Field(
+        "auto",
+        pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+        description="Torch device: `auto` (SWIFTSERVE_DEVICE if set, else CUDA when present, else CPU), "
+        "`cpu`, `cuda` or `cuda:N`.",
+    )
+
+    @field_validator("preset")
+    @classmethod
+    def _known_preset(cls, preset: str) -> str:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown DLRM preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
+        return preset
+
+
+class DLRMLimits(BaseModel):
+    """Per-request limits; requests beyond them are refused with 4xx before reaching the model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_rows_per_request: int = Field(4096, ge=1, description="Most rows (samples) in one infer request.")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest request body in bytes; larger ones get 413."
+    )
+
+
+class BatchingConfig(BaseModel):
+    """Dynamic batching across concurrent requests (Ray Serve ``@serve.batch``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_batch_size: int = Field(64, ge=1, description="Most requests merged into one forward pass.")
+    batch_wait_timeout_s: float = Field(
+        0.005, ge=0.0, le=10.0, description="Seconds the first request of a batch waits for others to join."
+    )
+
+
+class DLRMAppConfig(BaseModel):
+    """A DLRM inference application: model, request limits and batching."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: str = Field(
+        "dlrm",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="Name in the OIP routes (`/v2/models/{model_name}/infer`): up to 64 letters, digits, "
+        "`_`, `.` or `-`, starting with a letter or digit.",
+    )
+    model: DLRMModelConfig = Field(default_factory=DLRMModelConfig, description="The model to serve.")
+    limits: DLRMLimits = Field(default_factory=DLRMLimits, description="Per-request limits.")
+    batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching.")

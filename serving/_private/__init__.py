@@ -1,0 +1,1 @@
+"""Internals of the diffusion serving package; not a public API."""

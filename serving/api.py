@@ -1,0 +1,65 @@
+"""The OpenAI-compatible HTTP API of the diffusion application, as a FastAPI app over a backend.
+
+``create_images_api`` depends only on ``ImageGenerationBackend``: inside Ray Serve the backend is a
+handle to the model deployment, in unit tests an in-process engine.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+from serving.common.constants import SERVER_NAME
+from serving.common.http import APIError, install_error_handling
+from serving.config import DiffusionAppConfig
+from serving.engine import ImageGenerationBackend
+from serving.protocol import (
+    ErrorBody,
+    ErrorResponse,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ModelCard,
+    ModelList,
+)
+
+_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def render_openai_error(error: APIError) -> Response:
+    """``{"error": {message, type, param, code}}`` as OpenAI sends it."""
+    fallback = "invalid_request_error" if error.status_code < 500 else "server_error"
+    kind = _ERROR_TYPES.get(error.status_code, fallback)
+    body = ErrorResponse(error=ErrorBody(message=error.message, type=kind, param=error.param, code=error.code))
+    return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
+
+
+def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfig) -> FastAPI:
+    """The ``/v1/images/generations``, ``/v1/models`` and ``/health`` routes over ``backend``."""
+    app = FastAPI(
+        title="swiftserve diffusion",
+        description="OpenAI Images API compatible text-to-image serving.",
+        version="1",
+        responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
+    )
+    install_error_handling(app, render_openai_error, max_body_bytes=config.limits.max_body_bytes)
+
+    @app.post("/v1/images/generations", response_model=ImageGenerationResponse)
+    async def generate_images(request: ImageGenerationRequest) -> ImageGenerationResponse:
+        started = time.perf_counter()
+        params = request.to_params(await backend.model_info(), config)
+        result = await backend.generate(params)
+        return ImageGenerationResponse.from_result(result, total_s=time.perf_counter() - started)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        info = await backend.model_info()
+        return ModelList(data=[ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")])
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        await backend.model_info()
+        return {"status": "ok"}
+
+    return app

@@ -1,0 +1,1 @@
+"""Helpers shared by every swiftserve package (serving, disagg, autoconfig)."""

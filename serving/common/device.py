@@ -1,0 +1,32 @@
+"""Torch device and thread selection for model replicas."""
+
+from __future__ import annotations
+
+import torch
+
+from serving.common import constants
+
+
+def resolve_device(requested: str = "auto") -> torch.device:
+    """``auto`` picks ``SWIFTSERVE_DEVICE`` if set, else CUDA when present, else CPU."""
+    if requested == "auto":
+        requested = constants.DEVICE_OVERRIDE or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {requested!r} requested but CUDA is not available")
+    return device
+
+
+def placement() -> str:
+    """Where this process runs, for start-up log lines: Ray node and PID when inside Ray."""
+    import os
+
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            return f"node={ctx.get_node_id()[:8]} pid={os.getpid()}"
+    except Exception:  # pragma: no cover - Ray absent or not in a worker
+        pass
+    return f"pid={os.getpid()}"

@@ -1,0 +1,111 @@
+"""Serve config files: load, validate (including each application's ``args``), deploy, wait.
+
+The same path as ``serve run CONFIG``: the config goes to the Serve controller, which imports and
+builds every application. Validating ``args`` against each builder's pydantic model first turns a
+typo in a YAML file into an error naming the field, before anything is deployed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
+
+from serving.common.http import field_path
+from serving.common.logging import get_logger
+
+logger = get_logger("serve_config")
+
+
+class ServeConfigError(ValueError):
+    """A Serve config file that cannot be deployed; the message names the file and field."""
+
+
+def load_serve_config(path: str | Path) -> ServeDeploySchema:
+    """Parse and validate ``path`` against Ray's ``ServeDeploySchema`` and every builder's ``args`` model."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ServeConfigError(f"{path}: {exc}") from exc
+    try:
+        config = ServeDeploySchema.model_validate(raw)
+    except ValidationError as exc:
+        raise ServeConfigError(f"{path}: {_first_error(exc)}") from exc
+    for index, app in enumerate(config.applications):
+        try:
+            validate_app_args(app)
+        except (ValidationError, ImportError, AttributeError, TypeError) as exc:
+            detail = _first_error(exc, prefix=("args",)) if isinstance(exc, ValidationError) else str(exc)
+            raise ServeConfigError(f"{path}: applications[{index}] ({app.name}): {detail}") from exc
+    return config
+
+
+def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]:
+    """Import ``app.import_path`` and validate ``app.args`` against its builder's annotated model."""
+    builder = import_builder(app.import_path)
+    if not inspect.isfunction(builder):
+        if app.args:
+            raise TypeError(f"{app.import_path} is a built application; it takes no args")
+        return {}
+    parameters = list(inspect.signature(builder).parameters.values())
+    if len(parameters) != 1:
+        raise TypeError(f"{app.import_path} must take exactly one parameter (the args)")
+    annotation = parameters[0].annotation
+    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+        return annotation.model_validate(app.args or {})
+    return app.args or {}
+
+
+def import_builder(import_path: str) -> Any:
+    """Resolve ``package.module:attribute`` (or ``package.module.attribute``)."""
+    module_name, _, attribute = import_path.partition(":") if ":" in import_path else import_path.rpartition(".")
+    if not module_name or not attribute:
+        raise ImportError(f"import_path {import_path!r} must look like 'package.module:builder'")
+    return getattr(importlib.import_module(module_name), attribute)
+
+
+def _first_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
+    error = exc.errors()[0]
+    return f"{field_path((*prefix, *error['loc']))}: {error['msg']}"
+
+
+def deploy_serve_config(config: ServeDeploySchema, *, timeout_s: float = 300.0) -> None:
+    """Start Serve with the config's HTTP options, deploy every application, wait until all run."""
+    from ray.serve._private.api import serve_start
+
+    client = serve_start(
+        http_options=config.http_options.model_dump(),
+        proxy_location=config.proxy_location,
+        global_logging_config=config.logging_config,
+    )
+    client.deploy_apps(config)
+    wait_for_applications([app.name for app in config.applications], timeout_s=timeout_s)
+
+
+def wait_for_applications(names: list[str], *, timeout_s: float) -> None:
+    """Block until every named application is RUNNING; raise with Serve's message if one fails."""
+    from ray import serve
+    from ray.serve.schema import ApplicationStatus
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        applications = serve.status().applications
+        pending = []
+        for name in names:
+            status = applications.get(name)
+            if status is not None and status.status == ApplicationStatus.DEPLOY_FAILED:
+                raise RuntimeError(f"application {name!r} failed to deploy: {status.message}")
+            if status is None or status.status != ApplicationStatus.RUNNING:
+                pending.append(name)
+        if not pending:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"applications {pending} not running after {timeout_s:.0f}s")
+        time.sleep(0.5)

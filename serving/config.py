@@ -1,0 +1,72 @@
+"""Validated configuration of the diffusion application, one model per concern.
+
+The Serve config's ``args:`` for ``serving.app:build_app`` is a ``DiffusionAppConfig``; environment
+variables enter only through ``serving.common.constants``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from serving.presets import PRESET_NAMES
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DiffusionModelConfig(_Config):
+    """Which base model a replica loads and where it runs."""
+
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                      description="Model id clients send as `model` and see in GET /v1/models.")
+    preset: str | None = Field("tiny", description=f"Built-in preset, one of {PRESET_NAMES}; null with `path`.")
+    path: Path | None = Field(None, description="Local diffusers directory; loaded with local_files_only.")
+    seed: int = Field(0, ge=0, description="Seed of a preset's random weights.")
+    device: str = Field("auto", description="torch device; `auto` = SWIFTSERVE_DEVICE, else CUDA if present, else CPU.")
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DiffusionModelConfig:
+        if (self.preset is None) == (self.path is None):
+            raise ValueError("set exactly one of `preset` and `path`")
+        if self.preset is not None and self.preset not in PRESET_NAMES:
+            raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(PRESET_NAMES)}")
+        return self
+
+
+class GenerationDefaults(_Config):
+    """Values used when a request leaves the field out."""
+
+    num_inference_steps: int = Field(20, ge=1, description="Denoising steps.")
+    guidance_scale: float = Field(7.5, ge=0.0, description="Classifier-free guidance scale.")
+
+
+class ImageLimits(_Config):
+    """Bounds on what one request may ask for; requests beyond them get a 400 naming the field."""
+
+    max_n: int = Field(4, ge=1, description="Images per request.")
+    max_steps: int = Field(100, ge=1, description="num_inference_steps upper bound.")
+    max_side: int = Field(1024, ge=8, description="Largest width or height in pixels.")
+    max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt or negative_prompt.")
+    max_guidance_scale: float = Field(30.0, gt=0.0, description="guidance_scale upper bound.")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
+
+
+class DiffusionAppConfig(_Config):
+    """Everything ``serving.app:build_app`` needs, as written under ``args:`` in a Serve config."""
+
+    model: DiffusionModelConfig = DiffusionModelConfig()
+    defaults: GenerationDefaults = GenerationDefaults()
+    limits: ImageLimits = ImageLimits()
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> DiffusionAppConfig:
+        if self.defaults.num_inference_steps > self.limits.max_steps:
+            raise ValueError("defaults.num_inference_steps exceeds limits.max_steps")
+        if self.defaults.guidance_scale > self.limits.max_guidance_scale:
+            raise ValueError("defaults.guidance_scale exceeds limits.max_guidance_scale")
+        return self

@@ -1,0 +1,181 @@
+"""Diffusion model sources: built-in presets (built offline, seeded) and local diffusers directories.
+
+``tiny``       a small text-to-image model (64x64 images) for tests and the default deployment.
+``sd15-shape`` the Stable Diffusion 1.5 architecture with random weights: realistic compute for benchmarks.
+
+Presets are constructed in memory from fixed configs and a seed, so two builds are bit-identical and
+nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDIMScheduler, SchedulerMixin, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from serving._private.tokenizer import build_tokenizer
+
+
+@dataclass
+class DiffusionComponents:
+    """The parts of a Stable-Diffusion-style text-to-image model."""
+
+    unet: UNet2DConditionModel
+    vae: AutoencoderKL
+    text_encoder: CLIPTextModel
+    tokenizer: CLIPTokenizer
+    scheduler: SchedulerMixin
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return 2 ** (len(self.vae.config.block_out_channels) - 1)
+
+    @property
+    def default_size(self) -> int:
+        """Native image side in pixels."""
+        return self.unet.config.sample_size * self.vae_scale_factor
+
+    @property
+    def size_multiple(self) -> int:
+        """Image sides must be multiples of this: one latent pixel per VAE cell (the UNet pads itself)."""
+        return self.vae_scale_factor
+
+    def modules(self) -> dict[str, torch.nn.Module]:
+        return {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
+
+
+def _sd_scheduler() -> DDIMScheduler:
+    """DDIM with Stable Diffusion 1.x's noise schedule."""
+    return DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+    )
+
+
+def _text_encoder(tokenizer: CLIPTokenizer, **arch: int) -> CLIPTextModel:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **arch,
+    )
+    return CLIPTextModel(config)
+
+
+def _build_tiny() -> DiffusionComponents:
+    tokenizer = build_tokenizer()
+    return DiffusionComponents(
+        unet=UNet2DConditionModel(
+            sample_size=32,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=64,
+            attention_head_dim=8,
+            norm_num_groups=16,
+        ),
+        vae=AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
+            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
+            block_out_channels=(32, 64),
+            layers_per_block=1,
+            latent_channels=4,
+            norm_num_groups=16,
+            sample_size=64,
+        ),
+        text_encoder=_text_encoder(
+            tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+        ),
+        tokenizer=tokenizer,
+        scheduler=_sd_scheduler(),
+    )
+
+
+def _build_sd15_shape() -> DiffusionComponents:
+    tokenizer = build_tokenizer()
+    return DiffusionComponents(
+        unet=UNet2DConditionModel(
+            sample_size=64,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(320, 640, 1280, 1280),
+            layers_per_block=2,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            cross_attention_dim=768,
+            attention_head_dim=8,
+        ),
+        vae=AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            block_out_channels=(128, 256, 512, 512),
+            layers_per_block=2,
+            latent_channels=4,
+            sample_size=512,
+        ),
+        text_encoder=_text_encoder(
+            tokenizer, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
+        ),
+        tokenizer=tokenizer,
+        scheduler=_sd_scheduler(),
+    )
+
+
+_PRESETS: dict[str, Callable[[], DiffusionComponents]] = {
+    "tiny": _build_tiny,
+    "sd15-shape": _build_sd15_shape,
+}
+
+PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+
+
+def build_preset(name: str, seed: int = 0) -> DiffusionComponents:
+    """Build preset ``name`` with weights drawn from ``seed``; the global RNG state is left untouched."""
+    if name not in _PRESETS:
+        raise ValueError(f"unknown diffusion preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components = _PRESETS[name]()
+    for module in components.modules().values():
+        module.eval().requires_grad_(False)
+    return components
+
+
+def load_local(path: str | Path) -> DiffusionComponents:
+    """Load a diffusers text-to-image directory from local disk only (never a hub)."""
+    from diffusers import StableDiffusionPipeline
+
+    path = Path(path)
+    if not (path / "model_index.json").is_file():
+        raise ValueError(f"{path} is not a diffusers model directory (no model_index.json)")
+    pipe = StableDiffusionPipeline.from_pretrained(
+        path, local_files_only=True, safety_checker=None, requires_safety_checker=False
+    )
+    components = DiffusionComponents(
+        unet=pipe.unet,
+        vae=pipe.vae,
+        text_encoder=pipe.text_encoder,
+        tokenizer=pipe.tokenizer,
+        scheduler=pipe.scheduler,
+    )
+    for module in components.modules().values():
+        module.eval().requires_grad_(False)
+    return components

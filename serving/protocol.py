@@ -1,0 +1,145 @@
+"""Wire schema of the OpenAI-compatible Images API, and its conversion to engine types.
+
+Field names and shapes follow OpenAI's ``POST /v1/images/generations`` so the official ``openai``
+client works; swiftserve's extensions (``negative_prompt``, ``num_inference_steps``,
+``guidance_scale``, ``seed``) travel in the same body (``extra_body`` in the client).
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import secrets
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from serving.common.http import APIError
+from serving.config import DiffusionAppConfig
+from serving.engine import GenerationParams, GenerationResult, ModelInfo
+
+_SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
+MAX_SEED = 2**63 - 1
+
+
+class ImageGenerationRequest(BaseModel):
+    """Body of ``POST /v1/images/generations``. Unknown fields are refused, naming the field."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: str = Field(..., min_length=1, description="What to draw.")
+    model: str | None = Field(None, description="Model id from GET /v1/models; default: the served model.")
+    n: int = Field(1, ge=1, description="Number of images.")
+    size: str | None = Field(None, description="`WIDTHxHEIGHT` in pixels; default: the model's native size.")
+    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
+    user: str | None = Field(None, description="Accepted for OpenAI compatibility; unused.")
+    negative_prompt: str | None = Field(None, description="What not to draw (unconditional branch of CFG).")
+    num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
+    guidance_scale: float | None = Field(None, ge=0.0, description="Classifier-free guidance scale.")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Image i uses seed + i; random if absent.")
+
+    def to_params(self, info: ModelInfo, config: DiffusionAppConfig) -> GenerationParams:
+        """Apply defaults and limits; raise ``APIError`` (400/404) naming the field at fault."""
+        limits, defaults = config.limits, config.defaults
+        if self.model is not None and self.model != info.name:
+            raise APIError(404, f"model {self.model!r} does not exist; served model: {info.name!r}",
+                           param="model", code="model_not_found")
+        _check_text("prompt", self.prompt, limits.max_prompt_chars)
+        if self.negative_prompt is not None:
+            _check_text("negative_prompt", self.negative_prompt, limits.max_prompt_chars)
+        if self.n > limits.max_n:
+            raise _invalid("n", f"at most {limits.max_n} images per request")
+        width, height = _parse_size(self.size, info, limits.max_side)
+        steps = self.num_inference_steps or defaults.num_inference_steps
+        if steps > limits.max_steps:
+            raise _invalid("num_inference_steps", f"at most {limits.max_steps} steps")
+        guidance = defaults.guidance_scale if self.guidance_scale is None else self.guidance_scale
+        if guidance > limits.max_guidance_scale:
+            raise _invalid("guidance_scale", f"at most {limits.max_guidance_scale}")
+        seed = secrets.randbelow(2**31) if self.seed is None else self.seed
+        if seed + self.n - 1 > MAX_SEED:
+            raise _invalid("seed", f"seed + n - 1 must not exceed {MAX_SEED}")
+        return GenerationParams(
+            prompt=self.prompt,
+            negative_prompt=self.negative_prompt,
+            n=self.n,
+            width=width,
+            height=height,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            seed=seed,
+        )
+
+
+def _invalid(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
+
+
+def _check_text(param: str, text: str, max_chars: int) -> None:
+    if len(text) > max_chars:
+        raise _invalid(param, f"longer than {max_chars} characters")
+
+
+def _parse_size(size: str | None, info: ModelInfo, max_side: int) -> tuple[int, int]:
+    if size is None:
+        return info.default_size, info.default_size
+    match = _SIZE.match(size)
+    if match is None:
+        raise _invalid("size", f"expected WIDTHxHEIGHT such as '{info.default_size}x{info.default_size}'")
+    width, height = int(match.group(1)), int(match.group(2))
+    if max(width, height) > max_side:
+        raise _invalid("size", f"width and height must be at most {max_side}")
+    if width % info.size_multiple or height % info.size_multiple:
+        raise _invalid("size", f"width and height must be multiples of {info.size_multiple}")
+    return width, height
+
+
+class ImageData(BaseModel):
+    b64_json: str
+
+
+class ImageGenerationResponse(BaseModel):
+    """OpenAI's images response, plus the seed used and server-side timings (seconds)."""
+
+    created: int
+    data: list[ImageData]
+    seed: int
+    timings: dict[str, float]
+
+    @classmethod
+    def from_result(cls, result: GenerationResult, total_s: float) -> ImageGenerationResponse:
+        return cls(
+            created=int(time.time()),
+            data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in result.images],
+            seed=result.seed,
+            timings={**result.timings, "total_s": total_s},
+        )
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models`` (OpenAI shape plus ``kind``)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str
+    kind: Literal["base-model", "controlnet", "lora"]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error envelope."""
+
+    error: ErrorBody

@@ -1,0 +1,45 @@
+"""One Ray cluster per test session, with both applications of deploy/serve_config.yaml deployed.
+
+The config is the one `make serve` uses, deployed through the same Serve controller path as
+`serve run`; only the HTTP port is swapped for a free one.
+"""
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from serving.common.serve_config import deploy_serve_config, load_serve_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def base_url() -> Iterator[str]:
+    config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
+    config.http_options.host = "127.0.0.1"
+    config.http_options.port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+    try:
+        deploy_serve_config(config, timeout_s=600)
+        yield f"http://127.0.0.1:{config.http_options.port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def http(base_url: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        yield client

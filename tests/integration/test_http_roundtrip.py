@@ -1,0 +1,84 @@
+"""Real HTTP against both Serve applications of the default config."""
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytestmark = pytest.mark.integration
+
+TINY_DLRM_TABLES = 26
+
+
+def _dlrm_request(rows: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "id": "req-1",
+        "inputs": [
+            {"name": "dense_features", "shape": [rows, 13], "datatype": "FP32",
+             "data": rng.random((rows, 13)).astype(np.float32).ravel().tolist()},
+            {"name": "sparse_features", "shape": [rows, TINY_DLRM_TABLES], "datatype": "INT64",
+             "data": rng.integers(0, 3, size=(rows, TINY_DLRM_TABLES)).ravel().tolist()},
+        ],
+    }
+
+
+def test_image_generation_returns_png_of_requested_size(http):
+    response = http.post("/v1/images/generations",
+                         json={"prompt": "a red circle", "size": "48x32", "n": 2, "num_inference_steps": 2})
+    assert response.status_code == 200, response.text
+    images = [Image.open(io.BytesIO(base64.b64decode(d["b64_json"]))) for d in response.json()["data"]]
+    assert [(image.format, image.size) for image in images] == [("PNG", (48, 32))] * 2
+
+
+def test_models_and_health(http):
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+    assert http.get("/health").json() == {"status": "ok"}
+    assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
+
+
+def test_dlrm_returns_one_probability_per_row(http):
+    assert http.get("/v2/health/ready").status_code == 200
+    assert http.get("/v2/models/dlrm").json()["name"] == "dlrm"
+    response = http.post("/v2/models/dlrm/infer", json=_dlrm_request(rows=5))
+    assert response.status_code == 200, response.text
+    (output,) = response.json()["outputs"]
+    assert output["shape"] == [5, 1] and output["datatype"] == "FP32"
+    assert all(0.0 <= p <= 1.0 for p in output["data"]) and len(output["data"]) == 5
+
+
+def test_dlrm_concurrent_requests_each_get_their_rows(http):
+    import concurrent.futures
+
+    requests = [_dlrm_request(rows=r, seed=r) for r in (1, 3, 7, 2)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        batched = list(pool.map(lambda body: http.post("/v2/models/dlrm/infer", json=body).json(), requests))
+    alone = [http.post("/v2/models/dlrm/infer", json=body).json() for body in requests]
+    for together, single, body in zip(batched, alone, requests, strict=True):
+        rows = body["inputs"][0]["shape"][0]
+        assert together["outputs"][0]["shape"] == [rows, 1]
+        np.testing.assert_allclose(together["outputs"][0]["data"], single["outputs"][0]["data"], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/images/generations", b'{"prompt": ', "body"),
+        ("/v1/images/generations", b'{"n": 1}', "prompt"),
+        ("/v1/images/generations", b'{"prompt": "x", "n": "two"}', "n"),
+        ("/v2/models/dlrm/infer", b'{"inputs": [', "body"),
+        ("/v2/models/dlrm/infer", b'{"id": "x"}', "inputs"),
+        ("/v2/models/dlrm/infer", b'{"inputs": [{"name": "dense_features", "shape": "5x13", '
+                                  b'"datatype": "FP32", "data": []}]}', "inputs[0].shape"),
+    ],
+)
+def test_bad_requests_get_4xx_naming_the_field(http, path, body, field):
+    response = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert 400 <= response.status_code < 500, response.text
+    error = response.json()["error"]
+    message = error["message"] if isinstance(error, dict) else error
+    assert field in message
+    if isinstance(error, dict):
+        assert error["param"] == field

@@ -1,0 +1,40 @@
+"""Unit tests never start Ray and never leave the machine: outbound connections are refused."""
+
+import ipaddress
+import socket
+
+import pytest
+
+from serving.config import DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults
+from serving.engine import DiffusionEngine
+
+_real_connect = socket.socket.connect
+
+
+def _loopback_only(sock: socket.socket, address) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        host = address[0]
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            raise ConnectionRefusedError(f"unit tests may not connect to {host}")
+    return _real_connect(sock, address)
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch):
+    monkeypatch.setattr(socket.socket, "connect", _loopback_only)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> DiffusionEngine:
+    """The tiny preset on CPU; its modules are frozen (eval, no grad), so sharing it is safe."""
+    return DiffusionEngine.from_config(DiffusionModelConfig(preset="tiny", device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def fast_config() -> DiffusionAppConfig:
+    """Two denoising steps by default, so HTTP round trips stay fast."""
+    return DiffusionAppConfig(defaults=GenerationDefaults(num_inference_steps=2))

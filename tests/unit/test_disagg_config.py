@@ -1,0 +1,67 @@
+"""DLRM app configuration and the Ray Serve app builder (the builder binds; it starts no Ray)."""
+
+import pytest
+from pydantic import ValidationError
+
+from disagg.config import BatchingConfig, DLRMAppConfig
+
+
+def test_defaults() -> None:
+    config = DLRMAppConfig()
+    assert (config.model_name, config.model.preset, config.model.seed, config.model.device) == (
+        "dlrm", "tiny", 0, "auto"
+    )
+    assert config.limits.max_rows_per_request == 4096
+    assert config.limits.max_body_bytes == 16 * 1024 * 1024
+    assert (config.batching.max_batch_size, config.batching.batch_wait_timeout_s) == (64, 0.005)
+
+
+def test_unknown_preset_is_refused_with_the_known_ones() -> None:
+    with pytest.raises(ValidationError, match="unknown DLRM preset 'huge'; known presets: criteo-kaggle, tiny"):
+        DLRMAppConfig.model_validate({"model": {"preset": "huge"}})
+
+
+@pytest.mark.parametrize("name", ["", "../etc", "a/b", ".hidden", "a b", "x" * 65, "m%2F"])
+def test_model_name_must_be_a_safe_url_segment(name: str) -> None:
+    with pytest.raises(ValidationError, match="model_name"):
+        DLRMAppConfig(model_name=name)
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"batching": {"max_batch_size": 0}},
+        {"batching": {"batch_wait_timeout_s": -1}},
+        {"limits": {"max_rows_per_request": 0}},
+        {"model": {"device": "gpu"}},
+        {"model": {"seed": -1}},
+        {"batching": {"max_batchsize": 8}},  # typo: unknown keys are refused, not ignored
+    ],
+)
+def test_invalid_values_are_refused(data: dict) -> None:
+    with pytest.raises(ValidationError):
+        DLRMAppConfig.model_validate(data)
+
+
+def test_build_app_validates_plain_dict_args_and_sizes_the_deployment() -> None:
+    from disagg.app import build_app
+
+    app = build_app({"model_name": "ctr", "batching": {"max_batch_size": 8}})
+    deployment = app._bound_deployment  # Ray has no public accessor for an Application's deployment
+    assert deployment.name == "MonolithicDLRM"
+    assert deployment.ray_actor_options == {"num_cpus": 0.5}
+    assert deployment.max_ongoing_requests == 16  # one batch running, the next one filling
+    [config] = deployment.init_args
+    assert config == DLRMAppConfig(model_name="ctr", batching=BatchingConfig(max_batch_size=8))
+    with pytest.raises(ValidationError, match="model_name"):
+        build_app({"model_name": "a/b"})
+
+
+def test_builder_annotation_is_the_config_class_so_serve_configs_are_validated() -> None:
+    """Ray validates a builder's YAML ``args`` only when its annotation is a pydantic class, not a string."""
+    import inspect
+
+    from disagg.app import build_app
+
+    [parameter] = inspect.signature(build_app).parameters.values()
+    assert parameter.annotation is DLRMAppConfig
