@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
-from diffusers import StableDiffusionPipeline
 from PIL import Image
 
 from serving.common.device import placement, resolve_device
@@ -89,16 +88,7 @@ class DiffusionEngine:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple)
         self.device = device
-        self._pipeline = StableDiffusionPipeline(
-            unet=components.unet,
-            vae=components.vae,
-            text_encoder=components.text_encoder,
-            tokenizer=components.tokenizer,
-            scheduler=components.scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        ).to(device)
+        self._pipeline = components.as_pipeline().to(device)
         if dtype != torch.float32:
             self._pipeline.to(dtype=dtype)
         self._pipeline.set_progress_bar_config(disable=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, SchedulerMixin, UNet2DConditionModel
+from diffusers import AutoencoderKL, DDIMScheduler, SchedulerMixin, StableDiffusionPipeline, UNet2DConditionModel
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from serving._private.tokenizer import build_tokenizer
@@ -46,6 +46,25 @@ class DiffusionComponents:
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
+
+    def freeze(self) -> DiffusionComponents:
+        """Inference mode for every module: eval, no gradients. Weights are shared, never trained here."""
+        for module in self.modules().values():
+            module.eval().requires_grad_(False)
+        return self
+
+    def as_pipeline(self) -> StableDiffusionPipeline:
+        """A diffusers pipeline over these same modules (no copies), without a safety checker."""
+        return StableDiffusionPipeline(
+            unet=self.unet,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            scheduler=self.scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
 
 
 def _sd_scheduler() -> DDIMScheduler:
@@ -154,28 +173,21 @@ def build_preset(name: str, seed: int = 0) -> DiffusionComponents:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = _PRESETS[name]()
-    for module in components.modules().values():
-        module.eval().requires_grad_(False)
-    return components
+    return components.freeze()
 
 
 def load_local(path: str | Path) -> DiffusionComponents:
     """Load a diffusers text-to-image directory from local disk only (never a hub)."""
-    from diffusers import StableDiffusionPipeline
-
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"{path} is not a diffusers model directory (no model_index.json)")
     pipe = StableDiffusionPipeline.from_pretrained(
         path, local_files_only=True, safety_checker=None, requires_safety_checker=False
     )
-    components = DiffusionComponents(
+    return DiffusionComponents(
         unet=pipe.unet,
         vae=pipe.vae,
         text_encoder=pipe.text_encoder,
         tokenizer=pipe.tokenizer,
         scheduler=pipe.scheduler,
-    )
-    for module in components.modules().values():
-        module.eval().requires_grad_(False)
-    return components
+    ).freeze()

@@ -1,6 +1,5 @@
 import pytest
 import torch
-from diffusers import StableDiffusionPipeline
 
 from serving.presets import PRESET_NAMES, build_preset, load_local
 
@@ -51,10 +50,7 @@ def test_sd15_shape_has_stable_diffusion_15_architecture():
 
 def test_local_directory_loads_without_hub(tmp_path):
     tiny = build_preset("tiny", seed=7)
-    StableDiffusionPipeline(
-        unet=tiny.unet, vae=tiny.vae, text_encoder=tiny.text_encoder, tokenizer=tiny.tokenizer,
-        scheduler=tiny.scheduler, safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ).save_pretrained(tmp_path)
+    tiny.as_pipeline().save_pretrained(tmp_path)
     loaded = load_local(tmp_path)
     original, reloaded = _state(tiny), _state(loaded)
     assert original.keys() == reloaded.keys()
