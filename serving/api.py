@@ -55,7 +55,9 @@ def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfi
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
         info = await backend.model_info()
-        return ModelList(data=[ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")])
+        cards = [ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")]
+        cards += [ModelCard(id=name, owned_by=SERVER_NAME, kind="lora") for name in await backend.list_loras()]
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -54,6 +54,31 @@ class ImageLimits(_Config):
     max_prompt_chars: int = Field(2000, ge=1, description="Longest prompt or negative_prompt.")
     max_guidance_scale: float = Field(30.0, gt=0.0, description="guidance_scale upper bound.")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
+    max_loras: int = Field(4, ge=0, description="LoRAs per request.")
+    max_lora_scale: float = Field(4.0, gt=0.0, description="Largest absolute LoRA scale.")
+
+
+class EngineConfig(_Config):
+    """How a model replica schedules denoising work."""
+
+    max_batch_rows: int = Field(16, ge=1, description="Most UNet rows per step (an image with CFG takes two).")
+    continuous_batching: bool = Field(
+        True, description="Admit requests at every step boundary; off: only when the replica is idle.")
+    lora_wait_fraction: float = Field(
+        0.4, ge=0.0, le=1.0,
+        description="A request whose LoRA is still loading runs without it until this fraction of its steps, "
+                    "then waits for it (Katz: 20 of 50 steps).")
+
+
+class LoRAConfig(_Config):
+    """Where LoRAs come from and how many stay in host memory."""
+
+    directory: Path | None = Field(
+        None, description="Directory of `<name>.safetensors` LoRA files; new files are picked up live. "
+                          "null: no LoRAs.")
+    cache_bytes: int = Field(2 * 2**30, ge=0, description="Host-memory LRU budget for loaded LoRAs.")
+    max_file_bytes: int = Field(1 * 2**30, ge=1, description="Larger LoRA files are refused unread.")
+    load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
 
 
 class DiffusionAppConfig(_Config):
@@ -62,6 +87,8 @@ class DiffusionAppConfig(_Config):
     model: DiffusionModelConfig = DiffusionModelConfig()
     defaults: GenerationDefaults = GenerationDefaults()
     limits: ImageLimits = ImageLimits()
+    engine: EngineConfig = EngineConfig()
+    lora: LoRAConfig = LoRAConfig()
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> DiffusionAppConfig:

@@ -41,8 +41,8 @@ class DiffusionComponents:
 
     @property
     def size_multiple(self) -> int:
-        """Image sides must be multiples of this: one latent pixel per VAE cell (the UNet pads itself)."""
-        return self.vae_scale_factor
+        """Image sides must be multiples of this: 8, as diffusers' pipelines require, or a coarser VAE grid."""
+        return max(8, self.vae_scale_factor)
 
     def modules(self) -> dict[str, torch.nn.Module]:
         return {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}

@@ -17,10 +17,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serving.common.http import APIError
 from serving.config import DiffusionAppConfig
-from serving.engine import GenerationParams, GenerationResult, ModelInfo
+from serving.engine import GenerationParams, GenerationResult, LoRASpec, ModelInfo
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 MAX_SEED = 2**63 - 1
+
+
+class LoRARequest(BaseModel):
+    """A LoRA to apply: a name from GET /v1/models (kind `lora`) and its strength."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=256, description="LoRA file stem in the LoRA directory.")
+    scale: float = Field(1.0, allow_inf_nan=False, description="Strength; 0 disables, negative inverts.")
 
 
 class ImageGenerationRequest(BaseModel):
@@ -38,6 +47,7 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
     guidance_scale: float | None = Field(None, ge=0.0, description="Classifier-free guidance scale.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Image i uses seed + i; random if absent.")
+    loras: list[LoRARequest] = Field(default_factory=list, description="LoRAs applied to this request only.")
 
     def to_params(self, info: ModelInfo, config: DiffusionAppConfig) -> GenerationParams:
         """Apply defaults and limits; raise ``APIError`` (400/404) naming the field at fault."""
@@ -57,6 +67,7 @@ class ImageGenerationRequest(BaseModel):
         guidance = defaults.guidance_scale if self.guidance_scale is None else self.guidance_scale
         if guidance > limits.max_guidance_scale:
             raise _invalid("guidance_scale", f"at most {limits.max_guidance_scale}")
+        loras = _check_loras(self.loras, limits.max_loras, limits.max_lora_scale)
         seed = secrets.randbelow(2**31) if self.seed is None else self.seed
         if seed + self.n - 1 > MAX_SEED:
             raise _invalid("seed", f"seed + n - 1 must not exceed {MAX_SEED}")
@@ -69,6 +80,7 @@ class ImageGenerationRequest(BaseModel):
             num_inference_steps=steps,
             guidance_scale=guidance,
             seed=seed,
+            loras=loras,
         )
 
 
@@ -79,6 +91,19 @@ def _invalid(param: str, message: str) -> APIError:
 def _check_text(param: str, text: str, max_chars: int) -> None:
     if len(text) > max_chars:
         raise _invalid(param, f"longer than {max_chars} characters")
+
+
+def _check_loras(loras: list[LoRARequest], max_loras: int, max_scale: float) -> tuple[LoRASpec, ...]:
+    if len(loras) > max_loras:
+        raise _invalid("loras", f"at most {max_loras} LoRAs per request")
+    seen: set[str] = set()
+    for index, lora in enumerate(loras):
+        if lora.name in seen:
+            raise _invalid(f"loras[{index}].name", f"LoRA {lora.name!r} is listed twice")
+        seen.add(lora.name)
+        if abs(lora.scale) > max_scale:
+            raise _invalid(f"loras[{index}].scale", f"absolute scale at most {max_scale}")
+    return tuple(LoRASpec(lora.name, lora.scale) for lora in loras)
 
 
 def _parse_size(size: str | None, info: ModelInfo, max_side: int) -> tuple[int, int]:
@@ -99,13 +124,23 @@ class ImageData(BaseModel):
     b64_json: str
 
 
+class LoRAUsage(BaseModel):
+    """How the request's LoRAs were served."""
+
+    names: list[str]
+    cache_hits: int = Field(description="LoRAs already in host memory when the request arrived.")
+    applied_at_step: int | None = Field(description="First denoising step that ran with the LoRAs (0 = all).")
+    wait_s: float = Field(description="Seconds the request stood still waiting for a LoRA load.")
+
+
 class ImageGenerationResponse(BaseModel):
-    """OpenAI's images response, plus the seed used and server-side timings (seconds)."""
+    """OpenAI's images response, plus the seed used, server-side timings (seconds) and LoRA usage."""
 
     created: int
     data: list[ImageData]
     seed: int
     timings: dict[str, float]
+    lora: LoRAUsage | None = None
 
     @classmethod
     def from_result(cls, result: GenerationResult, total_s: float) -> ImageGenerationResponse:
@@ -114,6 +149,12 @@ class ImageGenerationResponse(BaseModel):
             data=[ImageData(b64_json=base64.b64encode(png).decode("ascii")) for png in result.images],
             seed=result.seed,
             timings={**result.timings, "total_s": total_s},
+            lora=None if result.lora is None else LoRAUsage(
+                names=list(result.lora.names),
+                cache_hits=result.lora.cache_hits,
+                applied_at_step=result.lora.applied_at_step,
+                wait_s=result.lora.wait_s,
+            ),
         )
 
 

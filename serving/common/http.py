@@ -39,6 +39,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def __reduce__(self):  # travels between Serve replicas intact
+        return (_rebuild_api_error, (self.status_code, self.message, self.param, self.code, self.headers))
+
+
+def _rebuild_api_error(status_code: int, message: str, param: str | None, code: str | None,
+                       headers: dict[str, str] | None) -> APIError:
+    return APIError(status_code, message, param=param, code=code, headers=headers)
+
 
 ErrorRenderer = Callable[[APIError], Response]
 

@@ -14,6 +14,7 @@ import ray
 from ray import serve
 
 from serving.common.serve_config import deploy_serve_config, load_serve_config
+from tests.lora_files import write_lora
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,10 +26,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def base_url() -> Iterator[str]:
+def lora_dir(tmp_path_factory) -> Path:
+    """The diffusion app's LoRA directory: one real LoRA and one corrupt file."""
+    directory = tmp_path_factory.mktemp("serve-loras")
+    write_lora(directory / "outlined.safetensors", seed=1, text_encoder=True)
+    (directory / "corrupt.safetensors").write_bytes(b"not a safetensors file")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def base_url(lora_dir: Path) -> Iterator[str]:
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.host = "127.0.0.1"
     config.http_options.port = _free_port()
+    diffusion = next(app for app in config.applications if app.name == "diffusion")
+    diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
     try:

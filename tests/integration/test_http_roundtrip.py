@@ -33,8 +33,27 @@ def test_image_generation_returns_png_of_requested_size(http):
     assert [(image.format, image.size) for image in images] == [("PNG", (48, 32))] * 2
 
 
+def test_lora_generation_through_the_model_deployment(http):
+    body = {"prompt": "a red circle", "seed": 2, "num_inference_steps": 2,
+            "loras": [{"name": "outlined", "scale": 0.8}]}
+    response = http.post("/v1/images/generations", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["lora"]["names"] == ["outlined"]
+    assert http.post("/v1/images/generations", json=body).json()["lora"]["cache_hits"] == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "status"), [("missing", 404), ("../outlined", 400), ("corrupt", 422)],
+)
+def test_lora_errors_cross_the_replica_boundary_intact(http, name, status):
+    body = {"prompt": "x", "num_inference_steps": 2, "loras": [{"name": name}]}
+    response = http.post("/v1/images/generations", json=body)
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["param"] == "loras[0].name"
+
+
 def test_models_and_health(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "corrupt", "outlined"]
     assert http.get("/health").json() == {"status": "ok"}
     assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
 

@@ -1,60 +1,232 @@
-import asyncio
-import io
+"""The denoising engine against diffusers' StableDiffusionPipeline, with and without LoRAs."""
+
+import hashlib
+import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
+import torch
+from safetensors.torch import load_file
 
-from serving.engine import GenerationParams, LocalBackend
+from serving.config import EngineConfig
+from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRALoadFailed, LoRASpec
+from serving.engine.request import PendingLoRA
+from serving.lora.cache import LoRACache
+from serving.lora.format import load_lora_file
+from serving.lora.registry import LoRANotFound, LoRARegistry
+from serving.presets import build_preset
+from tests.lora_files import write_lora
+
+TOLERANCE = 1e-3  # max abs pixel difference on a 0..1 scale
 
 
 def _params(**overrides) -> GenerationParams:
     values = dict(prompt="a red circle on a white background", width=64, height=64,
-                  num_inference_steps=2, guidance_scale=7.5, seed=3)
+                  num_inference_steps=4, guidance_scale=7.5, seed=3)
     return GenerationParams(**{**values, **overrides})
 
 
-def _pixels(png: bytes) -> np.ndarray:
-    image = Image.open(io.BytesIO(png))
-    assert image.format == "PNG"
-    return np.asarray(image.convert("RGB"))
+def _run(engine: DiffusionEngine, params: GenerationParams, loras=(), activate_at: int | None = None):
+    """Denoise one request alone with the engine primitives; LoRAs take effect at step ``activate_at``."""
+    state = engine.start(params, list(loras))
+    while not state.done:
+        if loras and state.step_index == (activate_at or 0) and not state.active_loras:
+            engine.activate_loras(state)
+        engine.step([state])
+    return engine.decode(state)
 
 
-def test_png_has_requested_size(tiny_engine):
-    result = tiny_engine.generate(_params(width=48, height=32))
-    assert len(result.images) == 1
-    assert _pixels(result.images[0]).shape == (32, 48, 3)
-    assert result.timings["inference_s"] > 0
+def _diffusers(params: GenerationParams, lora_files=(), fuse_at_step: int = 0) -> np.ndarray:
+    """The same request through diffusers, LoRAs loaded with load_lora_weights + fuse_lora."""
+    pipe = build_preset("tiny").as_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+
+    def fuse(pipeline):
+        for index, (path, _) in enumerate(lora_files):
+            pipeline.load_lora_weights(load_file(path), adapter_name=f"l{index}")
+        pipeline.set_adapters([f"l{i}" for i in range(len(lora_files))], [scale for _, scale in lora_files])
+        pipeline.fuse_lora(components=["unet", "text_encoder"], lora_scale=1.0)
+
+    callback = None
+    if lora_files and fuse_at_step == 0:
+        fuse(pipe)
+    elif lora_files:
+        def callback(pipeline, step, timestep, kwargs):
+            if step == fuse_at_step - 1:
+                fuse(pipeline)
+            return kwargs
+
+    return pipe(
+        prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
+        width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, output_type="np",
+        generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
+        callback_on_step_end=callback,
+    ).images
 
 
-def test_same_seed_same_image_and_image_i_uses_seed_plus_i(tiny_engine):
-    pair = tiny_engine.generate(_params(n=2, seed=10)).images
-    assert pair == tiny_engine.generate(_params(n=2, seed=10)).images
-    alone = _pixels(tiny_engine.generate(_params(n=1, seed=11)).images[0])
-    # Same noise; batch size 2 vs 1 may round differently in the last bit of a pixel.
-    assert np.abs(alone.astype(int) - _pixels(pair[1])).max() <= 2
-    assert np.abs(_pixels(pair[0]).astype(int) - _pixels(pair[1])).mean() > 5
+@pytest.fixture(scope="module")
+def lora_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("loras")
+    write_lora(directory / "outlined.safetensors", seed=1, text_encoder=True)
+    write_lora(directory / "dark.safetensors", seed=2, rank=8)
+    (directory / "broken.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
+    return directory
 
 
-def test_prompt_and_negative_prompt_condition_the_image(tiny_engine):
-    base = _pixels(tiny_engine.generate(_params()).images[0])
-    other_prompt = _pixels(tiny_engine.generate(_params(prompt="a blue star")).images[0])
-    negative = _pixels(tiny_engine.generate(_params(negative_prompt="red")).images[0])
-    assert not np.array_equal(base, other_prompt)
-    assert not np.array_equal(base, negative)
+def _pending(engine: DiffusionEngine, directory: Path, name: str, scale: float) -> PendingLoRA:
+    from concurrent.futures import Future
+
+    future: Future = Future()
+    future.set_result(load_lora_file(directory / f"{name}.safetensors", engine.lora_targets,
+                                     max_file_bytes=2**30))
+    return PendingLoRA(name=name, scale=scale, load=future, cache_hit=True)
 
 
-def test_size_not_a_multiple_is_refused(tiny_engine):
-    with pytest.raises(ValueError, match="multiples of 2"):
-        tiny_engine.generate(_params(width=63))
+@pytest.mark.parametrize(("guidance", "negative"), [(1.0, None), (7.5, None), (5.0, "blue")])
+def test_engine_matches_diffusers_pipeline(tiny_engine, guidance, negative):
+    params = _params(guidance_scale=guidance, negative_prompt=negative, n=2)
+    ours = _run(tiny_engine, params)
+    assert ours.shape == (2, 64, 64, 3)
+    assert np.abs(ours - _diffusers(params)).max() <= TOLERANCE
 
 
-def test_local_backend_serialises_concurrent_generations(tiny_engine):
-    backend = LocalBackend(tiny_engine)
+def test_lora_matches_diffusers_fused(tiny_engine, lora_dir):
+    params = _params()
+    loras = [_pending(tiny_engine, lora_dir, "outlined", 0.8)]
+    ours = _run(tiny_engine, params, loras)
+    reference = _diffusers(params, [(lora_dir / "outlined.safetensors", 0.8)])
+    assert np.abs(ours - reference).max() <= TOLERANCE
+    assert np.abs(ours - _run(tiny_engine, params)).max() > 20 * TOLERANCE  # the LoRA visibly matters
 
-    async def run_three():
-        return await asyncio.gather(*(backend.generate(_params(seed=s)) for s in (1, 2, 1)))
 
-    first, second, third = asyncio.run(run_three())
-    assert first.images == third.images != second.images
-    assert max(r.timings["queue_s"] for r in (first, second, third)) > 0
+def test_two_loras_match_diffusers_fused(tiny_engine, lora_dir):
+    params = _params(seed=8)
+    loras = [_pending(tiny_engine, lora_dir, "outlined", 0.5), _pending(tiny_engine, lora_dir, "dark", -1.2)]
+    reference = _diffusers(params, [(lora_dir / "outlined.safetensors", 0.5), (lora_dir / "dark.safetensors", -1.2)])
+    assert np.abs(_run(tiny_engine, params, loras) - reference).max() <= TOLERANCE
+
+
+def test_mixed_batch_gives_each_request_its_own_image(tiny_engine, lora_dir):
+    requests = [
+        (_params(seed=1, n=2), [_pending(tiny_engine, lora_dir, "outlined", 1.0)]),
+        (_params(seed=2, prompt="a blue square", guidance_scale=1.0),
+         [_pending(tiny_engine, lora_dir, "outlined", 0.3), _pending(tiny_engine, lora_dir, "dark", 0.7)]),
+        (_params(seed=3, negative_prompt="green"), []),
+    ]
+    alone = [_run(tiny_engine, params, loras) for params, loras in requests]
+    states = [tiny_engine.start(params, loras) for params, loras in requests]
+    for state, (_, loras) in zip(states, requests, strict=True):
+        if loras:
+            tiny_engine.activate_loras(state)
+    while not all(state.done for state in states):
+        tiny_engine.step(states)
+    for state, expected in zip(states, alone, strict=True):
+        assert np.abs(tiny_engine.decode(state) - expected).max() <= TOLERANCE
+
+
+def test_lora_arriving_at_step_k_applies_from_step_k(tiny_engine, lora_dir):
+    params = _params(num_inference_steps=6, seed=4)
+    loras = [_pending(tiny_engine, lora_dir, "dark", 1.0)]
+    late = _run(tiny_engine, params, loras, activate_at=3)
+    reference = _diffusers(params, [(lora_dir / "dark.safetensors", 1.0)], fuse_at_step=3)
+    assert np.abs(late - reference).max() <= TOLERANCE
+    assert np.abs(late - _run(tiny_engine, params, loras)).max() > 10 * TOLERANCE
+
+
+# -- through the engine loop -------------------------------------------------------------------------
+
+
+def _checksum(engine: DiffusionEngine) -> str:
+    digest = hashlib.sha256()
+    for module in (engine.unet, engine.text_encoder, engine.vae):
+        for name, tensor in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _loop(engine, lora_dir, *, loader=None, on_step=None, **config) -> EngineLoop:
+    cache = LoRACache(LoRARegistry(lora_dir), engine.lora_targets, budget_bytes=2**30, max_file_bytes=2**30,
+                      **({"loader": loader} if loader else {}))
+    return EngineLoop(engine, EngineConfig(**config), cache, on_step=on_step)
+
+
+def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
+    release = threading.Event()
+
+    def slow_loader(path):
+        release.wait(timeout=30)
+        return load_lora_file(path, tiny_engine.lora_targets, max_file_bytes=2**30)
+
+    def on_step(state):
+        if state.step_index == 2:  # the request has run steps 0 and 1 without its LoRA
+            release.set()
+            state.loras[0].load.result(timeout=30)
+
+    loop = _loop(tiny_engine, lora_dir, loader=slow_loader, on_step=on_step, lora_wait_fraction=0.5)
+    try:
+        result = loop.submit(_params(num_inference_steps=6, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
+    finally:
+        loop.stop()
+    assert result.lora is not None
+    assert (result.lora.applied_at_step, result.lora.cache_hits) == (2, 0)
+
+
+def test_warm_lora_applies_from_step_zero(tiny_engine, lora_dir):
+    loop = _loop(tiny_engine, lora_dir)
+    try:
+        loop.lora_cache.get("outlined").result(timeout=30)
+        result = loop.submit(_params(loras=(LoRASpec("outlined", 1.0),))).result(timeout=60)
+    finally:
+        loop.stop()
+    assert (result.lora.applied_at_step, result.lora.cache_hits, result.lora.wait_s) == (0, 1, 0.0)
+
+
+def test_short_request_overtakes_long_one_with_continuous_batching(tiny_engine, lora_dir):
+    finished = []
+    for continuous in (True, False):
+        started = threading.Event()
+
+        def on_step(state, started=started):
+            if state.params.num_inference_steps == 30 and state.step_index == 2:
+                started.set()
+
+        loop = _loop(tiny_engine, lora_dir, on_step=on_step, continuous_batching=continuous)
+        try:
+            long = loop.submit(_params(num_inference_steps=30, seed=1))
+            started.wait(timeout=30)
+            short = loop.submit(_params(num_inference_steps=2, seed=2))
+            order = []
+            short.add_done_callback(lambda _, order=order: order.append("short"))
+            long.add_done_callback(lambda _, order=order: order.append("long"))
+            long.result(timeout=120)
+            short.result(timeout=120)
+        finally:
+            loop.stop()
+        finished.append(order)
+    assert finished == [["short", "long"], ["long", "short"]]
+
+
+def test_base_weights_untouched_after_mixed_run_with_failures(tiny_engine, lora_dir):
+    before = _checksum(tiny_engine)
+    loop = _loop(tiny_engine, lora_dir)
+    try:
+        futures = [
+            loop.submit(_params(seed=1, loras=(LoRASpec("outlined", 2.0), LoRASpec("dark", -1.0)))),
+            loop.submit(_params(seed=2, loras=(LoRASpec("broken", 1.0),))),
+            loop.submit(_params(seed=3)),
+        ]
+        with pytest.raises(LoRANotFound):
+            loop.submit(_params(loras=(LoRASpec("missing", 1.0),)))
+        with pytest.raises(ValueError):
+            loop.submit(_params(width=63))
+        assert futures[0].result(timeout=60).lora.names == ("outlined", "dark")
+        with pytest.raises(LoRALoadFailed, match="broken"):
+            futures[1].result(timeout=60)
+        assert len(futures[2].result(timeout=60).images) == 1
+        assert "broken" not in [name for name in loop.lora_cache.stats().get("names", [])]
+    finally:
+        loop.stop()
+    assert _checksum(tiny_engine) == before

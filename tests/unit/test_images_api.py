@@ -8,14 +8,28 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from serving.api import create_images_api
-from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits
+from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
 from serving.engine import LocalBackend
+from tests.lora_files import write_lora
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine, fast_config):
-    with TestClient(create_images_api(LocalBackend(tiny_engine), fast_config)) as test_client:
-        yield test_client
+def lora_config(tmp_path_factory, fast_config) -> DiffusionAppConfig:
+    directory = tmp_path_factory.mktemp("api-loras")
+    write_lora(directory / "outlined.safetensors", seed=1, text_encoder=True)
+    (directory / "corrupt.safetensors").write_bytes(b"garbage")
+    (directory / "pickled.ckpt").write_bytes(b"never opened")
+    return fast_config.model_copy(update={"lora": LoRAConfig(directory=directory)})
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, lora_config):
+    backend = LocalBackend.for_engine(tiny_engine, lora_config)
+    try:
+        with TestClient(create_images_api(backend, lora_config)) as test_client:
+            yield test_client
+    finally:
+        backend.close()
 
 
 def _error(response, status: int) -> dict:
@@ -31,7 +45,7 @@ def test_generation_returns_base64_pngs_of_requested_size(client):
     assert response.status_code == 200, response.text
     body = response.json()
     assert isinstance(body["created"], int) and body["seed"] == 4
-    assert body["timings"]["total_s"] >= body["timings"]["inference_s"] > 0
+    assert body["timings"]["total_s"] >= body["timings"]["denoise_s"] > 0
     images = [Image.open(io.BytesIO(base64.b64decode(item["b64_json"]))) for item in body["data"]]
     assert [(image.format, image.size) for image in images] == [("PNG", (32, 48))] * 2
 
@@ -47,7 +61,10 @@ def test_models_lists_the_served_model(client):
     response = client.get("/v1/models")
     assert response.status_code == 200
     assert response.json() == {"object": "list", "data": [
-        {"id": "tiny", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "base-model"}]}
+        {"id": "tiny", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "base-model"},
+        {"id": "corrupt", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora"},
+        {"id": "outlined", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora"},
+    ]}
 
 
 def test_health_and_openapi(client):
@@ -89,14 +106,64 @@ def test_unknown_model_is_404(client):
 def test_oversized_body_is_413_and_server_keeps_serving(tiny_engine):
     config = DiffusionAppConfig(defaults=GenerationDefaults(num_inference_steps=1),
                                 limits=ImageLimits(max_body_bytes=2048))
-    with TestClient(create_images_api(LocalBackend(tiny_engine), config)) as small:
+    backend = LocalBackend.for_engine(tiny_engine, config)
+    with TestClient(create_images_api(backend, config)) as small:
         error = _error(small.post("/v1/images/generations", json={"prompt": "x" * 4096}), 413)
         assert error["param"] == "body"
         chunked = small.post("/v1/images/generations", content=iter([b'{"prompt": "', b"x" * 4096, b'"}']),
                              headers={"content-type": "application/json"})
         assert _error(chunked, 413)["code"] == "body_too_large"
         assert small.post("/v1/images/generations", json={"prompt": "a dot"}).status_code == 200
+    backend.close()
 
 
 def test_unknown_route_is_404_in_openai_shape(client):
     assert _error(client.get("/v1/nothing"), 404)["type"] == "invalid_request_error"
+
+
+def test_lora_request_reports_cache_use_and_step(client):
+    body = {"prompt": "a red circle", "seed": 5, "loras": [{"name": "outlined", "scale": 0.9}]}
+    first = client.post("/v1/images/generations", json=body)
+    assert first.status_code == 200, first.text
+    assert first.json()["lora"]["names"] == ["outlined"]
+    second = client.post("/v1/images/generations", json=body).json()
+    assert second["lora"] == {"names": ["outlined"], "cache_hits": 1, "applied_at_step": 0, "wait_s": 0.0}
+    plain = client.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 5}).json()
+    assert plain["lora"] is None and plain["data"] != second["data"]
+
+
+@pytest.mark.parametrize(
+    ("loras", "status", "param"),
+    [
+        ([{"name": "nope"}], 404, "loras[0].name"),
+        ([{"name": "outlined"}, {"name": "../etc/passwd"}], 400, "loras[1].name"),
+        ([{"name": "a/b"}], 400, "loras[0].name"),
+        ([{"name": ".."}], 400, "loras[0].name"),
+        ([{"name": "pickled"}], 404, "loras[0].name"),
+        ([{"name": "corrupt"}], 422, "loras[0].name"),
+        ([{"name": "outlined"}, {"name": "outlined"}], 400, "loras[1].name"),
+        ([{"name": "outlined", "scale": 9}], 400, "loras[0].scale"),
+        ([{"name": f"l{i}"} for i in range(5)], 400, "loras"),
+        ([{"scale": 1}], 400, "loras[0].name"),
+    ],
+)
+def test_bad_loras_are_refused_naming_the_field(client, loras, status, param):
+    error = _error(client.post("/v1/images/generations", json={"prompt": "x", "loras": loras}), status)
+    assert error["param"] == param
+    if status == 422:
+        assert "corrupt" in error["message"]
+    assert client.post("/v1/images/generations", json={"prompt": "still serving"}).status_code == 200
+
+
+def test_official_openai_client_works_unchanged(client):
+    from openai import OpenAI
+
+    openai = OpenAI(base_url=f"{client.base_url}/v1", api_key="unused", http_client=client)
+    response = openai.images.generate(
+        model="tiny", prompt="a red circle", n=2, size="32x32", response_format="b64_json",
+        extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 4.0,
+                    "loras": [{"name": "outlined", "scale": 0.5}]},
+    )
+    images = [Image.open(io.BytesIO(base64.b64decode(item.b64_json))) for item in response.data]
+    assert [image.size for image in images] == [(32, 32)] * 2
+    assert [m.id for m in openai.models.list().data] == ["tiny", "corrupt", "outlined"]

@@ -32,7 +32,7 @@ def test_unknown_preset_names_the_known_ones():
 
 def test_tiny_geometry():
     tiny = build_preset("tiny")
-    assert (tiny.default_size, tiny.size_multiple) == (64, 2)
+    assert (tiny.default_size, tiny.size_multiple) == (64, 8)
     assert tiny.text_encoder.config.vocab_size == len(tiny.tokenizer)
     assert tiny.unet.config.cross_attention_dim == tiny.text_encoder.config.hidden_size
     assert not any(p.requires_grad for module in tiny.modules().values() for p in module.parameters())

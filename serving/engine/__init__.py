@@ -1,0 +1,30 @@
+"""The diffusion engine: request types, denoising primitives, the batching loop, the local backend."""
+
+from serving.engine.backend import LocalBackend
+from serving.engine.denoiser import DiffusionEngine, encode_png, load_components
+from serving.engine.loop import EngineLoop, LoRALoadFailed
+from serving.engine.request import RequestState
+from serving.engine.types import (
+    GenerationParams,
+    GenerationResult,
+    ImageGenerationBackend,
+    LoRAReport,
+    LoRASpec,
+    ModelInfo,
+)
+
+__all__ = [
+    "DiffusionEngine",
+    "EngineLoop",
+    "GenerationParams",
+    "GenerationResult",
+    "ImageGenerationBackend",
+    "LoRALoadFailed",
+    "LoRAReport",
+    "LoRASpec",
+    "LocalBackend",
+    "ModelInfo",
+    "RequestState",
+    "encode_png",
+    "load_components",
+]

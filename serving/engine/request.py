@@ -1,0 +1,66 @@
+"""Per-request denoising state: its own scheduler, latents, embeddings, LoRAs and timings."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from diffusers import SchedulerMixin
+
+from serving.engine.types import GenerationParams
+from serving.lora.weights import LoRAWeights
+
+
+@dataclass
+class PendingLoRA:
+    """A LoRA the request asked for: its load (possibly still running) and the strength to apply it at."""
+
+    name: str
+    scale: float
+    load: Future[LoRAWeights]
+    cache_hit: bool
+
+
+@dataclass
+class RequestState:
+    """Everything one request carries between denoising steps. Owned by the engine loop thread."""
+
+    params: GenerationParams
+    scheduler: SchedulerMixin
+    timesteps: torch.Tensor
+    latents: torch.Tensor  # [n, C, h, w]
+    generators: list[torch.Generator]
+    prompt_embeds: torch.Tensor  # [n, seq, dim]
+    negative_embeds: torch.Tensor | None  # [n, seq, dim] when CFG runs
+    lora_step: int  # the step at which the request stops and waits for its LoRAs
+    loras: list[PendingLoRA] = field(default_factory=list)
+    active_loras: list[tuple[LoRAWeights, float]] = field(default_factory=list)
+    step_index: int = 0
+    lora_applied_at: int | None = None
+    lora_wait_s: float = 0.0
+    blocked_since: float | None = None
+    admitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def done(self) -> bool:
+        return self.step_index >= len(self.timesteps)
+
+    @property
+    def loras_pending(self) -> bool:
+        return bool(self.loras) and not self.active_loras
+
+    @property
+    def blocked(self) -> bool:
+        """Reached its LoRA deadline step without its LoRAs: it must not step until they are applied."""
+        return self.loras_pending and self.step_index >= self.lora_step
+
+    @property
+    def rows(self) -> int:
+        """UNet rows per step: one per image, twice that with classifier-free guidance."""
+        return self.params.n * (2 if self.params.uses_cfg else 1)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.params.height, self.params.width

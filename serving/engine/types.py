@@ -1,0 +1,73 @@
+"""Engine-level request and result types, and the backend interface the HTTP layer talks to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LoRASpec:
+    """One LoRA of a request: a registry name and the strength it is applied with."""
+
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One validated text-to-image request, in engine terms. Image ``i`` starts from seed ``seed + i``."""
+
+    prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    n: int = 1
+    negative_prompt: str | None = None
+    loras: tuple[LoRASpec, ...] = ()
+
+    @property
+    def uses_cfg(self) -> bool:
+        """Classifier-free guidance runs (two UNet rows per image) only when the scale exceeds 1, as in diffusers."""
+        return self.guidance_scale > 1.0
+
+
+@dataclass(frozen=True)
+class LoRAReport:
+    """How a request's LoRAs were served: cache hit or load, when they took effect, how long it waited."""
+
+    names: tuple[str, ...]
+    cache_hits: int
+    applied_at_step: int | None
+    wait_s: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """PNG-encoded images and where the time went (seconds)."""
+
+    images: list[bytes]
+    seed: int
+    timings: dict[str, float] = field(default_factory=dict)
+    lora: LoRAReport | None = None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the API needs to validate requests for a model without loading it."""
+
+    name: str
+    default_size: int
+    size_multiple: int
+
+
+class ImageGenerationBackend(Protocol):
+    """The engine interface the HTTP API talks to (an in-process engine or a Serve handle)."""
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def list_loras(self) -> list[str]: ...
+
+    async def generate(self, params: GenerationParams) -> GenerationResult: ...

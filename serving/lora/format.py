@@ -1,0 +1,370 @@
+"""LoRA files (diffusers/PEFT or kohya-style ``.safetensors``) -> validated, unmerged ``LoRAWeights``.
+
+Keys are normalised by diffusers' own conversions, exactly as ``StableDiffusionPipeline.load_lora_weights``
+does, and each module's scale is resolved the way diffusers + PEFT would resolve it (the LoRA config from the
+file's adapter metadata, else derived by ``get_peft_kwargs``; PEFT's pattern matching per module). Nothing
+is injected into a model: the result is plain tensors the engine applies per request.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import (
+    convert_state_dict_to_diffusers,
+    convert_state_dict_to_peft,
+    convert_unet_state_dict_to_peft,
+    get_peft_kwargs,
+)
+from safetensors import safe_open
+from torch import nn
+
+from serving.lora.weights import LoRALayer, LoRAWeights
+
+#: Where diffusers' ``save_lora_weights(..., *_lora_adapter_metadata=...)`` stores the LoRA config (JSON).
+ADAPTER_METADATA_KEY = "lora_adapter_metadata"
+#: diffusers' text-encoder LoRA loader reads ranks of these modules only (``_load_lora_into_text_encoder``).
+_TEXT_ENCODER_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+#: ``LoraConfig`` defaults, for adapter metadata that leaves them out.
+_PEFT_DEFAULT_R = 8
+_PEFT_DEFAULT_ALPHA = 8
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
+#: rank/alpha pattern keys are regular expressions to PEFT; only literal module paths are accepted here.
+_LITERAL_PATTERN = re.compile(r"^\^?[A-Za-z0-9_.]{1,512}$")
+_UNSUPPORTED_MARKERS = (
+    ("dora_scale", "DoRA"),
+    ("lora_magnitude_vector", "DoRA"),
+    ("lokr_", "LoKr"),
+    ("hada_", "LoHa"),
+)
+
+Component = Literal["unet", "text_encoder"]
+
+
+class LoRAFormatError(ValueError):
+    """A LoRA file that cannot be used with this model; the message names the file and the first bad key."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        self.name = name
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """What a LoRA needs to know about a target module: its kind and its weight's geometry."""
+
+    kind: Literal["linear", "conv2d"]
+    in_features: int
+    out_features: int
+    kernel_size: tuple[int, int] = (1, 1)
+
+    def factor_shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Expected (down, up) shapes for a LoRA of ``rank`` on this module."""
+        if self.kind == "linear":
+            return (rank, self.in_features), (self.out_features, rank)
+        return (rank, self.in_features, *self.kernel_size), (self.out_features, rank, 1, 1)
+
+    def describe(self) -> str:
+        if self.kind == "linear":
+            return f"Linear({self.in_features}, {self.out_features})"
+        return f"Conv2d({self.in_features}, {self.out_features}, kernel={self.kernel_size})"
+
+
+@dataclass(frozen=True)
+class LoRATargets:
+    """The modules a LoRA may target, by exact ``named_modules()`` name (shapes only: cheap, picklable)."""
+
+    unet: Mapping[str, ModuleShape]
+    text_encoder: Mapping[str, ModuleShape]
+    #: CLIP keeps its modules under ``text_model.`` (older transformers); when it does not, diffusers strips
+    #: that prefix from LoRA keys.
+    text_encoder_nested: bool
+
+    @classmethod
+    def from_modules(cls, unet: nn.Module, text_encoder: nn.Module) -> LoRATargets:
+        return cls(
+            unet=_module_shapes(unet),
+            text_encoder=_module_shapes(text_encoder),
+            text_encoder_nested=hasattr(text_encoder, "text_model"),
+        )
+
+
+def _module_shapes(model: nn.Module) -> dict[str, ModuleShape]:
+    shapes: dict[str, ModuleShape] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            shapes[name] = ModuleShape("linear", module.in_features, module.out_features)
+        elif isinstance(module, nn.Conv2d) and module.groups == 1:  # LoRA on grouped convolutions: unsupported
+            kh, kw = module.kernel_size
+            shapes[name] = ModuleShape("conv2d", module.in_channels, module.out_channels, (kh, kw))
+    return shapes
+
+
+@dataclass(frozen=True)
+class _LoRAConfig:
+    """The part of a PEFT ``LoraConfig`` that decides each module's rank and alpha."""
+
+    r: int
+    lora_alpha: float
+    rank_pattern: Mapping[str, int]
+    alpha_pattern: Mapping[str, float]
+    use_rslora: bool
+
+    def rank_and_scale(self, module: str) -> tuple[int, float]:
+        """As PEFT's ``LoraModel._create_and_replace`` + ``LoraLayer.update_layer`` resolve them."""
+        r = self.rank_pattern.get(_pattern_key(self.rank_pattern, module), self.r)
+        alpha = self.alpha_pattern.get(_pattern_key(self.alpha_pattern, module), self.lora_alpha)
+        return r, alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
+    """PEFT's ``get_pattern_key``: the first pattern matching a dotted suffix of ``module`` (else ``module``)."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module):
+            return key
+    return module
+
+
+def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
+                   dtype: torch.dtype = torch.float32) -> LoRAWeights:
+    """Read, normalise and validate one LoRA file against ``targets``; ``LoRAFormatError`` if it does not fit."""
+    path = Path(path)
+    name = path.name
+    tensors, metadata = _read_safetensors(path, max_file_bytes)
+    for key in tensors:
+        for marker, kind in _UNSUPPORTED_MARKERS:
+            if marker in key:
+                raise LoRAFormatError(name, f"{key!r}: {kind} adapters are not supported")
+    try:
+        state_dict, network_alphas = StableDiffusionPipeline.lora_state_dict(tensors)
+    except Exception as exc:  # diffusers' conversion: ValueError, KeyError, ... on malformed files
+        raise LoRAFormatError(name, f"not a LoRA diffusers can convert: {exc!r}") from None
+    if not state_dict:
+        raise LoRAFormatError(name, "the file holds no tensors")
+    if network_alphas and metadata:
+        raise LoRAFormatError(name, "both kohya alphas and diffusers adapter metadata are present")
+
+    split: dict[str, dict[str, torch.Tensor]] = {"unet": {}, "text_encoder": {}}
+    for key, tensor in state_dict.items():
+        prefix, _, rest = key.partition(".")
+        if "lora" not in key or prefix not in split or not rest:
+            raise LoRAFormatError(name, f"{key!r}: not a UNet or text encoder LoRA weight")
+        split[prefix][rest] = tensor
+    if not split["unet"]:
+        raise LoRAFormatError(name, "the file has no UNet LoRA weights")
+    loader = _ComponentLoader(name, targets, network_alphas, metadata, dtype)
+    unet = loader.load("unet", split["unet"])
+    text_encoder = loader.load("text_encoder", split["text_encoder"]) if split["text_encoder"] else {}
+    return LoRAWeights.build(path.stem, unet, text_encoder)
+
+
+def _read_safetensors(path: Path, max_file_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The file's tensors and diffusers' adapter metadata (None when absent). Only ``.safetensors`` is opened."""
+    name = path.name
+    if path.suffix != ".safetensors":
+        raise LoRAFormatError(name, "only .safetensors LoRA files are accepted (pickle formats can run code)")
+    try:
+        info = path.stat()
+    except OSError as exc:
+        raise LoRAFormatError(name, f"cannot read the file: {exc.strerror}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise LoRAFormatError(name, "not a regular file")
+    if info.st_size > max_file_bytes:
+        raise LoRAFormatError(name, f"file is {info.st_size} bytes, over the {max_file_bytes}-byte limit")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            header = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
+    except Exception as exc:  # SafetensorError, OSError, ... : a corrupt or truncated file
+        raise LoRAFormatError(name, f"not a valid safetensors file: {exc}") from None
+    raw = header.get(ADAPTER_METADATA_KEY)
+    if not raw:
+        return tensors, None
+    try:
+        metadata = json.loads(raw)
+    except ValueError as exc:
+        raise LoRAFormatError(name, f"{ADAPTER_METADATA_KEY!r} metadata is not JSON: {exc}") from None
+    if not isinstance(metadata, dict):
+        raise LoRAFormatError(name, f"{ADAPTER_METADATA_KEY!r} metadata is not a JSON object")
+    return tensors, metadata
+
+
+class _ComponentLoader:
+    """Turns one component's slice of a normalised diffusers state dict into validated ``LoRALayer``s."""
+
+    def __init__(self, name: str, targets: LoRATargets, network_alphas: Mapping[str, float] | None,
+                 metadata: Mapping[str, Any] | None, dtype: torch.dtype) -> None:
+        self.name = name
+        self.targets = targets
+        self.network_alphas = network_alphas
+        self.metadata = metadata
+        self.dtype = dtype
+
+    def error(self, component: Component, key: str, reason: str) -> LoRAFormatError:
+        return LoRAFormatError(self.name, f"{component} {key!r}: {reason}")
+
+    def load(self, component: Component, state_dict: dict[str, torch.Tensor]) -> dict[str, LoRALayer]:
+        shapes: Mapping[str, ModuleShape] = getattr(self.targets, component)
+        state_dict = self._resolve_modules(component, self._to_peft(component, state_dict), shapes)
+        config = self._config(component, state_dict, shapes)
+        modules = dict.fromkeys(key.rsplit(".lora_", 1)[0] for key in state_dict)
+        return {module: self._layer(component, module, state_dict[f"{module}.lora_A.weight"],
+                                    state_dict[f"{module}.lora_B.weight"], shapes[module], config)
+                for module in modules}
+
+    def _to_peft(self, component: Component, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """diffusers' key conversion: ``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` else."""
+        try:
+            if component == "unet":
+                if "lora_A" not in next(iter(state_dict)):
+                    state_dict = convert_unet_state_dict_to_peft(state_dict)
+                return state_dict
+            state_dict = convert_state_dict_to_peft(convert_state_dict_to_diffusers(state_dict))
+        except ValueError as exc:
+            raise self.error(component, next(iter(state_dict)), f"unrecognised key layout: {exc}") from None
+        if not self.targets.text_encoder_nested:
+            state_dict = {key.removeprefix("text_model."): value for key, value in state_dict.items()}
+        return state_dict
+
+    def _resolve_modules(self, component: Component, state_dict: dict[str, torch.Tensor],
+                         shapes: Mapping[str, ModuleShape]) -> dict[str, torch.Tensor]:
+        """The state dict keyed by exact module names (order kept), every key a complete A/B pair."""
+        resolved: dict[str, torch.Tensor] = {}
+        sources: dict[str, str] = {}  # target module -> the file's module key
+        for key, tensor in state_dict.items():
+            match = _LORA_KEY.match(key)
+            if match is None:
+                raise self.error(component, key, _unparsed_key_reason(key))
+            if not tensor.is_floating_point():
+                raise self.error(component, key, f"dtype {tensor.dtype} is not floating point")
+            module = self._resolve_module(component, match["module"], shapes)
+            if sources.setdefault(module, match["module"]) != match["module"]:
+                raise self.error(component, key, f"targets {module!r} again (also {sources[module]!r})")
+            resolved[f"{module}.lora_{match['factor']}.weight"] = tensor
+        for module, key in sources.items():
+            for factor in ("lora_A", "lora_B"):
+                if f"{module}.{factor}.weight" not in resolved:
+                    raise self.error(component, key, f"has no matching {factor} weight")
+        return resolved
+
+    def _resolve_module(self, component: Component, key: str, shapes: Mapping[str, ModuleShape]) -> str:
+        """Exact module name, else the unique module whose name ends with ``"." + key``."""
+        if key in shapes:
+            return key
+        matches = [name for name in shapes if name.endswith("." + key)]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise self.error(component, key, f"ambiguous: matches {', '.join(sorted(matches)[:3])}, ...")
+        raise self.error(component, key, "no Linear or Conv2d module of that name in the model")
+
+    def _config(self, component: Component, state_dict: dict[str, torch.Tensor],
+                shapes: Mapping[str, ModuleShape]) -> _LoRAConfig:
+        """The ``LoraConfig`` diffusers would build: the file's metadata if any, else ``get_peft_kwargs``."""
+        prefix = f"{component}."
+        if self.metadata is not None:
+            kwargs = {key.removeprefix(prefix): value for key, value in self.metadata.items()
+                      if key.startswith(prefix)}
+            if not kwargs:
+                raise LoRAFormatError(self.name, f"adapter metadata has no {component} entry")
+        else:
+            alphas = self.network_alphas
+            if component == "unet":
+                # load_lora_adapter: ranks from every 2-D+ lora_B, keyed "^<key>" (anchored patterns)
+                rank = {f"^{key}": value.shape[1] for key, value in state_dict.items()
+                        if "lora_B" in key and value.ndim > 1}
+                if alphas:
+                    alphas = {key.removeprefix(prefix): value for key, value in alphas.items()
+                              if key.startswith(prefix)}
+            else:
+                # _load_lora_into_text_encoder: ranks of attention/MLP projections only, by exact module name
+                rank = {f"{name}.lora_B.weight": state_dict[f"{name}.lora_B.weight"].shape[1] for name in shapes
+                        if name.endswith(_TEXT_ENCODER_RANK_MODULES) and f"{name}.lora_B.weight" in state_dict}
+                if alphas is not None:
+                    alphas = {key.removeprefix(prefix): value for key, value in alphas.items()
+                              if key.split(".")[0] == component}
+            if not rank:
+                raise LoRAFormatError(self.name, f"no {component} LoRA module diffusers would take a rank from")
+            kwargs = get_peft_kwargs(rank, alphas, state_dict, is_unet=component == "unet")
+        try:
+            return _parse_config(kwargs)
+        except (TypeError, ValueError) as exc:
+            raise LoRAFormatError(self.name, f"{component} LoRA config: {exc}") from None
+
+    def _layer(self, component: Component, module: str, down: torch.Tensor, up: torch.Tensor, shape: ModuleShape,
+               config: _LoRAConfig) -> LoRALayer:
+        rank = down.shape[0] if down.ndim else 0
+        expected_down, expected_up = shape.factor_shapes(rank)
+        for factor, tensor, expected in (("lora_A", down, expected_down), ("lora_B", up, expected_up)):
+            if tuple(tensor.shape) != expected or rank == 0:
+                raise self.error(component, f"{module}.{factor}.weight",
+                                 f"shape {tuple(tensor.shape)} does not fit {shape.describe()} (expected {expected})")
+        config_rank, scale = config.rank_and_scale(module)
+        if config_rank != rank:
+            raise self.error(component, module, f"rank {rank} but the LoRA config says r={config_rank}")
+        if not math.isfinite(scale):
+            raise self.error(component, module, f"scale {scale} is not finite")
+        down, up = _owned(down, self.dtype), _owned(up, self.dtype)
+        for factor, tensor in (("lora_A", down), ("lora_B", up)):
+            if not torch.isfinite(tensor).all():
+                raise self.error(component, f"{module}.{factor}.weight", f"non-finite values (in {self.dtype})")
+        return LoRALayer(down=down, up=up, scale=float(scale))
+
+
+def _unparsed_key_reason(key: str) -> str:
+    if key.endswith(".bias"):
+        return "LoRA bias terms are not supported"
+    if ".lora.down." in key or ".lora.up." in key:
+        # load_lora_adapter converts key names only when the first key is not PEFT-style
+        return "the file mixes PEFT (lora_A/lora_B) and diffusers (lora.down/lora.up) key names; diffusers " \
+               "would silently skip these modules"
+    return "not a LoRA A/B weight"
+
+
+def _parse_config(kwargs: Mapping[str, Any]) -> _LoRAConfig:
+    """Validate the fields that matter; refuse LoRA variants this engine cannot apply unmerged."""
+    for flag, what in (("use_dora", "DoRA"), ("lora_bias", "LoRA bias terms")):
+        if kwargs.get(flag):
+            raise ValueError(f"{what} ({flag}) is not supported")
+    r = kwargs.get("r", _PEFT_DEFAULT_R)
+    alpha = kwargs.get("lora_alpha", _PEFT_DEFAULT_ALPHA)
+    rank_pattern = kwargs.get("rank_pattern") or {}
+    alpha_pattern = kwargs.get("alpha_pattern") or {}
+    use_rslora = kwargs.get("use_rslora", False)
+    if not _is_rank(r) or not _is_number(alpha) or not isinstance(use_rslora, bool):
+        raise ValueError(f"invalid r={r!r} / lora_alpha={alpha!r} / use_rslora={use_rslora!r}")
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise ValueError("rank_pattern and alpha_pattern must be objects")
+    for key in (*rank_pattern, *alpha_pattern):
+        if not isinstance(key, str) or not _LITERAL_PATTERN.match(key):
+            raise ValueError(f"pattern {key!r}: only literal module paths are supported, not regular expressions")
+    if not all(_is_rank(v) for v in rank_pattern.values()) or not all(_is_number(v) for v in alpha_pattern.values()):
+        raise ValueError("rank_pattern values must be positive integers and alpha_pattern values numbers")
+    return _LoRAConfig(r=r, lora_alpha=float(alpha), rank_pattern=dict(rank_pattern),
+                       alpha_pattern={key: float(value) for key, value in alpha_pattern.items()},
+                       use_rslora=use_rslora)
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _owned(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous copy in ``dtype`` with its own storage (never a view of a memory-mapped file)."""
+    out = torch.empty(tensor.shape, dtype=dtype)
+    out.copy_(tensor)
+    return out

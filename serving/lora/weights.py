@@ -1,0 +1,59 @@
+"""Loaded LoRA weights, unmerged: per targeted module, the two low-rank factors and their scale."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class LoRALayer:
+    """One module's LoRA: ``delta_W = scale * up @ down`` (flattened over the kernel for convolutions).
+
+    Compared and hashed by identity, like the tensors it holds.
+    """
+
+    down: torch.Tensor  # "A": [r, in_features] for nn.Linear targets; [r, in_ch, kh, kw] for nn.Conv2d targets
+    up: torch.Tensor  # "B": [out_features, r] for Linear; [out_ch, r, 1, 1] for Conv2d
+    scale: float  # alpha / r for this module (diffusers/PEFT convention); the request's scale multiplies it later
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.down) + _nbytes(self.up)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LoRALayer:
+        return LoRALayer(down=self.down.to(device, dtype), up=self.up.to(device, dtype), scale=self.scale)
+
+
+@dataclass(frozen=True, eq=False)
+class LoRAWeights:
+    """A LoRA file, validated against one model: layers keyed by exact ``named_modules()`` names (by identity)."""
+
+    name: str
+    unet: Mapping[str, LoRALayer]
+    text_encoder: Mapping[str, LoRALayer]
+    nbytes: int  # bytes of all tensors
+
+    @classmethod
+    def build(cls, name: str, unet: Mapping[str, LoRALayer], text_encoder: Mapping[str, LoRALayer]) -> LoRAWeights:
+        """Weights with ``nbytes`` computed from the layers."""
+        nbytes = sum(layer.nbytes for layers in (unet, text_encoder) for layer in layers.values())
+        return cls(name=name, unet=dict(unet), text_encoder=dict(text_encoder), nbytes=nbytes)
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LoRAWeights:
+        """A copy on ``device`` (and in ``dtype`` if given); ``self`` is left untouched."""
+        return LoRAWeights.build(
+            self.name,
+            {key: layer.to(device, dtype) for key, layer in self.unet.items()},
+            {key: layer.to(device, dtype) for key, layer in self.text_encoder.items()},
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

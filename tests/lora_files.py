@@ -1,0 +1,35 @@
+"""Writing LoRA files for tests, the way diffusers' own tests make them (PEFT adapters, non-zero init)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import StableDiffusionPipeline
+from diffusers.utils import convert_state_dict_to_diffusers
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict
+
+from serving.presets import build_preset
+
+UNET_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]
+TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+
+
+def write_lora(path: Path, *, seed: int, rank: int = 4, alpha: float | None = None, text_encoder: bool = False,
+               unet_targets: list[str] = UNET_TARGETS, preset: str = "tiny") -> Path:
+    """A diffusers-format LoRA for ``preset`` at ``path`` (``.safetensors``), random non-zero weights."""
+    components = build_preset(preset)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        components.unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=unet_targets,
+                                               init_lora_weights=False))
+        unet_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(components.unet))
+        text_layers = None
+        if text_encoder:
+            components.text_encoder.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank,
+                                                           target_modules=TEXT_TARGETS, init_lora_weights=False))
+            text_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(components.text_encoder))
+    StableDiffusionPipeline.save_lora_weights(path.parent, unet_lora_layers=unet_layers,
+                                              text_encoder_lora_layers=text_layers, weight_name=path.name)
+    return path
