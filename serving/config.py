@@ -79,6 +79,14 @@ class LoRAConfig(_Config):
     cache_bytes: int = Field(2 * 2**30, ge=0, description="Host-memory LRU budget for loaded LoRAs.")
     max_file_bytes: int = Field(1 * 2**30, ge=1, description="Larger LoRA files are refused unread.")
     load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
+    merged_cache_bytes: int = Field(
+        2**30, ge=0,
+        description="Device memory for merged weight copies, used when every row of a UNet batch has the same "
+                    "LoRAs (no per-step LoRA cost); 0: always apply LoRAs unmerged.")
+    merge_after_forwards: int = Field(
+        8, ge=0,
+        description="UNet forwards a LoRA combination runs unmerged before its merged copy is built (building "
+                    "costs about as much as a few unmerged steps).")
 
 
 class DiffusionAppConfig(_Config):

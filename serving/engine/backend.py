@@ -32,7 +32,7 @@ class LocalBackend:
 
     @classmethod
     def from_config(cls, config: DiffusionAppConfig, *, on_step: StepCallback | None = None) -> LocalBackend:
-        engine = DiffusionEngine.from_config(config.model)
+        engine = DiffusionEngine.from_config(config.model, config.lora)
         return cls.for_engine(engine, config, on_step=on_step)
 
     @classmethod

@@ -11,6 +11,7 @@ import inspect
 import io
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,14 +20,17 @@ from PIL import Image
 
 from serving.common.device import placement, resolve_device
 from serving.common.logging import get_logger
-from serving.config import DiffusionModelConfig
+from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.types import GenerationParams, ModelInfo
-from serving.lora.apply import LoRAHooks, plan_groups
+from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
+from serving.lora.weights import LoRAWeights
 from serving.presets import DiffusionComponents, build_preset, load_local
 
 logger = get_logger("engine")
+
+_DEVICE_LORA_COPIES = 16
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,27 +54,34 @@ class DiffusionEngine:
     """Denoising primitives on one model and device. Called from a single thread (the engine loop)."""
 
     def __init__(self, name: str, components: DiffusionComponents, device: torch.device,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
+                 lora_merge_after: int = 8) -> None:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple)
         self.device, self.dtype = device, dtype
         for module in components.modules().values():
-            module.to(device=device, dtype=dtype)
+            module.to(device)
+            if dtype != torch.float32:
+                module.to(dtype)
         self.unet, self.vae, self.text_encoder = components.unet, components.vae, components.text_encoder
         self.tokenizer, self.base_scheduler = components.tokenizer, components.scheduler
         self.vae_scale_factor = components.vae_scale_factor
         self.lora_targets = LoRATargets.from_modules(self.unet, self.text_encoder)
-        self._unet_loras = LoRAHooks(self.unet)
+        # The UNet runs every step: a merged copy can pay off. The text encoder runs once per request: never merge.
+        self._unet_loras = LoRAHooks(self.unet, merged_cache_bytes=merged_lora_bytes, merge_after=lora_merge_after)
         self._text_loras = LoRAHooks(self.text_encoder)
+        self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
         self._step_takes_generator = "generator" in step_parameters
 
     @classmethod
-    def from_config(cls, config: DiffusionModelConfig) -> DiffusionEngine:
+    def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None) -> DiffusionEngine:
         device = resolve_device(config.device)
+        lora = lora or LoRAConfig()
         started = time.perf_counter()
-        engine = cls(config.name, load_components(config), device, DTYPES[config.dtype])
+        engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
+                     merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards)
         source = f"preset={config.preset}" if config.preset else f"path={config.path}"
         logger.info("diffusion model %r loaded (%s, device=%s, dtype=%s) in %.1fs on %s",
                     config.name, source, device, config.dtype, time.perf_counter() - started, placement())
@@ -111,8 +122,7 @@ class DiffusionEngine:
     @torch.inference_mode()
     def activate_loras(self, state: RequestState) -> None:
         """Apply the request's (loaded) LoRAs from its next step on; re-encode text if they touch the encoder."""
-        state.active_loras = [(pending.load.result().to(self.device, self.dtype), pending.scale)
-                              for pending in state.loras]
+        state.active_loras = [(self._on_device(pending.load.result()), pending.scale) for pending in state.loras]
         for weights, _ in state.active_loras:
             self._unet_loras.ensure_hooks(weights.unet)
             self._text_loras.ensure_hooks(weights.text_encoder)
@@ -136,8 +146,7 @@ class DiffusionEngine:
             timesteps.append(t.expand(state.rows))
             unet_pairs = [(weights.unet, scale) for weights, scale in state.active_loras]
             assignments.extend([unet_pairs] * state.rows)
-        groups = plan_groups(assignments, self.device) if any(assignments) else []
-        with self._unet_loras.active(groups):
+        with self._unet_loras.active(plan_lora_rows(assignments, self.device)):
             noise = self.unet(torch.cat(samples), torch.cat(timesteps),
                               encoder_hidden_states=torch.cat(embeds), return_dict=False)[0]
         offset = 0
@@ -161,6 +170,17 @@ class DiffusionEngine:
 
     # -- helpers -----------------------------------------------------------------------------------
 
+    def _on_device(self, weights: LoRAWeights) -> LoRAWeights:
+        """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group)."""
+        entry = self._device_loras.get(id(weights))
+        if entry is None or entry[0] is not weights:
+            entry = (weights, weights.to(self.device, self.dtype))
+            self._device_loras[id(weights)] = entry
+            while len(self._device_loras) > _DEVICE_LORA_COPIES:
+                self._device_loras.popitem(last=False)
+        self._device_loras.move_to_end(id(weights))
+        return entry[1]
+
     def _step_kwargs(self, state: RequestState) -> dict:
         kwargs: dict = {}
         if self._step_takes_eta:
@@ -179,8 +199,7 @@ class DiffusionEngine:
                                 truncation=True, return_tensors="pt")
         use_mask = getattr(self.text_encoder.config, "use_attention_mask", False)
         mask = tokens.attention_mask.to(self.device) if use_mask else None
-        groups = plan_groups([lora_pairs] * len(texts), self.device) if lora_pairs else []
-        with self._text_loras.active(groups):
+        with self._text_loras.active(plan_lora_rows([lora_pairs] * len(texts), self.device)):
             encoded = self.text_encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
         encoded = encoded.to(self.dtype).repeat_interleave(params.n, dim=0)
         if params.uses_cfg:

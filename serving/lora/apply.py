@@ -1,13 +1,25 @@
-"""Unmerged, per-row LoRA application: one forward serves rows with different LoRAs, scales, or none.
+"""Per-request LoRA application without touching base weights: one forward serves rows with
+different LoRAs, scales, or none.
 
-Forward hooks on the targeted ``nn.Linear`` / ``nn.Conv2d`` modules add, for each LoRA active in the
-batch, ``scale_row * layer.scale * up(down(x_rows))`` to the rows that use it (gather, two small
-matmuls, scatter-add: the Punica/S-LoRA idea without custom kernels). Base weights are only read.
+Two paths, chosen per forward (the dLoRA idea of switching between merged and unmerged inference):
+
+- **unmerged** (rows differ): for each LoRA in the batch, ``scale_row * layer.scale * up(down(x_rows))``
+  is added to the rows that use it (gather, two small matmuls, scatter-add: Punica/S-LoRA without
+  custom kernels);
+- **merged copy** (every row has the same LoRAs and scales, e.g. one request, possibly with CFG):
+  once a combination has run ``merge_after`` forwards unmerged (building a copy costs about as much as
+  a few unmerged steps), the module runs with ``W + sum(scale * layer.scale * up @ down)``, a separate
+  tensor kept in a byte-bounded LRU, so later steps and later requests with it cost nothing extra.
+
+Targeted ``nn.Linear`` / ``nn.Conv2d`` modules get their ``forward`` wrapped on first use; while no
+plan is active the wrapper calls the original forward directly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -16,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from serving.lora.weights import LoRALayer
+
+LoRAPairs = tuple[tuple[Mapping[str, LoRALayer], float], ...]  # (layers, request scale) active on a row
 
 
 @dataclass(frozen=True)
@@ -28,10 +42,19 @@ class LoRAGroup:
     all_rows: bool  # rows == arange(batch): skip gather/scatter
 
 
-def plan_groups(
-    assignments: Sequence[Sequence[tuple[Mapping[str, LoRALayer], float]]], device: torch.device
-) -> list[LoRAGroup]:
-    """Group batch rows by LoRA. ``assignments[row]`` lists the (layers, scale) pairs active on that row."""
+@dataclass(frozen=True)
+class LoRAPlan:
+    """What one forward applies: per-LoRA row groups, and the shared pairs when every row has the same."""
+
+    groups: list[LoRAGroup]
+    uniform: LoRAPairs | None
+
+
+def plan_lora_rows(assignments: Sequence[Sequence[tuple[Mapping[str, LoRALayer], float]]],
+                   device: torch.device) -> LoRAPlan | None:
+    """``assignments[row]`` lists the (layers, scale) pairs active on that row; ``None`` when no row has any."""
+    if not any(assignments):
+        return None
     by_lora: dict[int, tuple[Mapping[str, LoRALayer], list[int], list[float]]] = {}
     for row, pairs in enumerate(assignments):
         for layers, scale in pairs:
@@ -39,7 +62,7 @@ def plan_groups(
             entry[1].append(row)
             entry[2].append(scale)
     total = len(assignments)
-    return [
+    groups = [
         LoRAGroup(
             layers=layers,
             rows=torch.tensor(rows, dtype=torch.long, device=device),
@@ -48,6 +71,19 @@ def plan_groups(
         )
         for layers, rows, scales in by_lora.values()
     ]
+    first = _signature(assignments[0])
+    uniform = tuple(assignments[0]) if all(_signature(pairs) == first for pairs in assignments) else None
+    return LoRAPlan(groups, uniform)
+
+
+def _signature(pairs: Iterable[tuple[Mapping[str, LoRALayer], float]]) -> tuple[tuple[int, float], ...]:
+    return tuple((id(layers), scale) for layers, scale in pairs)
+
+
+def delta_weight(module: nn.Module, layer: LoRALayer) -> torch.Tensor:
+    """``up @ down`` in the shape of ``module.weight`` (convolutions: a 1x1 ``up`` over a kxk ``down``)."""
+    product = layer.up.flatten(1) @ layer.down.flatten(1)
+    return product.view_as(module.weight)
 
 
 def _delta(module: nn.Module, layer: LoRALayer, x: torch.Tensor) -> torch.Tensor:
@@ -57,50 +93,106 @@ def _delta(module: nn.Module, layer: LoRALayer, x: torch.Tensor) -> torch.Tensor
     return F.linear(F.linear(x, layer.down), layer.up)
 
 
-class LoRAHooks:
-    """Per-row LoRA deltas on one model. Hooks are added on first use of a module and stay (cheap when idle)."""
+class _MergedWeights:
+    """Byte-bounded LRU of merged weight copies, per uniform LoRA combination, built module by module."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, budget_bytes: int, merge_after: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.merge_after = merge_after
+        self._entries: OrderedDict[tuple, tuple[LoRAPairs, dict[str, torch.Tensor]]] = OrderedDict()
+        self._bytes = 0
+        self._uses: OrderedDict[tuple, int] = OrderedDict()  # forwards run per combination (bounded)
+
+    def count_use(self, pairs: LoRAPairs) -> None:
+        key = _signature(pairs)
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._uses.move_to_end(key)
+        while len(self._uses) > 1024:
+            self._uses.popitem(last=False)
+
+    def weight(self, pairs: LoRAPairs, name: str, module: nn.Module) -> torch.Tensor | None:
+        """The merged weight of ``module`` under ``pairs``; ``None``: not worth it yet, not touched, or no room."""
+        key = _signature(pairs)
+        if self._uses.get(key, 0) <= self.merge_after:
+            return None
+        touching = [(layers[name], scale) for layers, scale in pairs if name in layers]
+        if not touching:
+            return None
+        entry = self._entries.get(key)
+        if entry is not None:
+            self._entries.move_to_end(key)
+            cached = entry[1].get(name)
+            if cached is not None:
+                return cached
+        size = module.weight.numel() * module.weight.element_size()
+        if size > self.budget_bytes:
+            return None
+        while self._bytes + size > self.budget_bytes and self._entries:
+            oldest_key, (_, oldest) = next(iter(self._entries.items()))
+            if oldest_key == key:
+                return None  # the combination in use already fills the budget: leave this module unmerged
+            self._entries.popitem(last=False)
+            self._bytes -= sum(t.numel() * t.element_size() for t in oldest.values())
+        merged = module.weight + sum(scale * layer.scale * delta_weight(module, layer) for layer, scale in touching)
+        # The entry keeps ``pairs`` (and so the layer objects) alive: their ids in ``key`` cannot be reused.
+        self._entries.setdefault(key, (pairs, {}))[1][name] = merged
+        self._entries.move_to_end(key)
+        self._bytes += size
+        return merged
+
+
+class LoRAHooks:
+    """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged."""
+
+    def __init__(self, model: nn.Module, *, merged_cache_bytes: int = 0, merge_after: int = 8) -> None:
         self._modules = dict(model.named_modules())
-        self._hooked: set[str] = set()
-        self._groups: list[LoRAGroup] = []
+        self._wrapped: set[str] = set()
+        self._plan: LoRAPlan | None = None
+        self._merged = _MergedWeights(merged_cache_bytes, merge_after) if merged_cache_bytes > 0 else None
 
     def ensure_hooks(self, module_names: Iterable[str]) -> None:
-        """Hook every named module not hooked yet (names come from validated LoRA files)."""
+        """Wrap every named module not wrapped yet (names come from validated LoRA files)."""
         for name in module_names:
-            if name in self._hooked:
+            if name in self._wrapped:
                 continue
             module = self._modules[name]
             if not isinstance(module, nn.Linear | nn.Conv2d):
                 raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not Linear or Conv2d")
-            module.register_forward_hook(self._make_hook(name))
-            self._hooked.add(name)
+            module.forward = functools.partial(self._forward, name, module, module.forward)
+            self._wrapped.add(name)
 
     @contextmanager
-    def active(self, groups: list[LoRAGroup]) -> Iterator[None]:
-        """Apply ``groups`` to every forward run inside the block."""
-        self._groups = groups
+    def active(self, plan: LoRAPlan | None) -> Iterator[None]:
+        """Apply ``plan`` to every forward run inside the block (one model forward)."""
+        if plan is not None and plan.uniform is not None and self._merged is not None:
+            self._merged.count_use(plan.uniform)
+        self._plan = plan
         try:
             yield
         finally:
-            self._groups = []
+            self._plan = None
 
-    def _make_hook(self, name: str):
-        def hook(module: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor | None:
-            if not self._groups:
-                return None
-            x = args[0]
-            for group in self._groups:
-                layer = group.layers.get(name)
-                if layer is None:
-                    continue
-                shape = (-1,) + (1,) * (output.dim() - 1)
-                strength = (group.scales * layer.scale).to(output.dtype).view(shape)
-                if group.all_rows:
-                    output = output + _delta(module, layer, x) * strength
-                else:
-                    rows_delta = _delta(module, layer, x.index_select(0, group.rows)) * strength
-                    output = output.index_add(0, group.rows, rows_delta)
-            return output
-
-        return hook
+    def _forward(self, name: str, module: nn.Module, base_forward: Callable[[torch.Tensor], torch.Tensor],
+                 x: torch.Tensor) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            return base_forward(x)
+        if plan.uniform is not None and self._merged is not None:
+            weight = self._merged.weight(plan.uniform, name, module)
+            if weight is not None:
+                if isinstance(module, nn.Conv2d):
+                    return module._conv_forward(x, weight, module.bias)
+                return F.linear(x, weight, module.bias)
+        output = base_forward(x)
+        for group in plan.groups:
+            layer = group.layers.get(name)
+            if layer is None:
+                continue
+            shape = (-1,) + (1,) * (output.dim() - 1)
+            strength = (group.scales * layer.scale).to(output.dtype).view(shape)
+            if group.all_rows:
+                output = output + _delta(module, layer, x) * strength
+            else:
+                rows_delta = _delta(module, layer, x.index_select(0, group.rows)) * strength
+                output = output.index_add(0, group.rows, rows_delta)
+        return output

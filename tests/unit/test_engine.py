@@ -101,6 +101,15 @@ def test_lora_matches_diffusers_fused(tiny_engine, lora_dir):
     assert np.abs(ours - _run(tiny_engine, params)).max() > 20 * TOLERANCE  # the LoRA visibly matters
 
 
+def test_merged_copy_path_matches_diffusers_too(lora_dir):
+    merging = DiffusionEngine("tiny", build_preset("tiny"), torch.device("cpu"), lora_merge_after=1)
+    params = _params(seed=6)
+    loras = [_pending(merging, lora_dir, "outlined", 0.6), _pending(merging, lora_dir, "dark", 0.9)]
+    reference = _diffusers(params, [(lora_dir / "outlined.safetensors", 0.6), (lora_dir / "dark.safetensors", 0.9)])
+    assert np.abs(_run(merging, params, loras) - reference).max() <= TOLERANCE
+    assert merging._unet_loras._merged._entries  # steps 2.. ran on merged copies
+
+
 def test_two_loras_match_diffusers_fused(tiny_engine, lora_dir):
     params = _params(seed=8)
     loras = [_pending(tiny_engine, lora_dir, "outlined", 0.5), _pending(tiny_engine, lora_dir, "dark", -1.2)]
@@ -226,7 +235,8 @@ def test_base_weights_untouched_after_mixed_run_with_failures(tiny_engine, lora_
         with pytest.raises(LoRALoadFailed, match="broken"):
             futures[1].result(timeout=60)
         assert len(futures[2].result(timeout=60).images) == 1
-        assert "broken" not in [name for name in loop.lora_cache.stats().get("names", [])]
+        assert not loop.lora_cache.contains("broken") and loop.lora_cache.contains("outlined")
+        assert loop.lora_cache.stats()["loads_failed"] == 1
     finally:
         loop.stop()
     assert _checksum(tiny_engine) == before

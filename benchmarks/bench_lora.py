@@ -1,0 +1,168 @@
+"""LoRA serving overhead: vanilla diffusers (load + fuse per request) against swiftserve's engine.
+
+In one run, on the ``sd15-shape`` preset (Stable Diffusion 1.5 architecture), at 256x256 with a few
+steps and a LoRA the size of a real one (rank 64 on every attention projection):
+
+- diffusers, no LoRA                       the pipeline alone
+- diffusers, LoRA per request              load_lora_weights + fuse_lora, generate, unfuse + unload
+- swiftserve, no LoRA                      the engine loop, the serving path
+- swiftserve, cold LoRA                    not in the cache: loaded in the background while denoising
+- swiftserve, warm LoRA                    in the host cache: applied from step 0 (one request in the
+                                           batch: a merged copy of the targeted weights; base untouched)
+
+and prints each latency with the latency added over the same side's no-LoRA run.
+
+Cases run interleaved (round robin) and medians are reported: this machine's timings drift.
+
+    .venv/bin/python -m benchmarks.bench_lora [--steps 6] [--size 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from benchmarks.common import machine, summary, timed, write_results
+from serving.config import EngineConfig
+from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
+from serving.lora.cache import LoRACache
+from serving.lora.format import LoRATargets
+from serving.lora.registry import LoRARegistry
+from serving.presets import build_preset
+
+ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def write_attention_lora(path: Path, targets: LoRATargets, rank: int, seed: int = 0) -> int:
+    """A PEFT-format fp16 LoRA of ``rank`` on every UNet attention projection; returns its size in bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in targets.unet.items():
+        if not name.endswith(ATTENTION_PROJECTIONS):
+            continue
+        tensors[f"unet.{name}.lora_A.weight"] = (torch.randn(rank, shape.in_features, generator=generator)
+                                                 / shape.in_features**0.5).half()
+        tensors[f"unet.{name}.lora_B.weight"] = (torch.randn(shape.out_features, rank, generator=generator)
+                                                 * 0.01).half()
+    save_file(tensors, str(path))
+    return path.stat().st_size
+
+
+def diffusers_cases(params: GenerationParams, lora_path: Path) -> dict[str, Callable[[], None]]:
+    pipe = build_preset("sd15-shape").as_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+
+    def generate() -> None:
+        pipe(prompt=params.prompt, width=params.width, height=params.height,
+             num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
+             generator=torch.Generator().manual_seed(params.seed), output_type="np")
+
+    def generate_with_lora() -> None:
+        pipe.load_lora_weights(str(lora_path.parent), weight_name=lora_path.name, local_files_only=True)
+        pipe.fuse_lora(lora_scale=1.0)
+        generate()
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+
+    return {"no LoRA": generate, "LoRA load+fuse per request": generate_with_lora}
+
+
+class SwiftserveCases:
+    """The serving path (engine loop + LoRA cache) with a LoRA directory of its own."""
+
+    def __init__(self, params: GenerationParams, lora_path: Path) -> None:
+        self.params, self.lora_path = params, lora_path
+        engine = DiffusionEngine("sd15-shape", build_preset("sd15-shape"), torch.device("cpu"))
+        self.cache = LoRACache(LoRARegistry(lora_path.parent), engine.lora_targets, budget_bytes=2**31,
+                               max_file_bytes=2**31)
+        self.loop = EngineLoop(engine, EngineConfig(), self.cache)
+        self.reports: dict[str, list[dict]] = {"cold": [], "warm": []}
+        self._cold_names = iter(range(10**6))
+
+    def cases(self) -> dict[str, Callable[[], None]]:
+        return {"no LoRA": self.plain, "cold LoRA (background load)": self.cold,
+                "warm LoRA (cached)": self.warm}
+
+    def _generate(self, loras: tuple[LoRASpec, ...] = ()) -> GenerationResult:
+        return self.loop.submit(replace(self.params, loras=loras)).result()
+
+    def plain(self) -> None:
+        self._generate()
+
+    def cold(self) -> None:
+        name = f"cold{next(self._cold_names)}"  # a new file name is a cache miss: read, converted, applied late
+        shutil.copy(self.lora_path, self.lora_path.parent / f"{name}.safetensors")
+        self.reports["cold"].append(asdict(self._generate((LoRASpec(name, 1.0),)).lora))
+
+    def warm(self) -> None:
+        self.cache.get(self.lora_path.stem).result()
+        self.reports["warm"].append(asdict(self._generate((LoRASpec(self.lora_path.stem, 1.0),)).lora))
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.cache.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    params = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
+                              num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        lora_path = Path(tmp) / "style.safetensors"
+        components = build_preset("sd15-shape")
+        file_bytes = write_attention_lora(lora_path, LoRATargets.from_modules(components.unet,
+                                                                             components.text_encoder), args.rank)
+        del components
+        print(f"LoRA file: rank {args.rank}, {file_bytes / 2**20:.1f} MiB; {args.size}x{args.size}, "
+              f"{args.steps} steps, CFG; {torch.get_num_threads()} torch threads", flush=True)
+        ours = SwiftserveCases(params, lora_path)
+        cases = {("diffusers", name): run for name, run in diffusers_cases(params, lora_path).items()}
+        cases |= {("swiftserve", name): run for name, run in ours.cases().items()}
+        try:
+            for (_, case), run in cases.items():  # warm-up, one per system
+                if case == "no LoRA":
+                    run()
+            seconds: dict[tuple[str, str], list[float]] = {key: [] for key in cases}
+            for repeat in range(args.repeats):  # interleaved, so drift on a shared machine hits every case alike
+                for key, run in cases.items():
+                    seconds[key] += timed(run, 1)
+                    print(f"  [{repeat + 1}/{args.repeats}] {key[0]:<10} {key[1]:<28} {seconds[key][-1]:6.2f} s",
+                          flush=True)
+        finally:
+            ours.close()
+
+    rows = [(system, case, runs, seconds[(system, "no LoRA")]) for (system, case), runs in seconds.items()]
+    lines = [
+        f"# LoRA overhead: sd15-shape, {args.size}x{args.size}, {args.steps} steps, rank-{args.rank} LoRA "
+        f"({file_bytes / 2**20:.0f} MiB), {machine()['device']}, {torch.get_num_threads()} threads",
+        "",
+        "| system | case | median latency (s) | added over its no-LoRA median |",
+        "|---|---|---|---|",
+    ]
+    payload: dict[str, object] = {"machine": machine(), "args": vars(args), "lora_file_bytes": file_bytes,
+                                  "swiftserve_lora_reports": ours.reports, "cases": []}
+    for system, case, runs, baseline in rows:
+        stats, base = summary(runs), summary(baseline)["median_s"]
+        added = stats["median_s"] / base - 1.0
+        lines.append(f"| {system} | {case} | {stats['median_s']:.2f} | {added:+.1%} |")
+        payload["cases"].append({"system": system, "case": case, **stats, "added_fraction": added})
+    table = "\n".join(lines)
+    print(table)
+    write_results("bench_lora", payload, table)
+
+
+if __name__ == "__main__":
+    main()

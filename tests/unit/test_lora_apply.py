@@ -1,0 +1,84 @@
+"""Per-row LoRA application on plain Linear / Conv2d modules, merged and unmerged."""
+
+import pytest
+import torch
+from torch import nn
+
+from serving.lora.apply import LoRAHooks, delta_weight, plan_lora_rows
+from serving.lora.weights import LoRALayer
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 5)
+        self.conv = nn.Conv2d(3, 4, kernel_size=3, padding=1)
+
+
+def _layer(module: nn.Module, rank: int, seed: int, scale: float) -> LoRALayer:
+    g = torch.Generator().manual_seed(seed)
+    if isinstance(module, nn.Conv2d):
+        down = torch.randn(rank, module.in_channels, *module.kernel_size, generator=g)
+        up = torch.randn(module.out_channels, rank, 1, 1, generator=g)
+    else:
+        down = torch.randn(rank, module.in_features, generator=g)
+        up = torch.randn(module.out_features, rank, generator=g)
+    return LoRALayer(down=down, up=up, scale=scale)
+
+
+def _expected(module: nn.Module, x: torch.Tensor, row_pairs) -> torch.Tensor:
+    """Reference: each row through its own explicitly merged weight."""
+    rows = []
+    for row, pairs in enumerate(row_pairs):
+        weight = module.weight.clone()
+        for layers, scale in pairs:
+            weight += scale * layers["m"].scale * delta_weight(module, layers["m"])
+        conv = isinstance(module, nn.Conv2d)
+        out = module._conv_forward(x[row:row + 1], weight, module.bias) if conv else nn.functional.linear(
+            x[row:row + 1], weight, module.bias)
+        rows.append(out)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+@pytest.mark.parametrize("merged_bytes", [0, 2**20])
+def test_rows_get_their_own_loras_and_base_weights_stay(kind, merged_bytes):
+    net = Net()
+    module = getattr(net, kind)
+    base = module.weight.clone()
+    a, b = {"m": _layer(module, 2, 1, 0.5)}, {"m": _layer(module, 3, 2, 2.0)}
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}), merged_cache_bytes=merged_bytes, merge_after=1)
+    hooks.ensure_hooks(["m"])
+    x = torch.randn(4, 6) if kind == "linear" else torch.randn(4, 3, 5, 5)
+    mixed = [[(a, 1.0)], [], [(a, -0.5), (b, 1.0)], [(b, 0.3)]]  # unmerged path
+    uniform = [[(a, 0.7), (b, 1.0)]] * 4  # unmerged on first use, then merged when allowed
+    for row_pairs in (mixed, uniform, uniform, uniform):
+        plan = plan_lora_rows(row_pairs, torch.device("cpu"))
+        with torch.inference_mode(), hooks.active(plan):
+            out = module(x)
+        torch.testing.assert_close(out, _expected(module, x, row_pairs), rtol=1e-4, atol=1e-4)
+    assert torch.equal(module.weight, base)
+    assert bool(hooks._merged and hooks._merged._entries) == (merged_bytes > 0)
+    with torch.inference_mode():
+        torch.testing.assert_close(module(x), _expected(module, x, [[]] * 4))  # no plan: the base module
+
+
+def test_uniform_plan_detection():
+    layers = {"m": _layer(nn.Linear(2, 2), 1, 0, 1.0)}
+    cpu = torch.device("cpu")
+    assert plan_lora_rows([[], []], cpu) is None
+    assert plan_lora_rows([[(layers, 1.0)]] * 3, cpu).uniform == ((layers, 1.0),)
+    assert plan_lora_rows([[(layers, 1.0)], [(layers, 0.5)]], cpu).uniform is None
+    assert plan_lora_rows([[(layers, 1.0)], []], cpu).uniform is None
+
+
+def test_merged_copies_respect_the_byte_budget():
+    module = nn.Linear(64, 64)  # 16 KiB of fp32 weight
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}), merged_cache_bytes=20 * 2**10, merge_after=0)
+    hooks.ensure_hooks(["m"])
+    x = torch.randn(2, 64)
+    combos = [{"m": _layer(module, 4, seed, 1.0)} for seed in range(3)]
+    for layers in combos:
+        with torch.inference_mode(), hooks.active(plan_lora_rows([[(layers, 1.0)]] * 2, torch.device("cpu"))):
+            torch.testing.assert_close(module(x), _expected(module, x, [[(layers, 1.0)]] * 2), rtol=1e-4, atol=1e-4)
+    assert len(hooks._merged._entries) == 1 and hooks._merged._bytes == 16 * 2**10
