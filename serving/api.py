@@ -56,6 +56,8 @@ def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfi
     async def list_models() -> ModelList:
         info = await backend.model_info()
         cards = [ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")]
+        cards += [ModelCard(id=name, owned_by=SERVER_NAME, kind="controlnet")
+                  for name in await backend.list_controlnets()]
         cards += [ModelCard(id=name, owned_by=SERVER_NAME, kind="lora") for name in await backend.list_loras()]
         return ModelList(data=cards)
 

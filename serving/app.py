@@ -4,11 +4,20 @@
 from ray.serve import Application
 
 from serving.config import DiffusionAppConfig
-from serving.deployments import DiffusionModel, ImagesIngress
+from serving.controlnet.service import ControlNetService
+from serving.deployments import CFGWorkerDeployment, DiffusionModel, ImagesIngress
 
 
 def build_app(args: DiffusionAppConfig) -> Application:
-    """``ImagesIngress`` -> ``DiffusionModel``; Ray validates ``args`` into a ``DiffusionAppConfig``."""
+    """``ImagesIngress`` -> ``DiffusionModel`` -> ``ControlNet_<name>`` deployments (and ``CFGWorker``).
+
+    Ray validates ``args`` into a ``DiffusionAppConfig``; a plain dict works too.
+    """
     if not isinstance(args, DiffusionAppConfig):
         args = DiffusionAppConfig.model_validate(args)
-    return ImagesIngress.bind(DiffusionModel.bind(args), args)
+    controlnets = {
+        controlnet.name: ControlNetService.options(name=f"ControlNet_{controlnet.name}").bind(controlnet)
+        for controlnet in args.controlnets
+    }
+    cfg_worker = CFGWorkerDeployment.bind(args, controlnets) if args.engine.cfg_parallel else None
+    return ImagesIngress.bind(DiffusionModel.bind(args, controlnets, cfg_worker), args)

@@ -18,11 +18,12 @@ class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class DiffusionModelConfig(_Config):
-    """Which base model a replica loads and where it runs."""
+_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 
-    name: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
-                      description="Model id clients send as `model` and see in GET /v1/models.")
+
+class _ModelSource(_Config):
+    """A model built from a seeded preset or loaded from a local diffusers directory, on one device."""
+
     preset: str | None = Field("tiny", description=f"Built-in preset, one of {PRESET_NAMES}; null with `path`.")
     path: Path | None = Field(None, description="Local diffusers directory; loaded with local_files_only.")
     seed: int = Field(0, ge=0, description="Seed of a preset's random weights.")
@@ -30,12 +31,26 @@ class DiffusionModelConfig(_Config):
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
 
     @model_validator(mode="after")
-    def _one_source(self) -> DiffusionModelConfig:
+    def _one_source(self) -> _ModelSource:
         if (self.preset is None) == (self.path is None):
             raise ValueError("set exactly one of `preset` and `path`")
         if self.preset is not None and self.preset not in PRESET_NAMES:
             raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(PRESET_NAMES)}")
         return self
+
+
+class DiffusionModelConfig(_ModelSource):
+    """Which base model a replica loads and where it runs."""
+
+    name: str = Field("tiny", pattern=_NAME, description="Model id clients send as `model` and see in GET /v1/models.")
+
+
+class ControlNetConfig(_ModelSource):
+    """One ControlNet, served as its own deployment and shared by every base-model replica."""
+
+    name: str = Field(..., pattern=_NAME, description="Name requests use in `controlnets[].name`.")
+    max_batch_size: int = Field(8, ge=1, description="Calls (from any requests and steps) merged per forward.")
+    batch_wait_timeout_s: float = Field(0.002, ge=0.0, description="How long a call waits for others to batch.")
 
 
 class GenerationDefaults(_Config):
@@ -55,6 +70,10 @@ class ImageLimits(_Config):
     max_guidance_scale: float = Field(30.0, gt=0.0, description="guidance_scale upper bound.")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest request body.")
     max_loras: int = Field(4, ge=0, description="LoRAs per request.")
+    max_controlnets: int = Field(3, ge=0, description="ControlNets per request.")
+    max_conditioning_scale: float = Field(4.0, gt=0.0, description="Largest absolute ControlNet conditioning scale.")
+    max_image_bytes: int = Field(8 * 2**20, ge=1, description="Largest decoded conditioning image file.")
+    max_image_pixels: int = Field(2048 * 2048, ge=1, description="Largest conditioning image (width x height).")
     max_lora_scale: float = Field(4.0, gt=0.0, description="Largest absolute LoRA scale.")
 
 
@@ -64,6 +83,9 @@ class EngineConfig(_Config):
     max_batch_rows: int = Field(16, ge=1, description="Most UNet rows per step (an image with CFG takes two).")
     continuous_batching: bool = Field(
         True, description="Admit requests at every step boundary; off: only when the replica is idle.")
+    cfg_parallel: bool = Field(
+        False, description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment, "
+                           "its own device) while this replica runs the conditional ones.")
     lora_wait_fraction: float = Field(
         0.4, ge=0.0, le=1.0,
         description="A request whose LoRA is still loading runs without it until this fraction of its steps, "
@@ -97,6 +119,14 @@ class DiffusionAppConfig(_Config):
     limits: ImageLimits = ImageLimits()
     engine: EngineConfig = EngineConfig()
     lora: LoRAConfig = LoRAConfig()
+    controlnets: list[ControlNetConfig] = Field(default_factory=list, description="ControlNet services.")
+
+    @model_validator(mode="after")
+    def _unique_controlnets(self) -> DiffusionAppConfig:
+        names = [controlnet.name for controlnet in self.controlnets]
+        if len(names) != len(set(names)):
+            raise ValueError("controlnets: names must be unique")
+        return self
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> DiffusionAppConfig:

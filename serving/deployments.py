@@ -1,38 +1,126 @@
 """Ray Serve deployments of the diffusion application.
 
-``ImagesIngress`` (HTTP, FastAPI) --handle--> ``DiffusionModel`` (one engine per replica).
-The two scale independently; later ControlNet services and CFG workers hang off the model replica.
+``ImagesIngress`` (HTTP, FastAPI) --handle--> ``DiffusionModel`` (one engine loop per replica)
+--handles--> one ``ControlNetService`` deployment per ControlNet, shared by every model replica,
+and, with ``engine.cfg_parallel``, a ``CFGWorker`` computing the unconditional CFG rows.
+All scale independently.
 """
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
 from fastapi import FastAPI
 from ray import serve
 from ray.exceptions import RayTaskError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from serving._private.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
 from serving.api import create_images_api
 from serving.common.device import placement
 from serving.common.http import APIError
 from serving.common.logging import get_logger
 from serving.config import DiffusionAppConfig
-from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.controlnet.service import ServeControlNets
+from serving.engine import DiffusionEngine, GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.engine.rows import RowBatch
 
 logger = get_logger("deployments")
+
+
+@dataclass
+class WireRows:
+    """``RowBatch`` as it travels to the CFG worker: arrays, LoRA names, image references."""
+
+    sample: np.ndarray
+    timestep: np.ndarray
+    context: np.ndarray
+    loras: list[tuple[tuple[str, float], ...]]
+    controls: list[tuple[tuple[str, ray.ObjectRef, float], ...]]
+
+
+class _PendingNoise:
+    def __init__(self, response: DeploymentResponse) -> None:
+        self._response = response
+
+    def result(self) -> torch.Tensor:
+        return from_numpy(self._response.result())
+
+
+class ServeCFGWorker:
+    """The engine's ``CFGWorker`` over the ``CFGWorker`` deployment."""
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+        self._images = SharedTensors()
+
+    def submit(self, batch: RowBatch) -> _PendingNoise:
+        wire = WireRows(
+            sample=to_numpy(batch.sample),
+            timestep=to_numpy(batch.timestep),
+            context=to_numpy(batch.context),
+            loras=[tuple((weights.name, scale) for weights, scale in row) for row in batch.loras],
+            controls=[tuple((name, self._images.ref(image), scale) for name, image, scale in row)
+                      for row in batch.controls],
+        )
+        return _PendingNoise(self._handle.predict.remote(wire))
+
+
+@serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1})
+class CFGWorkerDeployment:
+    """Parallel CFG: a second copy of the model, on its own device, predicting unconditional rows."""
+
+    def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
+        client = ServeControlNets(controlnets) if controlnets else None
+        self._engine = DiffusionEngine.from_config(config.model, config.lora, client)
+        self._loras = LocalBackend.lora_cache_for(self._engine, config)
+        self._images = ResolvedTensors()
+        self._lock = asyncio.Lock()  # one forward at a time: LoRA hooks hold per-forward state
+        logger.info("CFG worker up on %s", placement())
+
+    async def predict(self, wire: WireRows) -> np.ndarray:
+        async with self._lock:
+            return await asyncio.to_thread(self._predict, wire)
+
+    def _predict(self, wire: WireRows) -> np.ndarray:
+        batch = RowBatch(
+            sample=from_numpy(wire.sample).to(self._engine.device),
+            timestep=from_numpy(wire.timestep).to(self._engine.device),
+            context=from_numpy(wire.context).to(self._engine.device),
+            loras=[tuple((self._lora(name), scale) for name, scale in row) for row in wire.loras],
+            controls=[tuple((name, self._images.get(ref), scale) for name, ref, scale in row)
+                      for row in wire.controls],
+        )
+        return to_numpy(self._engine.predict_noise(batch))
+
+    def _lora(self, name: str):
+        if self._loras is None:
+            raise RuntimeError("CFG worker has no LoRA directory configured")
+        return self._engine.lora_on_device(self._loras.get(name).result())
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 class DiffusionModel:
     """One diffusion engine and its LoRA cache; requests are batched step by step by the engine loop."""
 
-    def __init__(self, config: DiffusionAppConfig) -> None:
-        self._backend = LocalBackend.from_config(config)
+    def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
+                 cfg_worker: DeploymentHandle | None = None) -> None:
+        client = ServeControlNets(controlnets) if controlnets else None
+        worker = ServeCFGWorker(cfg_worker) if cfg_worker is not None else None
+        self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker)
 
     async def model_info(self) -> ModelInfo:
         return await self._backend.model_info()
 
     async def list_loras(self) -> list[str]:
         return await self._backend.list_loras()
+
+    async def list_controlnets(self) -> list[str]:
+        return await self._backend.list_controlnets()
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
         return await self._backend.generate(params)
@@ -57,6 +145,9 @@ class DeploymentBackend:
 
     async def list_loras(self) -> list[str]:
         return await self._handle.list_loras.remote()
+
+    async def list_controlnets(self) -> list[str]:
+        return await self._handle.list_controlnets.remote()
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
         try:

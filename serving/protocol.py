@@ -16,8 +16,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.common.http import APIError
-from serving.config import DiffusionAppConfig
+from serving.config import DiffusionAppConfig, ImageLimits
+from serving.controlnet.conditioning import ConditioningImageError, decode_image, preprocess
 from serving.engine import GenerationParams, GenerationResult, LoRASpec, ModelInfo
+from serving.engine.types import ControlNetSpec
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 MAX_SEED = 2**63 - 1
@@ -30,6 +32,17 @@ class LoRARequest(BaseModel):
 
     name: str = Field(..., min_length=1, max_length=256, description="LoRA file stem in the LoRA directory.")
     scale: float = Field(1.0, allow_inf_nan=False, description="Strength; 0 disables, negative inverts.")
+
+
+class ControlNetRequest(BaseModel):
+    """A ControlNet to condition on: a name from GET /v1/models (kind `controlnet`) and its image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., min_length=1, max_length=256, description="ControlNet name.")
+    image: str = Field(..., min_length=1, description="Base64 PNG or JPEG (a data: URL works); resized to `size`.")
+    conditioning_scale: float = Field(1.0, allow_inf_nan=False, description="Residual multiplier.")
+    preprocess: Literal["canny"] | None = Field(None, description="Detector applied to `image` first.")
 
 
 class ImageGenerationRequest(BaseModel):
@@ -48,6 +61,7 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, description="Classifier-free guidance scale.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Image i uses seed + i; random if absent.")
     loras: list[LoRARequest] = Field(default_factory=list, description="LoRAs applied to this request only.")
+    controlnets: list[ControlNetRequest] = Field(default_factory=list, description="Spatial conditioning.")
 
     def to_params(self, info: ModelInfo, config: DiffusionAppConfig) -> GenerationParams:
         """Apply defaults and limits; raise ``APIError`` (400/404) naming the field at fault."""
@@ -68,6 +82,7 @@ class ImageGenerationRequest(BaseModel):
         if guidance > limits.max_guidance_scale:
             raise _invalid("guidance_scale", f"at most {limits.max_guidance_scale}")
         loras = _check_loras(self.loras, limits.max_loras, limits.max_lora_scale)
+        controlnets = _decode_controlnets(self.controlnets, limits)
         seed = secrets.randbelow(2**31) if self.seed is None else self.seed
         if seed + self.n - 1 > MAX_SEED:
             raise _invalid("seed", f"seed + n - 1 must not exceed {MAX_SEED}")
@@ -81,6 +96,7 @@ class ImageGenerationRequest(BaseModel):
             guidance_scale=guidance,
             seed=seed,
             loras=loras,
+            controlnets=controlnets,
         )
 
 
@@ -104,6 +120,22 @@ def _check_loras(loras: list[LoRARequest], max_loras: int, max_scale: float) -> 
         if abs(lora.scale) > max_scale:
             raise _invalid(f"loras[{index}].scale", f"absolute scale at most {max_scale}")
     return tuple(LoRASpec(lora.name, lora.scale) for lora in loras)
+
+
+def _decode_controlnets(requests: list[ControlNetRequest], limits: ImageLimits) -> tuple[ControlNetSpec, ...]:
+    if len(requests) > limits.max_controlnets:
+        raise _invalid("controlnets", f"at most {limits.max_controlnets} ControlNets per request")
+    specs = []
+    for index, request in enumerate(requests):
+        if abs(request.conditioning_scale) > limits.max_conditioning_scale:
+            raise _invalid(f"controlnets[{index}].conditioning_scale",
+                           f"absolute value at most {limits.max_conditioning_scale}")
+        try:
+            image = decode_image(request.image, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+        except ConditioningImageError as exc:
+            raise _invalid(f"controlnets[{index}].image", str(exc)) from None
+        specs.append(ControlNetSpec(request.name, preprocess(image, request.preprocess), request.conditioning_scale))
+    return tuple(specs)
 
 
 def _parse_size(size: str | None, info: ModelInfo, max_side: int) -> tuple[int, int]:

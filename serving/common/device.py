@@ -6,6 +6,8 @@ import torch
 
 from serving.common import constants
 
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 def resolve_device(requested: str = "auto") -> torch.device:
     """``auto`` picks ``SWIFTSERVE_DEVICE`` if set, else CUDA when present, else CPU."""

@@ -9,6 +9,8 @@ import asyncio
 
 from serving.common.http import APIError
 from serving.config import DiffusionAppConfig
+from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
+from serving.engine.cfg import CFGWorker
 from serving.engine.denoiser import DiffusionEngine
 from serving.engine.loop import EngineLoop, LoRALoadFailed, StepCallback
 from serving.engine.types import GenerationParams, GenerationResult, ModelInfo
@@ -16,11 +18,10 @@ from serving.lora.cache import LoRACache
 from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
 
 
-def _lora_param(params: GenerationParams, name: str) -> str:
-    for index, spec in enumerate(params.loras):
-        if spec.name == name:
-            return f"loras[{index}].name"
-    return "loras"
+def _name_param(field: str, specs: tuple, name: str) -> str:
+    """``loras[2].name``: where in the request the named item is."""
+    index = next((i for i, spec in enumerate(specs) if spec.name == name), None)
+    return field if index is None else f"{field}[{index}].name"
 
 
 class LocalBackend:
@@ -31,18 +32,25 @@ class LocalBackend:
         self.registry = registry
 
     @classmethod
-    def from_config(cls, config: DiffusionAppConfig, *, on_step: StepCallback | None = None) -> LocalBackend:
-        engine = DiffusionEngine.from_config(config.model, config.lora)
+    def from_config(cls, config: DiffusionAppConfig, *, controlnets: ControlNetClient | None = None,
+                    cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None) -> LocalBackend:
+        engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker)
         return cls.for_engine(engine, config, on_step=on_step)
+
+    @staticmethod
+    def lora_cache_for(engine: DiffusionEngine, config: DiffusionAppConfig) -> LoRACache | None:
+        """The LoRA cache ``config`` asks for, validated against ``engine``'s modules (None: no LoRAs)."""
+        if config.lora.directory is None:
+            return None
+        return LoRACache(LoRARegistry(config.lora.directory), engine.lora_targets,
+                         budget_bytes=config.lora.cache_bytes, max_file_bytes=config.lora.max_file_bytes,
+                         max_workers=config.lora.load_workers)
 
     @classmethod
     def for_engine(cls, engine: DiffusionEngine, config: DiffusionAppConfig, *,
                    on_step: StepCallback | None = None) -> LocalBackend:
-        registry = cache = None
-        if config.lora.directory is not None:
-            registry = LoRARegistry(config.lora.directory)
-            cache = LoRACache(registry, engine.lora_targets, budget_bytes=config.lora.cache_bytes,
-                              max_file_bytes=config.lora.max_file_bytes, max_workers=config.lora.load_workers)
+        cache = cls.lora_cache_for(engine, config)
+        registry = cache.registry if cache is not None else None
         return cls(EngineLoop(engine, config.engine, cache, on_step=on_step), registry)
 
     async def model_info(self) -> ModelInfo:
@@ -51,21 +59,33 @@ class LocalBackend:
     async def list_loras(self) -> list[str]:
         return await asyncio.to_thread(self.registry.names) if self.registry is not None else []
 
+    async def list_controlnets(self) -> list[str]:
+        controlnets = self.loop.engine.controlnets
+        return controlnets.names() if controlnets is not None else []
+
     async def generate(self, params: GenerationParams) -> GenerationResult:
         try:
             future = self.loop.submit(params)
         except InvalidLoRAName as exc:
-            raise APIError(400, f"invalid LoRA name: {exc}", param=_lora_param(params, exc.name),
+            raise APIError(400, f"invalid LoRA name: {exc}", param=_name_param("loras", params.loras, exc.name),
                            code="invalid_lora_name") from None
         except LoRANotFound as exc:
-            raise APIError(404, f"LoRA {exc.name!r} does not exist", param=_lora_param(params, exc.name),
-                           code="lora_not_found") from None
+            raise APIError(404, f"LoRA {exc.name!r} does not exist",
+                           param=_name_param("loras", params.loras, exc.name), code="lora_not_found") from None
+        except ControlNetNotFound as exc:
+            raise APIError(404, f"ControlNet {exc.name!r} does not exist",
+                           param=_name_param("controlnets", params.controlnets, exc.name),
+                           code="controlnet_not_found") from None
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
         try:
             return await asyncio.wrap_future(future)
+        except ControlNetUnavailable as exc:
+            raise APIError(503, str(exc), param=_name_param("controlnets", params.controlnets, exc.name),
+                           code="controlnet_unavailable", headers={"Retry-After": "1"}) from None
         except LoRALoadFailed as exc:
-            raise APIError(422, str(exc), param=_lora_param(params, exc.name), code="lora_load_failed") from None
+            raise APIError(422, str(exc), param=_name_param("loras", params.loras, exc.name),
+                           code="lora_load_failed") from None
 
     def close(self) -> None:
         self.loop.stop()

@@ -18,11 +18,17 @@ import numpy as np
 import torch
 from PIL import Image
 
-from serving.common.device import placement, resolve_device
+from serving.common.device import DTYPES, placement, resolve_device
 from serving.common.logging import get_logger
 from serving.config import DiffusionModelConfig, LoRAConfig
+from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
+from serving.controlnet.conditioning import to_controlnet_input
+from serving.controlnet.runner import ControlNetCall
+from serving.engine.cfg import CFGWorker
 from serving.engine.request import PendingLoRA, RequestState
+from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
+from serving.engine.unet_split import SplitUNet
 from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
@@ -31,8 +37,6 @@ from serving.presets import DiffusionComponents, build_preset, load_local
 logger = get_logger("engine")
 
 _DEVICE_LORA_COPIES = 16
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def load_components(config: DiffusionModelConfig) -> DiffusionComponents:
@@ -55,7 +59,8 @@ class DiffusionEngine:
 
     def __init__(self, name: str, components: DiffusionComponents, device: torch.device,
                  dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
-                 lora_merge_after: int = 8) -> None:
+                 lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
+                 cfg_worker: CFGWorker | None = None) -> None:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple)
         self.device, self.dtype = device, dtype
@@ -71,17 +76,23 @@ class DiffusionEngine:
         self._unet_loras = LoRAHooks(self.unet, merged_cache_bytes=merged_lora_bytes, merge_after=lora_merge_after)
         self._text_loras = LoRAHooks(self.text_encoder)
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
+        self.controlnets = controlnets
+        self.cfg_worker = cfg_worker
+        self._split_unet = SplitUNet(self.unet) if controlnets is not None else None
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
         self._step_takes_generator = "generator" in step_parameters
 
     @classmethod
-    def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None) -> DiffusionEngine:
+    def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None,
+                    controlnets: ControlNetClient | None = None, cfg_worker: CFGWorker | None = None,
+                    ) -> DiffusionEngine:
         device = resolve_device(config.device)
         lora = lora or LoRAConfig()
         started = time.perf_counter()
         engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
-                     merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards)
+                     merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards,
+                     controlnets=controlnets, cfg_worker=cfg_worker)
         source = f"preset={config.preset}" if config.preset else f"path={config.path}"
         logger.info("diffusion model %r loaded (%s, device=%s, dtype=%s) in %.1fs on %s",
                     config.name, source, device, config.dtype, time.perf_counter() - started, placement())
@@ -93,6 +104,10 @@ class DiffusionEngine:
         multiple = self.info.size_multiple
         if params.width % multiple or params.height % multiple:
             raise ValueError(f"width and height must be multiples of {multiple}")
+        served = set(self.controlnets.names()) if self.controlnets is not None else set()
+        for spec in params.controlnets:
+            if spec.name not in served:
+                raise ControlNetNotFound(spec.name)
 
     @torch.inference_mode()
     def start(self, params: GenerationParams, loras: Sequence[PendingLoRA] = (),
@@ -115,6 +130,8 @@ class DiffusionEngine:
             generators=generators,
             prompt_embeds=prompt_embeds,
             negative_embeds=negative_embeds,
+            controls=[(spec.name, to_controlnet_input(spec.image, params.width, params.height).to(self.device),
+                       spec.scale) for spec in params.controlnets],
             loras=list(loras),
             lora_step=math.floor(lora_wait_fraction * params.num_inference_steps + 1e-9),
         )
@@ -122,7 +139,7 @@ class DiffusionEngine:
     @torch.inference_mode()
     def activate_loras(self, state: RequestState) -> None:
         """Apply the request's (loaded) LoRAs from its next step on; re-encode text if they touch the encoder."""
-        state.active_loras = [(self._on_device(pending.load.result()), pending.scale) for pending in state.loras]
+        state.active_loras = [(self.lora_on_device(pending.load.result()), pending.scale) for pending in state.loras]
         for weights, _ in state.active_loras:
             self._unet_loras.ensure_hooks(weights.unet)
             self._text_loras.ensure_hooks(weights.text_encoder)
@@ -133,22 +150,23 @@ class DiffusionEngine:
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
-        """One denoising step for every request in ``states``, all rows in one UNet forward."""
-        samples, embeds, timesteps, assignments = [], [], [], []
-        for state in states:
-            t = state.timesteps[state.step_index]
-            latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
-            samples.append(state.scheduler.scale_model_input(latents, t))
-            if state.negative_embeds is not None:
-                embeds.append(torch.cat([state.negative_embeds, state.prompt_embeds]))
-            else:
-                embeds.append(state.prompt_embeds)
-            timesteps.append(t.expand(state.rows))
-            unet_pairs = [(weights.unet, scale) for weights, scale in state.active_loras]
-            assignments.extend([unet_pairs] * state.rows)
-        with self._unet_loras.active(plan_lora_rows(assignments, self.device)):
-            noise = self.unet(torch.cat(samples), torch.cat(timesteps),
-                              encoder_hidden_states=torch.cat(embeds), return_dict=False)[0]
+        """One denoising step for every request in ``states``: all rows in one UNet forward, or with a CFG
+        worker, the unconditional rows there and the rest here, at the same time."""
+        batch = RowBatch.for_states(states)
+        if self.cfg_worker is None or not any(state.params.uses_cfg for state in states):
+            noise = self.predict_noise(batch)
+        else:
+            remote, local, offset = [], [], 0
+            for state in states:
+                half = state.params.n if state.params.uses_cfg else 0
+                remote += range(offset, offset + half)
+                local += range(offset + half, offset + state.rows)
+                offset += state.rows
+            pending = self.cfg_worker.submit(batch.select(remote))
+            local_noise = self.predict_noise(batch.select(local))
+            noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
+            noise[local] = local_noise
+            noise[remote] = pending.result().to(noise.device, noise.dtype)
         offset = 0
         for state in states:
             prediction = noise[offset:offset + state.rows]
@@ -163,6 +181,17 @@ class DiffusionEngine:
             state.step_index += 1
 
     @torch.inference_mode()
+    def predict_noise(self, batch: RowBatch) -> torch.Tensor:
+        """The UNet's noise prediction for every row, with each row's LoRAs and ControlNets."""
+        assignments = [[(weights.unet, scale) for weights, scale in row] for row in batch.loras]
+        for layers in {id(layers): layers for row in assignments for layers, _ in row}.values():
+            self._unet_loras.ensure_hooks(layers)  # rows may come from another engine (parallel CFG)
+        with self._unet_loras.active(plan_lora_rows(assignments, self.device)):
+            if any(batch.controls):
+                return self._controlled_unet(batch)
+            return self.unet(batch.sample, batch.timestep, encoder_hidden_states=batch.context, return_dict=False)[0]
+
+    @torch.inference_mode()
     def decode(self, state: RequestState) -> np.ndarray:
         """The request's images as float32 [n, H, W, 3] in [0, 1]."""
         images = self.vae.decode(state.latents / self.vae.config.scaling_factor, return_dict=False)[0]
@@ -170,7 +199,40 @@ class DiffusionEngine:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _on_device(self, weights: LoRAWeights) -> LoRAWeights:
+    def _controlled_unet(self, batch: RowBatch) -> torch.Tensor:
+        """The UNet with ControlNet residuals: the ControlNet calls of this step run while the down blocks do."""
+        assert self.controlnets is not None and self._split_unet is not None
+        rows_by_net: dict[str, list[tuple[int, torch.Tensor, float]]] = {}
+        for row, controls in enumerate(batch.controls):
+            for name, image, scale in controls:
+                rows_by_net.setdefault(name, []).append((row, image, scale))
+        pending = []
+        for name, entries in rows_by_net.items():
+            index = torch.tensor([row for row, _, _ in entries], dtype=torch.long, device=self.device)
+            images: list[tuple[torch.Tensor, int]] = []  # consecutive rows of one image sent once
+            for _, image, _ in entries:
+                if images and images[-1][0] is image:
+                    images[-1] = (image, images[-1][1] + 1)
+                else:
+                    images.append((image, 1))
+            call = ControlNetCall(sample=batch.sample[index], timestep=batch.timestep[index.to(batch.timestep.device)],
+                                  encoder_hidden_states=batch.context[index],
+                                  scales=torch.tensor([scale for _, _, scale in entries]), images=images)
+            pending.append((name, index, self.controlnets.submit(name, call)))
+        down = self._split_unet.down(batch.sample, batch.timestep, batch.context)
+        down_residuals = [torch.zeros_like(skip) for skip in down.skips]
+        mid_residual = torch.zeros_like(down.sample)
+        for name, index, future in pending:  # summed across ControlNets, as MultiControlNetModel does
+            try:
+                residuals = future.result()
+            except Exception as exc:
+                raise ControlNetUnavailable(name, exc) from exc
+            for total, part in zip(down_residuals, residuals.down, strict=True):
+                total.index_add_(0, index, part.to(total.device, total.dtype))
+            mid_residual.index_add_(0, index, residuals.mid.to(mid_residual.device, mid_residual.dtype))
+        return self._split_unet.up(down, down_residuals, mid_residual)
+
+    def lora_on_device(self, weights: LoRAWeights) -> LoRAWeights:
         """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group)."""
         entry = self._device_loras.get(id(weights))
         if entry is None or entry[0] is not weights:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from serving.common.logging import get_logger
 from serving.config import EngineConfig
+from serving.controlnet.client import ControlNetUnavailable
 from serving.engine.denoiser import DiffusionEngine, encode_png
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport
@@ -186,6 +187,15 @@ class EngineLoop:
     def _step(self, batch: list[_Active]) -> None:
         try:
             self.engine.step([active.state for active in batch])
+        except ControlNetUnavailable as exc:  # fail its users; the others step again (states are unchanged)
+            users = [a for a in batch if any(name == exc.name for name, _, _ in a.state.controls)]
+            logger.warning("%s; failing %d request(s)", exc, len(users))
+            for active in users:
+                self._finish(active, error=exc)
+            rest = [active for active in batch if active not in users]
+            if rest and users:
+                self._step(rest)
+            return
         except Exception as exc:
             logger.exception("denoising step failed for %d request(s)", len(batch))
             for active in batch:

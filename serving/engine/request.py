@@ -35,6 +35,7 @@ class RequestState:
     prompt_embeds: torch.Tensor  # [n, seq, dim]
     negative_embeds: torch.Tensor | None  # [n, seq, dim] when CFG runs
     lora_step: int  # the step at which the request stops and waits for its LoRAs
+    controls: list[tuple[str, torch.Tensor, float]] = field(default_factory=list)  # name, [1,3,H,W], scale
     loras: list[PendingLoRA] = field(default_factory=list)
     active_loras: list[tuple[LoRAWeights, float]] = field(default_factory=list)
     step_index: int = 0

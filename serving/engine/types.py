@@ -5,12 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class LoRASpec:
     """One LoRA of a request: a registry name and the strength it is applied with."""
 
     name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, eq=False)
+class ControlNetSpec:
+    """One ControlNet of a request: its name, the (already decoded and preprocessed) RGB conditioning
+    image as uint8 [H, W, 3], and the conditioning scale its residuals are multiplied by."""
+
+    name: str
+    image: np.ndarray
     scale: float = 1.0
 
 
@@ -27,6 +39,7 @@ class GenerationParams:
     n: int = 1
     negative_prompt: str | None = None
     loras: tuple[LoRASpec, ...] = ()
+    controlnets: tuple[ControlNetSpec, ...] = ()
 
     @property
     def uses_cfg(self) -> bool:
@@ -69,5 +82,7 @@ class ImageGenerationBackend(Protocol):
     async def model_info(self) -> ModelInfo: ...
 
     async def list_loras(self) -> list[str]: ...
+
+    async def list_controlnets(self) -> list[str]: ...
 
     async def generate(self, params: GenerationParams) -> GenerationResult: ...

@@ -4,6 +4,7 @@ The config is the one `make serve` uses, deployed through the same Serve control
 `serve run`; only the HTTP port is swapped for a free one.
 """
 
+import copy
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from ray.serve.schema import ServeDeploySchema
 
 from serving.common.serve_config import deploy_serve_config, load_serve_config
 from tests.lora_files import write_lora
@@ -41,6 +43,7 @@ def base_url(lora_dir: Path) -> Iterator[str]:
     config.http_options.port = _free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
+    config = _with_parallel_cfg_variant(config)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
     try:
@@ -49,6 +52,22 @@ def base_url(lora_dir: Path) -> Iterator[str]:
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def _with_parallel_cfg_variant(config: ServeDeploySchema) -> ServeDeploySchema:
+    """Adds `diffusion-cfg` at /cfg: the diffusion app with `engine.cfg_parallel` (a CFGWorker deployment)
+    and its own ControlNet deployment, each given a sliver of CPU so the 2-CPU cluster can place them."""
+    raw = config.model_dump(exclude_unset=True)
+    diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
+    variant = copy.deepcopy(diffusion)
+    variant.update(name="diffusion-cfg", route_prefix="/cfg")
+    variant["args"].setdefault("engine", {})["cfg_parallel"] = True
+    variant["deployments"] = [
+        {"name": name, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.05}}
+        for name in ("ImagesIngress", "DiffusionModel", "CFGWorker", "ControlNet_edges")
+    ]
+    raw["applications"].append(variant)
+    return ServeDeploySchema.model_validate(raw)
 
 
 @pytest.fixture(scope="session")

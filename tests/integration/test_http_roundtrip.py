@@ -53,7 +53,7 @@ def test_lora_errors_cross_the_replica_boundary_intact(http, name, status):
 
 
 def test_models_and_health(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "corrupt", "outlined"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "edges", "corrupt", "outlined"]
     assert http.get("/health").json() == {"status": "ok"}
     assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
 
@@ -101,3 +101,51 @@ def test_bad_requests_get_4xx_naming_the_field(http, path, body, field):
     assert field in message
     if isinstance(error, dict):
         assert error["param"] == field
+
+
+def test_controlnet_service_gives_the_in_process_image(http):
+    """The remote ControlNet deployment (object store, @serve.batch) matches an in-process ControlNet."""
+    import torch
+
+    from serving.controlnet.client import LocalControlNets
+    from serving.controlnet.models import build_controlnet_preset
+    from serving.controlnet.runner import ControlNetRunner
+    from serving.engine import DiffusionEngine, GenerationParams
+    from serving.engine.types import ControlNetSpec
+    from serving.presets import build_preset
+
+    square = np.zeros((64, 64, 3), np.uint8)
+    square[16:48, 20:44] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(square).save(buffer, format="PNG")
+    body = {"prompt": "a red square", "seed": 11, "num_inference_steps": 3, "size": "64x64",
+            "controlnets": [{"name": "edges", "image": base64.b64encode(buffer.getvalue()).decode(),
+                             "conditioning_scale": 1.2}]}
+    response = http.post("/v1/images/generations", json=body)
+    assert response.status_code == 200, response.text
+    served = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))))
+
+    cpu = torch.device("cpu")
+    local = DiffusionEngine("tiny", build_preset("tiny"), cpu, controlnets=LocalControlNets(
+        {"edges": ControlNetRunner(build_controlnet_preset("tiny"), cpu)}))
+    state = local.start(GenerationParams("a red square", 64, 64, 3, 7.5, 11,
+                                         controlnets=(ControlNetSpec("edges", square, 1.2),)))
+    while not state.done:
+        local.step([state])
+    expected = (local.decode(state)[0] * 255).round()
+    assert np.abs(served.astype(float) - expected).max() <= 1
+
+
+def test_parallel_cfg_app_gives_the_same_image(http):
+    """`engine.cfg_parallel`: unconditional rows on the CFGWorker deployment, same image as without."""
+    body = {"prompt": "a blue disk", "seed": 5, "num_inference_steps": 3, "size": "64x64", "guidance_scale": 6.0,
+            "negative_prompt": "red", "loras": [{"name": "outlined", "scale": 0.7}]}
+    images = []
+    for prefix in ("", "/cfg"):
+        http.post(f"{prefix}/v1/images/generations", json=body)  # the LoRA is cached from now on
+        response = http.post(f"{prefix}/v1/images/generations", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["lora"]["applied_at_step"] == 0
+        png = base64.b64decode(response.json()["data"][0]["b64_json"])
+        images.append(np.asarray(Image.open(io.BytesIO(png))).astype(int))
+    assert np.abs(images[0] - images[1]).max() <= 1

@@ -4,8 +4,12 @@ import ipaddress
 import socket
 
 import pytest
+import torch
 
 from serving.config import DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults
+from serving.controlnet.client import LocalControlNets
+from serving.controlnet.models import build_controlnet_preset
+from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine
 
 _real_connect = socket.socket.connect
@@ -30,8 +34,9 @@ def no_network(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_engine() -> DiffusionEngine:
-    """The tiny preset on CPU; its modules are frozen (eval, no grad), so sharing it is safe."""
-    return DiffusionEngine.from_config(DiffusionModelConfig(preset="tiny", device="cpu"))
+    """The tiny preset on CPU with an in-process ControlNet ``edges``; modules are frozen, so sharing is safe."""
+    controlnets = LocalControlNets({"edges": ControlNetRunner(build_controlnet_preset("tiny"), torch.device("cpu"))})
+    return DiffusionEngine.from_config(DiffusionModelConfig(preset="tiny", device="cpu"), controlnets=controlnets)
 
 
 @pytest.fixture(scope="session")

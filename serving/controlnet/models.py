@@ -1,0 +1,40 @@
+"""ControlNet models: seeded presets matching the diffusion presets, or local diffusers directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import ControlNetModel
+
+from serving.presets import build_preset
+
+# Conditioning-embedding widths: one stride-2 stage per factor of 2 between image and latent.
+_CONDITIONING_CHANNELS = {"tiny": (16, 32), "sd15-shape": (16, 32, 96, 256)}
+CONTROLNET_PRESETS: tuple[str, ...] = tuple(_CONDITIONING_CHANNELS)
+
+
+def build_controlnet_preset(name: str, seed: int = 0) -> ControlNetModel:
+    """A ControlNet for diffusion preset ``name``: its encoder copied from the preset's UNet (as ControlNet
+    training starts), and zero-convolutions drawn non-zero from ``seed`` so the residuals matter."""
+    if name not in _CONDITIONING_CHANNELS:
+        raise ValueError(f"unknown ControlNet preset {name!r}; known presets: {', '.join(CONTROLNET_PRESETS)}")
+    unet = build_preset(name).unet
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        controlnet = ControlNetModel.from_unet(
+            unet, conditioning_embedding_out_channels=_CONDITIONING_CHANNELS[name])
+        zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                      controlnet.controlnet_cond_embedding.conv_out]
+        for conv in zero_convs:
+            torch.nn.init.normal_(conv.weight, std=0.05)
+            torch.nn.init.normal_(conv.bias, std=0.05)
+    return controlnet.eval().requires_grad_(False)
+
+
+def load_controlnet(path: str | Path) -> ControlNetModel:
+    """A diffusers ControlNet directory from local disk only (never a hub)."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a diffusers ControlNet directory (no config.json)")
+    return ControlNetModel.from_pretrained(path, local_files_only=True).eval().requires_grad_(False)

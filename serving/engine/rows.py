@@ -1,0 +1,65 @@
+"""``RowBatch``: the rows of one UNet forward, whichever requests they come from.
+
+Each row carries its own timestep, text embedding, LoRAs and ControlNet conditions, so a forward can
+mix requests freely, and a subset of rows (the unconditional half, for parallel CFG) can be cut out
+and computed elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from serving.engine.request import RequestState
+from serving.lora.weights import LoRAWeights
+
+RowLoRAs = tuple[tuple[LoRAWeights, float], ...]  # (weights, request scale)
+RowControls = tuple[tuple[str, torch.Tensor, float], ...]  # (ControlNet name, [1, 3, H, W] image, scale)
+
+
+@dataclass
+class RowBatch:
+    sample: torch.Tensor  # model input, already scaled by each request's scheduler [R, C, h, w]
+    timestep: torch.Tensor  # [R]
+    context: torch.Tensor  # text embeddings [R, S, D]
+    loras: list[RowLoRAs]
+    controls: list[RowControls]
+
+    @property
+    def rows(self) -> int:
+        return self.sample.shape[0]
+
+    def select(self, index: Sequence[int]) -> RowBatch:
+        positions = torch.tensor(list(index), dtype=torch.long, device=self.sample.device)
+        return RowBatch(
+            sample=self.sample.index_select(0, positions),
+            timestep=self.timestep.index_select(0, positions.to(self.timestep.device)),
+            context=self.context.index_select(0, positions),
+            loras=[self.loras[i] for i in index],
+            controls=[self.controls[i] for i in index],
+        )
+
+    def to(self, device: torch.device) -> RowBatch:
+        """The same rows with their activations on ``device`` (LoRAs and images are moved by their users)."""
+        return RowBatch(self.sample.to(device), self.timestep.to(device), self.context.to(device),
+                        self.loras, self.controls)
+
+    @classmethod
+    def for_states(cls, states: Sequence[RequestState]) -> RowBatch:
+        """All rows of ``states`` at their current step: per CFG request its unconditional rows, then its
+        conditional rows (the order diffusers concatenates them in)."""
+        samples, timesteps, contexts, loras, controls = [], [], [], [], []
+        for state in states:
+            t = state.timesteps[state.step_index]
+            latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
+            samples.append(state.scheduler.scale_model_input(latents, t))
+            timesteps.append(t.expand(state.rows))
+            if state.negative_embeds is not None:
+                contexts.append(torch.cat([state.negative_embeds, state.prompt_embeds]))
+            else:
+                contexts.append(state.prompt_embeds)
+            loras += [tuple(state.active_loras)] * state.rows
+            controls += [tuple(state.controls)] * state.rows
+        return cls(torch.cat(samples), torch.cat(timesteps), torch.cat(contexts), loras, controls)
