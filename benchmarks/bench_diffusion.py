@@ -16,10 +16,9 @@ written to ``benchmarks/results/bench_diffusion.{json,md}``.
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,7 @@ from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
 from PIL import Image
 
 from benchmarks.bench_lora import write_attention_lora
-from benchmarks.common import machine, summary, timed, write_results
+from benchmarks.common import diffusion_arguments, machine, summary, timed, write_results
 from serving.config import EngineConfig
 from serving.controlnet.client import LocalControlNets
 from serving.controlnet.models import build_controlnet_preset
@@ -111,8 +110,7 @@ class Swiftserve:
         loras = tuple(LoRASpec(f"lora{i}", 0.8) for i in range(row.loras))
         controls = tuple(ControlNetSpec(f"cn{i}", conditioning_image(self.params.width, i), 1.0)
                          for i in range(row.controlnets))
-        result = self.loop.submit(GenerationParams(**{**asdict(self.params), "loras": loras,
-                                                      "controlnets": controls})).result()
+        result = self.loop.submit(replace(self.params, loras=loras, controlnets=controls)).result()
         if result.lora is not None:
             self.reports.append({"row": row.label, **asdict(result.lora)})
 
@@ -122,14 +120,7 @@ class Swiftserve:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--rank", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-    params = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
-                              num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
+    args, params = diffusion_arguments(__doc__, steps=4, repeats=3)
     rows = [Row(*row) for row in ROWS]
     controlnets = [build_controlnet_preset("sd15-shape", seed=i) for i in range(3)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -19,7 +19,6 @@ Cases run interleaved (round robin) and medians are reported: this machine's tim
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from benchmarks.common import machine, summary, timed, write_results
+from benchmarks.common import diffusion_arguments, machine, summary, timed, write_results
 from serving.config import EngineConfig
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
 from serving.lora.cache import LoRACache
@@ -111,14 +110,7 @@ class SwiftserveCases:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--rank", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    params = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
-                              num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
+    args, params = diffusion_arguments(__doc__, steps=6, repeats=5)
 
     with tempfile.TemporaryDirectory() as tmp:
         lora_path = Path(tmp) / "style.safetensors"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -10,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from serving.engine import GenerationParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,3 +51,16 @@ def write_results(name: str, payload: dict, table: str) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
     (RESULTS / f"{name}.md").write_text(table + "\n")
+
+
+def diffusion_arguments(doc: str, *, steps: int, repeats: int) -> tuple[argparse.Namespace, GenerationParams]:
+    """Command line shared by the diffusion benchmarks, and the request every case starts from."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--size", type=int, default=256)
+    parser.add_argument("--rank", type=int, default=64, help="rank of the LoRA files")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    args = parser.parse_args()
+    params = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
+                              num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
+    return args, params

@@ -63,7 +63,7 @@ class ControlNetRunner:
     """One ControlNet model on one device."""
 
     def __init__(self, model: ControlNetModel, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
-        self.model = model.to(device=device, dtype=dtype)
+        self.model = model.to(device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)
         self.device, self.dtype = device, dtype
 
     @torch.inference_mode()

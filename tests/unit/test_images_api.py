@@ -164,7 +164,8 @@ def test_official_openai_client_works_unchanged(client):
     response = openai.images.generate(
         model="tiny", prompt="a red circle", n=2, size="32x32", response_format="b64_json",
         extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 4.0,
-                    "loras": [{"name": "outlined", "scale": 0.5}]},
+                    "loras": [{"name": "outlined", "scale": 0.5}],
+                    "controlnets": [{"name": "edges", "image": _png_b64(SQUARE), "preprocess": "canny"}]},
     )
     images = [Image.open(io.BytesIO(base64.b64decode(item.b64_json))) for item in response.data]
     assert [image.size for image in images] == [(32, 32)] * 2
