@@ -29,6 +29,9 @@ class _ModelSource(_Config):
     seed: int = Field(0, ge=0, description="Seed of a preset's random weights.")
     device: str = Field("auto", description="torch device; `auto` = SWIFTSERVE_DEVICE, else CUDA if present, else CPU.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of the replica; null: torch's default (Ray sets "
+                                "OMP_NUM_THREADS from the replica's num_cpus).")
 
     @model_validator(mode="after")
     def _one_source(self) -> _ModelSource:

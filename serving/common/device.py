@@ -19,6 +19,12 @@ def resolve_device(requested: str = "auto") -> torch.device:
     return device
 
 
+def set_torch_threads(threads: int | None) -> None:
+    """Pin this process's torch intra-op thread count (``None`` leaves torch's default)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def placement() -> str:
     """Where this process runs, for start-up log lines: Ray node and PID when inside Ray."""
     import os

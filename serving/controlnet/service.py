@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from serving._private.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
-from serving.common.device import DTYPES, placement, resolve_device
+from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.config import ControlNetConfig
 from serving.controlnet.client import ControlNetNotFound
@@ -85,6 +85,7 @@ class ControlNetService:
 
     def __init__(self, config: ControlNetConfig) -> None:
         device = resolve_device(config.device)
+        set_torch_threads(config.torch_threads)
         model = build_controlnet_preset(config.preset, config.seed) if config.preset else load_controlnet(config.path)
         self._runner = ControlNetRunner(model, device, DTYPES[config.dtype])
         self._images = ResolvedTensors()

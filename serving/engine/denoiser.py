@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from serving.common.device import DTYPES, placement, resolve_device
+from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
@@ -88,6 +88,7 @@ class DiffusionEngine:
                     controlnets: ControlNetClient | None = None, cfg_worker: CFGWorker | None = None,
                     ) -> DiffusionEngine:
         device = resolve_device(config.device)
+        set_torch_threads(config.torch_threads)
         lora = lora or LoRAConfig()
         started = time.perf_counter()
         engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
