@@ -23,6 +23,7 @@ from serving.engine.denoiser import DiffusionEngine, encode_png
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport
 from serving.lora.cache import LoRACache
+from serving.lora.registry import LoRANotFound
 
 logger = get_logger("engine.loop")
 
@@ -87,17 +88,10 @@ class EngineLoop:
             self._wakeup.notify()
         self._thread.join()
 
-    @property
-    def load(self) -> int:
-        """Requests queued or in flight."""
-        return len(self._queue) + len(self._active)
-
     # -- loop thread ------------------------------------------------------------------------------
 
     def _request_lora(self, name: str, scale: float) -> PendingLoRA:
         if self.lora_cache is None:
-            from serving.lora.registry import LoRANotFound
-
             raise LoRANotFound(name)
         hit = self.lora_cache.contains(name)
         return PendingLoRA(name=name, scale=scale, load=self.lora_cache.get(name), cache_hit=hit)
@@ -109,7 +103,7 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._stopping or self._queue or self._runnable() or self._loras_ready()):
+                while not (self._stopping or self._admissible() or self._runnable() or self._loras_ready()):
                     self._wakeup.wait()
                 if self._stopping:
                     break
@@ -120,11 +114,16 @@ class EngineLoop:
             batch = self._next_batch()
             if batch:
                 self._step(batch)
-        for active in self._active:
-            _fail(active.submission.future, RuntimeError("engine loop stopped"))
+        stopped = RuntimeError("engine loop stopped")
+        for submission in [*self._queue, *(active.submission for active in self._active)]:
+            _fail(submission.future, stopped)
+
+    def _admissible(self) -> bool:
+        """Queued requests may join now: at any step boundary, or only when idle without continuous batching."""
+        return bool(self._queue) and (self.config.continuous_batching or not self._active)
 
     def _take_admissible(self) -> list[_Submission]:
-        if not self.config.continuous_batching and self._active:
+        if not self._admissible():
             return []
         admitted = list(self._queue)
         self._queue.clear()
@@ -154,7 +153,12 @@ class EngineLoop:
             if failed is not None:
                 self._finish(active, error=LoRALoadFailed(failed.name, failed.load.exception()))
                 continue
-            self.engine.activate_loras(state)
+            try:
+                self.engine.activate_loras(state)
+            except Exception as exc:  # e.g. a LoRA whose targets the model cannot hook: fail that request alone
+                logger.exception("applying LoRAs failed")
+                self._finish(active, error=exc)
+                continue
             if state.blocked_since is not None:
                 state.lora_wait_s += now - state.blocked_since
                 state.blocked_since = None
