@@ -86,6 +86,9 @@ class EngineConfig(_Config):
     max_batch_rows: int = Field(16, ge=1, description="Most UNet rows per step (an image with CFG takes two).")
     continuous_batching: bool = Field(
         True, description="Admit requests at every step boundary; off: only when the replica is idle.")
+    remote_timeout_s: float = Field(
+        30.0, gt=0.0, description="Deadline of one step's call to a ControlNet or CFG worker deployment; past it "
+                                  "the requests using it fail with 503 and the replica goes on.")
     cfg_parallel: bool = Field(
         False, description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment, "
                            "its own device) while this replica runs the conditional ones.")

@@ -44,18 +44,20 @@ class WireRows:
 
 
 class _PendingNoise:
-    def __init__(self, response: DeploymentResponse) -> None:
+    def __init__(self, response: DeploymentResponse, timeout_s: float) -> None:
         self._response = response
+        self._timeout_s = timeout_s
 
     def result(self) -> torch.Tensor:
-        return from_numpy(self._response.result())
+        return from_numpy(self._response.result(timeout_s=self._timeout_s))
 
 
 class ServeCFGWorker:
     """The engine's ``CFGWorker`` over the ``CFGWorker`` deployment."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, timeout_s: float) -> None:
         self._handle = handle
+        self._timeout_s = timeout_s
         self._images = SharedTensors()
 
     def submit(self, batch: RowBatch) -> _PendingNoise:
@@ -67,7 +69,7 @@ class ServeCFGWorker:
             controls=[tuple((name, self._images.ref(image), scale) for name, image, scale in row)
                       for row in batch.controls],
         )
-        return _PendingNoise(self._handle.predict.remote(wire))
+        return _PendingNoise(self._handle.predict.remote(wire), self._timeout_s)
 
 
 @serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1})
@@ -75,7 +77,7 @@ class CFGWorkerDeployment:
     """Parallel CFG: a second copy of the model, on its own device, predicting unconditional rows."""
 
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
-        client = ServeControlNets(controlnets) if controlnets else None
+        client = ServeControlNets(controlnets, config.engine.remote_timeout_s) if controlnets else None
         self._engine = DiffusionEngine.from_config(config.model, config.lora, client)
         self._loras = LocalBackend.lora_cache_for(self._engine, config)
         self._images = ResolvedTensors()
@@ -109,8 +111,9 @@ class DiffusionModel:
 
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
-        client = ServeControlNets(controlnets) if controlnets else None
-        worker = ServeCFGWorker(cfg_worker) if cfg_worker is not None else None
+        timeout_s = config.engine.remote_timeout_s
+        client = ServeControlNets(controlnets, timeout_s) if controlnets else None
+        worker = ServeCFGWorker(cfg_worker, timeout_s) if cfg_worker is not None else None
         self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker)
 
     async def model_info(self) -> ModelInfo:

@@ -48,19 +48,21 @@ class WireResiduals:
 
 
 class _PendingRemote:
-    def __init__(self, response: DeploymentResponse) -> None:
+    def __init__(self, response: DeploymentResponse, timeout_s: float) -> None:
         self._response = response
+        self._timeout_s = timeout_s
 
     def result(self) -> ControlNetResiduals:
-        wire: WireResiduals = self._response.result()
+        wire: WireResiduals = self._response.result(timeout_s=self._timeout_s)
         return ControlNetResiduals([from_numpy(block) for block in wire.down], from_numpy(wire.mid))
 
 
 class ServeControlNets:
     """The engine's ``ControlNetClient`` over ControlNet deployments (one handle per ControlNet)."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, handles: dict[str, DeploymentHandle], timeout_s: float) -> None:
         self._handles = handles
+        self._timeout_s = timeout_s
         self._images = SharedTensors()
 
     def names(self) -> list[str]:
@@ -76,7 +78,7 @@ class ServeControlNets:
             scales=to_numpy(call.scales),
             images=[(self._images.ref(image), rows) for image, rows in call.images],
         )
-        return _PendingRemote(self._handles[name].residuals.remote(wire))
+        return _PendingRemote(self._handles[name].residuals.remote(wire), self._timeout_s)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)

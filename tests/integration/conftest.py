@@ -43,6 +43,7 @@ def base_url(lora_dir: Path) -> Iterator[str]:
     config.http_options.port = _free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
+    diffusion.args.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
     config = _with_parallel_cfg_variant(config)
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
              runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
