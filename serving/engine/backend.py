@@ -10,7 +10,7 @@ import asyncio
 from serving.common.http import APIError
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
-from serving.engine.cfg import CFGWorker
+from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
 from serving.engine.denoiser import DiffusionEngine
 from serving.engine.loop import EngineLoop, LoRALoadFailed, StepCallback
 from serving.engine.types import GenerationParams, GenerationResult, ModelInfo
@@ -83,6 +83,8 @@ class LocalBackend:
         except ControlNetUnavailable as exc:
             raise APIError(503, str(exc), param=_name_param("controlnets", params.controlnets, exc.name),
                            code="controlnet_unavailable", headers={"Retry-After": "1"}) from None
+        except CFGWorkerUnavailable as exc:
+            raise APIError(503, str(exc), code="cfg_worker_unavailable", headers={"Retry-After": "1"}) from None
         except LoRALoadFailed as exc:
             raise APIError(422, str(exc), param=_name_param("loras", params.loras, exc.name),
                            code="lora_load_failed") from None

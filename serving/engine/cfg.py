@@ -19,6 +19,13 @@ if TYPE_CHECKING:
     from serving.engine.denoiser import DiffusionEngine
 
 
+class CFGWorkerUnavailable(RuntimeError):
+    """The CFG worker did not answer a step (its replica died, timed out, or raised)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"CFG worker is unavailable: {type(cause).__name__}: {cause}")
+
+
 class PendingNoise(Protocol):
     def result(self) -> torch.Tensor: ...
 

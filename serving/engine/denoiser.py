@@ -24,7 +24,7 @@ from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
 from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall
-from serving.engine.cfg import CFGWorker
+from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
@@ -167,7 +167,10 @@ class DiffusionEngine:
             local_noise = self.predict_noise(batch.select(local))
             noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
             noise[local] = local_noise
-            noise[remote] = pending.result().to(noise.device, noise.dtype)
+            try:
+                noise[remote] = pending.result().to(noise.device, noise.dtype)
+            except Exception as exc:
+                raise CFGWorkerUnavailable(exc) from exc
         offset = 0
         for state in states:
             prediction = noise[offset:offset + state.rows]

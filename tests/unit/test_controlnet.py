@@ -240,3 +240,31 @@ def test_failing_controlnet_fails_only_its_requests(controlnets):
         assert len(loop.submit(_params(seed=4)).result(timeout=60).images) == 1  # the loop keeps serving
     finally:
         loop.stop()
+
+
+def test_failing_cfg_worker_is_503_for_guided_requests_only():
+    import asyncio
+
+    from serving.common.http import APIError
+    from serving.config import DiffusionAppConfig
+    from serving.engine import LocalBackend
+    from serving.engine.cfg import LocalCFGWorker
+
+    class Broken(LocalCFGWorker):
+        def submit(self, batch):
+            raise_later: Future = Future()
+            raise_later.set_exception(RuntimeError("worker died"))
+            return raise_later
+
+    worker = Broken(DiffusionEngine("tiny", build_preset("tiny"), CPU))
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, cfg_worker=worker)
+    backend = LocalBackend.for_engine(engine, DiffusionAppConfig())
+    try:
+        with pytest.raises(APIError) as caught:
+            asyncio.run(backend.generate(_params(guidance_scale=5.0)))
+        assert caught.value.status_code == 503 and caught.value.headers == {"Retry-After": "1"}
+        unguided = asyncio.run(backend.generate(_params(guidance_scale=1.0)))  # no CFG rows: no worker needed
+        assert len(unguided.images) == 1
+    finally:
+        backend.close()
+        worker.close()
