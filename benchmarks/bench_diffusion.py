@@ -23,7 +23,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
 from PIL import Image
 
 from benchmarks.bench_lora import write_attention_lora
@@ -66,11 +65,7 @@ class Diffusers:
         self.controlnets, self.lora_dir, self.params = controlnets, lora_dir, params
         self.pipes = {}
         for count in {controlnet_count for controlnet_count, _ in ROWS if controlnet_count}:
-            nets = controlnets[:count]
-            self.pipes[count] = StableDiffusionControlNetPipeline(
-                vae=components.vae, text_encoder=components.text_encoder, tokenizer=components.tokenizer,
-                unet=components.unet, scheduler=components.scheduler, safety_checker=None, feature_extractor=None,
-                requires_safety_checker=False, controlnet=nets[0] if count == 1 else MultiControlNetModel(nets))
+            self.pipes[count] = components.as_controlnet_pipeline(controlnets[:count])
             self.pipes[count].set_progress_bar_config(disable=True)
         self.plain = components.as_pipeline()
         self.plain.set_progress_bar_config(disable=True)

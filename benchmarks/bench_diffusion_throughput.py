@@ -79,8 +79,6 @@ class VanillaDiffusers:
     """diffusers as a shared server must use it: every ControlNet loaded, LoRAs fused per request."""
 
     def __init__(self, lora_dir: str, threads: int) -> None:
-        from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
-
         from serving.controlnet.models import build_controlnet_preset
 
         torch.set_num_threads(threads)
@@ -88,19 +86,13 @@ class VanillaDiffusers:
         self.nets = [build_controlnet_preset("sd15-shape", seed=i) for i in range(CONTROLNETS)]
         self.components, self.lora_dir = components, lora_dir
         self.plain = components.as_pipeline()
-        self.multi = MultiControlNetModel
-        self.pipeline_class = StableDiffusionControlNetPipeline
         self.lock = threading.Lock()
 
     def generate(self, params: GenerationParams) -> int:
         with self.lock:
-            c = self.components
             if params.controlnets:
-                nets = [self.nets[int(spec.name[2:])] for spec in params.controlnets]
-                pipe = self.pipeline_class(
-                    vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, unet=c.unet, scheduler=c.scheduler,
-                    safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-                    controlnet=nets[0] if len(nets) == 1 else self.multi(nets))
+                pipe = self.components.as_controlnet_pipeline(
+                    [self.nets[int(spec.name[2:])] for spec in params.controlnets])
                 images = [Image.fromarray(spec.image) for spec in params.controlnets]
                 extra = {"image": images[0] if len(images) == 1 else images,
                          "controlnet_conditioning_scale": 1.0 if len(images) == 1 else [1.0] * len(images)}

@@ -9,12 +9,21 @@ nothing is downloaded. Real checkpoints load from a local directory with ``local
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDIMScheduler, SchedulerMixin, StableDiffusionPipeline, UNet2DConditionModel
+from diffusers import (
+    AutoencoderKL,
+    ControlNetModel,
+    DDIMScheduler,
+    MultiControlNetModel,
+    SchedulerMixin,
+    StableDiffusionControlNetPipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from serving._private.tokenizer import build_tokenizer
@@ -64,6 +73,21 @@ class DiffusionComponents:
             safety_checker=None,
             feature_extractor=None,
             requires_safety_checker=False,
+        )
+
+    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]) -> StableDiffusionControlNetPipeline:
+        """diffusers' ControlNet pipeline over these modules (the reference our engine is tested against);
+        several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
+        return StableDiffusionControlNetPipeline(
+            unet=self.unet,
+            vae=self.vae,
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            scheduler=self.scheduler,
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+            controlnet=controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets)),
         )
 
 

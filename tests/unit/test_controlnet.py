@@ -7,7 +7,6 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
-from diffusers import MultiControlNetModel, StableDiffusionControlNetPipeline
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -70,14 +69,7 @@ def _params(**overrides) -> GenerationParams:
 
 
 def _reference(controlnets, params, specs, lora_path=None, lora_scale=1.0) -> np.ndarray:
-    components = build_preset("tiny")
-    models = [controlnets[spec.name] for spec in specs]
-    pipe = StableDiffusionControlNetPipeline(
-        vae=components.vae, text_encoder=components.text_encoder, tokenizer=components.tokenizer,
-        unet=components.unet, scheduler=components.scheduler, safety_checker=None, feature_extractor=None,
-        requires_safety_checker=False,
-        controlnet=models[0] if len(models) == 1 else MultiControlNetModel(models),
-    )
+    pipe = build_preset("tiny").as_controlnet_pipeline([controlnets[spec.name] for spec in specs])
     pipe.set_progress_bar_config(disable=True)
     if lora_path is not None:
         pipe.load_lora_weights(load_file(lora_path))
