@@ -64,31 +64,26 @@ class DiffusionComponents:
 
     def as_pipeline(self) -> StableDiffusionPipeline:
         """A diffusers pipeline over these same modules (no copies), without a safety checker."""
-        return StableDiffusionPipeline(
-            unet=self.unet,
-            vae=self.vae,
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            scheduler=self.scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        return StableDiffusionPipeline(**self._pipeline_parts())
 
     def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]) -> StableDiffusionControlNetPipeline:
         """diffusers' ControlNet pipeline over these modules (the reference our engine is tested against);
         several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
-        return StableDiffusionControlNetPipeline(
-            unet=self.unet,
-            vae=self.vae,
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            scheduler=self.scheduler,
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-            controlnet=controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets)),
-        )
+        controlnet = controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets))
+        return StableDiffusionControlNetPipeline(**self._pipeline_parts(), controlnet=controlnet)
+
+    def _pipeline_parts(self) -> dict:
+        """The constructor arguments both diffusers pipelines share (no safety checker)."""
+        return {
+            "unet": self.unet,
+            "vae": self.vae,
+            "text_encoder": self.text_encoder,
+            "tokenizer": self.tokenizer,
+            "scheduler": self.scheduler,
+            "safety_checker": None,
+            "feature_extractor": None,
+            "requires_safety_checker": False,
+        }
 
 
 def _sd_scheduler() -> DDIMScheduler:
