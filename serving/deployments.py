@@ -24,6 +24,7 @@ from serving.api import create_images_api
 from serving.common.device import placement
 from serving.common.http import APIError
 from serving.common.logging import get_logger
+from serving.common.memory import ProcessMemory, process_memory
 from serving.config import DiffusionAppConfig
 from serving.controlnet.service import ServeControlNets
 from serving.engine import DiffusionEngine, GenerationParams, GenerationResult, LocalBackend, ModelInfo
@@ -127,6 +128,10 @@ class DiffusionModel:
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
         return await self._backend.generate(params)
+
+    async def memory_report(self) -> ProcessMemory:
+        """RSS of this replica and the weight bytes of the models it holds."""
+        return await asyncio.to_thread(process_memory, self)
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
         backend = getattr(self, "_backend", None)

@@ -17,6 +17,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from serving._private.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
+from serving.common.memory import ProcessMemory, process_memory
 from serving.config import ControlNetConfig
 from serving.controlnet.client import ControlNetNotFound
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
@@ -95,6 +96,10 @@ class ControlNetService:
         self._batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
         logger.info("ControlNet %r serving (%s, device=%s) on %s", config.name,
                     f"preset={config.preset}" if config.preset else f"path={config.path}", device, placement())
+
+    async def memory_report(self) -> ProcessMemory:
+        """RSS of this replica and the weight bytes of the models it holds."""
+        return await asyncio.to_thread(process_memory, self)
 
     async def residuals(self, call: WireCall) -> WireResiduals:
         return await self._batched(call)

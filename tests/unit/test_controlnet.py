@@ -1,7 +1,6 @@
 """ControlNets: conditioning images, the runner, and the engine against StableDiffusionControlNetPipeline."""
 
 import base64
-import io
 from concurrent.futures import Future
 
 import numpy as np
@@ -20,6 +19,7 @@ from serving.engine.types import ControlNetSpec
 from serving.engine.unet_split import SplitUNet
 from serving.lora.format import load_lora_file
 from serving.presets import build_preset
+from tests.images import encode_b64
 from tests.lora_files import write_lora
 
 TOLERANCE = 1e-3
@@ -35,12 +35,6 @@ def _shape_image(kind: str, size: int = 64) -> np.ndarray:
         yy, xx = np.mgrid[:size, :size]
         image[(yy - 30) ** 2 + (xx - 36) ** 2 < 15**2] = 255
     return image
-
-
-def _b64(image: np.ndarray, fmt: str = "PNG") -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format=fmt)
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +141,8 @@ def test_unknown_controlnet_is_refused_before_work(engine):
 
 def test_decode_accepts_png_jpeg_and_data_urls():
     image = _shape_image("square")
-    assert np.array_equal(decode_image(_b64(image), max_bytes=2**20, max_pixels=2**20), image)
-    jpeg = decode_image("data:image/jpeg;base64," + _b64(image, "JPEG"), max_bytes=2**20, max_pixels=2**20)
+    assert np.array_equal(decode_image(encode_b64(image), max_bytes=2**20, max_pixels=2**20), image)
+    jpeg = decode_image("data:image/jpeg;base64," + encode_b64(image, "JPEG"), max_bytes=2**20, max_pixels=2**20)
     assert jpeg.shape == (64, 64, 3) and np.abs(jpeg.astype(int) - image).mean() < 10
 
 
@@ -157,8 +151,8 @@ def test_decode_accepts_png_jpeg_and_data_urls():
     [
         ("not base64!!", "base64"),
         (base64.b64encode(b"GIF89a garbage").decode(), "decoded"),
-        (_b64(np.zeros((8, 8, 3), np.uint8), "BMP"), "format"),
-        (_b64(np.zeros((100, 100, 3), np.uint8)), "pixels"),
+        (encode_b64(np.zeros((8, 8, 3), np.uint8), "BMP"), "format"),
+        (encode_b64(np.zeros((100, 100, 3), np.uint8)), "pixels"),
         ("A" * 10_000, "larger"),
     ],
 )

@@ -3,7 +3,6 @@
 import base64
 import io
 
-import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
@@ -11,6 +10,7 @@ from PIL import Image
 from serving.api import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
 from serving.engine import LocalBackend
+from tests.images import encode_b64, square
 from tests.lora_files import write_lora
 
 
@@ -165,28 +165,21 @@ def test_official_openai_client_works_unchanged(client):
         model="tiny", prompt="a red circle", n=2, size="32x32", response_format="b64_json",
         extra_body={"seed": 3, "num_inference_steps": 2, "guidance_scale": 4.0,
                     "loras": [{"name": "outlined", "scale": 0.5}],
-                    "controlnets": [{"name": "edges", "image": _png_b64(SQUARE), "preprocess": "canny"}]},
+                    "controlnets": [{"name": "edges", "image": encode_b64(SQUARE), "preprocess": "canny"}]},
     )
     images = [Image.open(io.BytesIO(base64.b64decode(item.b64_json))) for item in response.data]
     assert [image.size for image in images] == [(32, 32)] * 2
     assert [m.id for m in openai.models.list().data] == ["tiny", "edges", "corrupt", "outlined"]
 
 
-def _png_b64(array: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(array).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
-
-
-SQUARE = np.zeros((64, 64, 3), np.uint8)
-SQUARE[16:48, 16:48] = 255
+SQUARE = square()
 
 
 def test_controlnet_request_changes_the_image_and_resizes_its_input(client):
     body = {"prompt": "a red square", "seed": 7, "size": "32x32"}
     plain = client.post("/v1/images/generations", json=body).json()["data"]
     controlled = client.post("/v1/images/generations", json={
-        **body, "controlnets": [{"name": "edges", "image": _png_b64(SQUARE), "conditioning_scale": 1.5,
+        **body, "controlnets": [{"name": "edges", "image": encode_b64(SQUARE), "conditioning_scale": 1.5,
                                  "preprocess": "canny"}]})
     assert controlled.status_code == 200, controlled.text
     assert controlled.json()["data"] != plain
@@ -195,12 +188,12 @@ def test_controlnet_request_changes_the_image_and_resizes_its_input(client):
 @pytest.mark.parametrize(
     ("controlnet", "status", "param"),
     [
-        ({"name": "depth", "image": _png_b64(SQUARE)}, 404, "controlnets[0].name"),
+        ({"name": "depth", "image": encode_b64(SQUARE)}, 404, "controlnets[0].name"),
         ({"name": "edges", "image": "%%%"}, 400, "controlnets[0].image"),
         ({"name": "edges", "image": base64.b64encode(b"\x89PNG broken").decode()}, 400, "controlnets[0].image"),
-        ({"name": "edges", "image": _png_b64(SQUARE), "conditioning_scale": 99}, 400,
+        ({"name": "edges", "image": encode_b64(SQUARE), "conditioning_scale": 99}, 400,
          "controlnets[0].conditioning_scale"),
-        ({"name": "edges", "image": _png_b64(SQUARE), "preprocess": "depth"}, 400, "controlnets[0].preprocess"),
+        ({"name": "edges", "image": encode_b64(SQUARE), "preprocess": "depth"}, 400, "controlnets[0].preprocess"),
         ({"name": "edges"}, 400, "controlnets[0].image"),
     ],
 )
@@ -210,6 +203,6 @@ def test_bad_controlnets_are_refused_naming_the_field(client, controlnet, status
 
 
 def test_too_many_controlnets(client):
-    item = {"name": "edges", "image": _png_b64(SQUARE)}
+    item = {"name": "edges", "image": encode_b64(SQUARE)}
     error = _error(client.post("/v1/images/generations", json={"prompt": "x", "controlnets": [item] * 4}), 400)
     assert error["param"] == "controlnets"

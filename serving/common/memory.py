@@ -1,0 +1,72 @@
+"""What a process holds in memory: its RSS and the weight bytes of each model object alive in it.
+
+Used by deployments to answer "which weights live where" (e.g. that base replicas hold no ControlNet),
+and by benchmarks to report per-replica memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import types
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+
+@dataclass(frozen=True)
+class ProcessMemory:
+    """``rss_bytes`` of process ``pid`` and, per model class name, the bytes of its weights and buffers."""
+
+    pid: int
+    rss_bytes: int
+    model_bytes: dict[str, int] = field(default_factory=dict)
+
+
+def _is_model(obj: object) -> bool:
+    """Diffusers ``ModelMixin`` and transformers ``PreTrainedModel`` instances."""
+    cls = type(obj)
+    return issubclass(cls, torch.nn.Module) and any(
+        base.__name__ in ("ModelMixin", "PreTrainedModel") for base in cls.__mro__
+    )
+
+
+_OPAQUE = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType,
+           torch.Tensor, str, bytes)
+
+
+def _models_reachable_from(roots: Iterable[object]) -> list[torch.nn.Module]:
+    """Models reachable from ``roots`` through containers and object attributes, outermost only (a ControlNet,
+    not its blocks). A walk, not ``gc.get_objects()``: Serve freezes a replica's heap after start-up, which
+    hides its objects from the latter."""
+    found: dict[int, torch.nn.Module] = {}
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _OPAQUE):
+            continue
+        seen.add(id(obj))
+        if _is_model(obj):
+            found[id(obj)] = obj
+            continue
+        stack.extend(gc.get_referents(obj))
+    return list(found.values())
+
+
+def process_memory(*roots: object) -> ProcessMemory:
+    """This process's RSS and the tensor bytes of the models reachable from ``roots``, each storage counted once."""
+    seen: set[int] = set()
+    model_bytes: Counter[str] = Counter()
+    for model in _models_reachable_from(roots):
+        for tensor in (*model.parameters(), *model.buffers()):
+            storage = tensor.untyped_storage()
+            if tensor.device.type == "meta" or storage.data_ptr() in seen:
+                continue
+            seen.add(storage.data_ptr())
+            model_bytes[type(model).__name__] += storage.nbytes()
+    return ProcessMemory(pid=os.getpid(), rss_bytes=psutil.Process().memory_info().rss,
+                         model_bytes=dict(model_bytes))
