@@ -9,7 +9,7 @@ SERVE_CONFIG ?= deploy/serve_config.yaml
 
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install serve test lint check-config clean
+.PHONY: install serve test lint check-config proto clean
 
 install: $(INSTALLED)
 
@@ -32,6 +32,9 @@ lint: install
 
 check-config: install
 	$(BIN)/autoconfig check $(SERVE_CONFIG)
+
+proto: install
+	$(BIN)/python scripts/gen_proto.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

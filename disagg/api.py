@@ -1,19 +1,22 @@
 """OIP v2 HTTP API for one DLRM, independent of how and where the model runs.
 
-Routes carry no ``/v2`` prefix: Ray Serve mounts the app under the route prefix ``/v2``.
+Routes carry no ``/v2`` prefix: Ray Serve mounts the app under the route prefix ``/v2``. Infer bodies are
+JSON or use the binary tensor data extension (``disagg.oip_binary``), so infer routes parse the raw body.
 """
 
 from __future__ import annotations
 
 from importlib import metadata as package_metadata
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic.json_schema import models_json_schema
 
 from disagg.config import DLRMAppConfig
 from disagg.model import DLRMSpec
+from disagg.oip_binary import BINARY_MEDIA_TYPE, HEADER_LENGTH, encode_infer_response, parse_infer_request
 from disagg.protocol import (
     InferRequest,
     InferResponse,
@@ -39,8 +42,49 @@ class DLRMBackend(Protocol):
         ...
 
     async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Probabilities [B, 1] for validated ``dense`` [B, num_dense] and ``sparse`` [B, num_tables]."""
+        """Probabilities [B, 1] for validated ``dense`` float32 [B, num_dense] and ``sparse`` int64
+        [B, num_tables, H] (-1: empty slot; H may differ between calls)."""
         ...
+
+    def ready(self) -> bool:
+        """Whether ``infer`` can succeed now (e.g. every embedding shard has a replica)."""
+        ...
+
+
+_SCHEMA_REF = "#/components/schemas/{model}"
+_INFER_DESCRIPTION = f"""Runs the model on a batch of rows.
+
+The body is JSON (an `InferRequest`), or, with the binary tensor data extension, the header
+`{HEADER_LENGTH}: N` says the first N bytes are that JSON and raw little-endian tensor bytes follow, one
+block per input that sets `parameters.binary_data_size` (in input order) instead of `data`. Outputs come
+back as binary data when the request sets `parameters.binary_data_output` or an output's
+`parameters.binary_data`; such a response is `{BINARY_MEDIA_TYPE}` with the same header.
+
+`sparse_features` is [batch, tables, ids_per_table] (multi-hot, sum-pooled; -1 marks an empty slot) or
+[batch, tables] for one id per table; INT64 or INT32."""
+_INFER_OPENAPI: dict[str, Any] = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": _SCHEMA_REF.format(model=InferRequest.__name__)}},
+            BINARY_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+        },
+    }
+}
+
+
+def _publish_infer_request_schema(app: FastAPI) -> None:
+    """Adds ``InferRequest`` and its parts, as requests see them, to the OpenAPI components: infer routes
+    parse their bodies themselves (JSON or binary), so FastAPI does not know the schema."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            _, definitions = models_json_schema([(InferRequest, "validation")], ref_template=_SCHEMA_REF)
+            generate().setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def render_oip_error(error: APIError) -> JSONResponse:
@@ -60,25 +104,41 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
     version = _server_version()
     app = FastAPI(title=f"{SERVER_NAME} DLRM (Open Inference Protocol v2)", version=version)
     install_error_handling(app, render_oip_error, max_body_bytes=config.limits.max_body_bytes)
-    server_metadata = ServerMetadata(name=SERVER_NAME, version=version, extensions=[])
+    _publish_infer_request_schema(app)
+    server_metadata = ServerMetadata(name=SERVER_NAME, version=version, extensions=["binary_tensor_data"])
     model_metadata = dlrm_model_metadata(config.model_name, MODEL_VERSION, backend.spec)
 
     def require_model(model_name: str, model_version: str | None = None) -> None:
         if model_name != config.model_name:
-            raise APIError(404, f"model {model_name!r} not found; this server serves {config.model_name!r}",
-                           param="model_name", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model_name!r} not found; this server serves {config.model_name!r}",
+                param="model_name",
+                code="model_not_found",
+            )
         if model_version is not None and model_version != MODEL_VERSION:
-            raise APIError(404, f"model {model_name!r} has no version {model_version!r}; "
-                           f"versions: {MODEL_VERSION!r}", param="model_version", code="model_not_found")
+            raise APIError(
+                404,
+                f"model {model_name!r} has no version {model_version!r}; versions: {MODEL_VERSION!r}",
+                param="model_version",
+                code="model_not_found",
+            )
 
-    async def infer(request: InferRequest, model_name: str, model_version: str | None) -> InferResponse:
+    async def infer(http_request: Request, model_name: str, model_version: str | None) -> Response:
         require_model(model_name, model_version)
-        inputs = decode_dlrm_request(request, backend.spec, max_rows=config.limits.max_rows_per_request)
+        parsed = parse_infer_request(await http_request.body(), http_request.headers.get(HEADER_LENGTH))
+        inputs = decode_dlrm_request(parsed.request, backend.spec, config.limits, parsed.binary_inputs)
         probabilities = await backend.infer(inputs.dense, inputs.sparse)
-        return encode_dlrm_response(probabilities, model_name=model_name, model_version=MODEL_VERSION,
-                                    request_id=request.id)
+        response = encode_dlrm_response(
+            probabilities, model_name=model_name, model_version=MODEL_VERSION, request_id=parsed.request.id
+        )
+        body, header_length = encode_infer_response(response, parsed.binary_outputs)
+        if header_length is None:
+            return Response(body, media_type="application/json")
+        return Response(body, media_type=BINARY_MEDIA_TYPE, headers={HEADER_LENGTH: str(header_length)})
 
     @app.get("/", response_model=ServerMetadata)
+    @app.get("", response_model=ServerMetadata, include_in_schema=False)  # `GET /v2` under Serve's prefix /v2
     async def get_server_metadata() -> ServerMetadata:
         return server_metadata
 
@@ -86,38 +146,52 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
     async def live() -> dict[str, bool]:
         return {"live": True}
 
+    def readiness(body: dict[str, str | bool]) -> JSONResponse:
+        ready = backend.ready()
+        return JSONResponse({**body, "ready": ready}, status_code=200 if ready else 503)
+
     @app.get("/health/ready")
-    async def ready() -> dict[str, bool]:
-        return {"ready": True}
+    async def ready() -> JSONResponse:
+        return readiness({})
 
     @app.get("/models/{model_name}", response_model=ModelMetadata, response_model_exclude_none=True)
     async def get_model_metadata(model_name: str) -> ModelMetadata:
         require_model(model_name)
         return model_metadata
 
-    @app.get("/models/{model_name}/versions/{model_version}", response_model=ModelMetadata,
-             response_model_exclude_none=True)
+    @app.get(
+        "/models/{model_name}/versions/{model_version}", response_model=ModelMetadata, response_model_exclude_none=True
+    )
     async def get_model_version_metadata(model_name: str, model_version: str) -> ModelMetadata:
         require_model(model_name, model_version)
         return model_metadata
 
     @app.get("/models/{model_name}/ready")
-    async def model_ready(model_name: str) -> dict[str, str | bool]:
+    async def model_ready(model_name: str) -> JSONResponse:
         require_model(model_name)
-        return {"name": model_name, "ready": True}
+        return readiness({"name": model_name})
 
     @app.get("/models/{model_name}/versions/{model_version}/ready")
-    async def model_version_ready(model_name: str, model_version: str) -> dict[str, str | bool]:
+    async def model_version_ready(model_name: str, model_version: str) -> JSONResponse:
         require_model(model_name, model_version)
-        return {"name": model_name, "ready": True}
+        return readiness({"name": model_name})
 
-    @app.post("/models/{model_name}/infer", response_model=InferResponse, response_model_exclude_none=True)
-    async def infer_latest(model_name: str, request: InferRequest) -> InferResponse:
+    @app.post(
+        "/models/{model_name}/infer",
+        response_model=InferResponse,
+        description=_INFER_DESCRIPTION,
+        openapi_extra=_INFER_OPENAPI,
+    )
+    async def infer_latest(model_name: str, request: Request) -> Response:
         return await infer(request, model_name, None)
 
-    @app.post("/models/{model_name}/versions/{model_version}/infer", response_model=InferResponse,
-              response_model_exclude_none=True)
-    async def infer_version(model_name: str, model_version: str, request: InferRequest) -> InferResponse:
+    @app.post(
+        "/models/{model_name}/versions/{model_version}/infer",
+        response_model=InferResponse,
+        description=_INFER_DESCRIPTION,
+        openapi_extra=_INFER_OPENAPI,
+    )
+    async def infer_version(model_name: str, model_version: str, request: Request) -> Response:
         return await infer(request, model_name, model_version)
 
     return app

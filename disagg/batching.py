@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+
+from disagg.protocol import EMPTY_SLOT
 
 
 class MergedBatch(NamedTuple):
@@ -17,11 +20,16 @@ class MergedBatch(NamedTuple):
 
 
 def merge_requests(requests: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> MergedBatch:
-    """Concatenates the (dense, sparse) pairs of ``requests`` along the batch dimension."""
+    """Concatenates the (dense [B, F], sparse [B, T, H]) pairs of ``requests`` along the batch dimension.
+
+    Requests with fewer ids per bag (H) are padded with empty slots (-1) to the batch's largest H, which
+    leaves their sum-pooled bags unchanged.
+    """
     if not requests:
         raise ValueError("cannot merge an empty list of requests")
     dense = torch.cat([dense for dense, _ in requests])
-    sparse = torch.cat([sparse for _, sparse in requests])
+    hotness = max(sparse.shape[2] for _, sparse in requests)
+    sparse = torch.cat([F.pad(sparse, (0, hotness - sparse.shape[2]), value=EMPTY_SLOT) for _, sparse in requests])
     return MergedBatch(dense, sparse, [request_dense.shape[0] for request_dense, _ in requests])
 
 

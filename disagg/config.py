@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from disagg.model import PRESETS
@@ -40,6 +42,9 @@ class DLRMLimits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_rows_per_request: int = Field(4096, ge=1, description="Most rows (samples) in one infer request.")
+    max_ids_per_feature: int = Field(
+        64, ge=1, description="Most ids per table in one row of `sparse_features` (H of a [B, T, H] multi-hot bag)."
+    )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body in bytes; larger ones get 413."
     )
@@ -56,8 +61,40 @@ class BatchingConfig(BaseModel):
     )
 
 
+class EmbeddingServiceConfig(BaseModel):
+    """The embedding shards of a disaggregated DLRM: gRPC servers, one Serve deployment per shard.
+
+    Where shard replicas run is Serve's business: give the `EmbeddingShard_<i>` deployments
+    `ray_actor_options.resources` (e.g. a custom resource that only CPU nodes have) in the Serve config.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_shards: int = Field(2, ge=1, le=64, description="Embedding tables are split table-wise over this many shards.")
+    replicas_per_shard: int = Field(1, ge=1, le=64, description="gRPC server replicas of each shard.")
+    bind_host: str = Field(
+        "node",
+        pattern=r"^(node|[0-9A-Za-z.:-]+)$",
+        description="Address shard servers bind: `node` = the Ray node's IP address (the private address the "
+        "cluster already uses), or an explicit address such as `127.0.0.1`.",
+    )
+    lookup_timeout_s: float = Field(
+        2.0, gt=0.0, le=60.0, description="Deadline of one batch's embedding lookup, replica failovers included; "
+        "past it the batch's requests get 503."
+    )
+    max_message_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024 * 1024, le=2**31 - 1,
+        description="gRPC message size limit on both sides; larger lookups are split into chunks below it.",
+    )
+    discovery_period_s: float = Field(
+        1.0, gt=0.0, le=60.0, description="Shard replicas re-announce their address and dense replicas refresh "
+        "theirs this often; an address not announced for 3 periods is dropped."
+    )
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads of a shard replica.")
+
+
 class DLRMAppConfig(BaseModel):
-    """A DLRM inference application: model, request limits and batching."""
+    """A DLRM inference application: model, serving layout, request limits and batching."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -68,5 +105,13 @@ class DLRMAppConfig(BaseModel):
         "`_`, `.` or `-`, starting with a letter or digit.",
     )
     model: DLRMModelConfig = Field(default_factory=DLRMModelConfig, description="The model to serve.")
+    serving: Literal["disaggregated", "monolithic"] = Field(
+        "disaggregated",
+        description="`disaggregated`: embedding shards (gRPC, CPU) and dense replicas (CUDA when present) as "
+        "separate deployments; `monolithic`: the whole model in each replica.",
+    )
+    embedding: EmbeddingServiceConfig = Field(
+        default_factory=EmbeddingServiceConfig, description="Embedding shards (disaggregated serving only)."
+    )
     limits: DLRMLimits = Field(default_factory=DLRMLimits, description="Per-request limits.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching.")

@@ -1,14 +1,16 @@
 """DLRM (Naumov et al. 2019): bottom MLP, sum-pooled embedding bags, dot interaction, top MLP.
 
-The forward pass is split into named stages (``bottom``, ``embed_bags``, ``interact``, ``top``) so
-the graph partitioner can cut it after the embedding lookups and the two halves can run apart.
+Weights are a pure function of ``(seed, module name)``, so any part of the model (one embedding shard, the dense
+half) can be built on the meta device and materialized alone with the values it has in the full model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from types import MappingProxyType
 
 import torch
@@ -69,8 +71,9 @@ def _criteo_shaped(max_rows_per_table: int | None = None) -> DLRMSpec:
     sizes = CRITEO_KAGGLE_TABLE_SIZES
     if max_rows_per_table is not None:
         sizes = tuple(min(size, max_rows_per_table) for size in sizes)
-    return DLRMSpec(num_dense=13, table_sizes=sizes, embedding_dim=16,
-                    bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1))
+    return DLRMSpec(
+        num_dense=13, table_sizes=sizes, embedding_dim=16, bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1)
+    )
 
 
 #: Named architectures. ``criteo-kaggle`` holds 33.76M embedding rows (2.2 GB in FP32); ``tiny`` has the
@@ -89,9 +92,9 @@ def preset_spec(name: str) -> DLRMSpec:
         raise ValueError(f"unknown DLRM preset {name!r}; known presets: {known}") from None
 
 
-def build_preset(name: str, seed: int = 0) -> DLRM:
-    """Preset ``name`` with weights drawn deterministically from ``seed``, on the CPU."""
-    return DLRM(preset_spec(name), seed=seed)
+def build_preset(name: str, seed: int = 0, device: str | torch.device = "cpu") -> DLRM:
+    """Preset ``name`` with weights drawn deterministically from ``seed``; ``device="meta"`` allocates nothing."""
+    return DLRM(preset_spec(name), seed=seed, device=device)
 
 
 def _mlp(in_features: int, widths: Sequence[int], *, relu_last: bool) -> nn.Sequential:
@@ -105,63 +108,71 @@ def _mlp(in_features: int, widths: Sequence[int], *, relu_last: bool) -> nn.Sequ
 
 
 class DLRM(nn.Module):
-    """Click probability from dense features and one categorical id per table.
+    """Click probability from dense features and a bag of categorical ids per table.
 
-    Weights are drawn on the CPU from a ``torch.Generator`` seeded with ``seed`` (the reference DLRM
-    initialisation), so two models with the same spec and seed have bit-identical state dicts.
+    ``device="meta"`` builds the structure without memory; ``materialize_`` fills any part of it later. The
+    interaction's pair indices are plain CPU buffers even then, so a traced part keeps working values.
     """
 
-    def __init__(self, spec: DLRMSpec, *, seed: int = 0) -> None:
+    def __init__(self, spec: DLRMSpec, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
         super().__init__()
         self.spec = spec
-        # Allocated uninitialised, then filled once by ``_init_weights`` (not twice: tables reach GBs).
         with torch.device("meta"):
             self.bottom_mlp = _mlp(spec.num_dense, spec.bottom_mlp, relu_last=True)
             self.embeddings = nn.ModuleList(
                 nn.EmbeddingBag(rows, spec.embedding_dim, mode="sum") for rows in spec.table_sizes
             )
             self.top_mlp = _mlp(spec.interaction_width, spec.top_mlp, relu_last=False)
-        self.to_empty(device="cpu")
-        rows, cols = torch.tril_indices(spec.num_tables + 1, spec.num_tables + 1, offset=-1)
+        rows, cols = torch.tril_indices(spec.num_tables + 1, spec.num_tables + 1, offset=-1, device="cpu")
         self.register_buffer("_pair_rows", rows, persistent=False)
         self.register_buffer("_pair_cols", cols, persistent=False)
-        self._init_weights(seed)
+        if torch.device(device).type != "meta":
+            materialize_(self, seed=seed).to(device)
 
-    @torch.no_grad()
-    def _init_weights(self, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                fan_out, fan_in = module.weight.shape
-                module.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
-                module.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
-            elif isinstance(module, nn.EmbeddingBag):
-                bound = math.sqrt(1.0 / module.num_embeddings)
-                module.weight.uniform_(-bound, bound, generator=generator)
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """``dense`` [B, num_dense] float32, ``sparse`` [B, num_tables, H] int64 -> probabilities [B, 1].
 
-    def forward(self, dense: torch.Tensor, sparse_ids: torch.Tensor) -> torch.Tensor:
-        """``dense`` [B, num_dense] float32, ``sparse_ids`` [B, num_tables] int64 -> probabilities [B, 1]."""
-        pooled = self.embed_one_hot(sparse_ids)
-        return self.top(self.interact(self.bottom_mlp(dense), pooled))
-
-    def embed_one_hot(self, sparse_ids: torch.Tensor) -> list[torch.Tensor]:
-        """One id per row and table: each row is a bag of one, so offsets are ``0..B-1`` for every table."""
-        offsets = torch.arange(sparse_ids.shape[0], device=sparse_ids.device)
-        ids_per_table = sparse_ids.t().contiguous()
-        return self.embed_bags([ids_per_table[t] for t in range(self.spec.num_tables)],
-                               [offsets] * self.spec.num_tables)
-
-    def embed_bags(
-        self, indices: Sequence[torch.Tensor], offsets: Sequence[torch.Tensor]
-    ) -> list[torch.Tensor]:
-        """Sum-pooled embeddings [B, dim] per table, from flat ids and bag start offsets per table."""
-        return [bag(ids, starts) for bag, ids, starts in zip(self.embeddings, indices, offsets, strict=True)]
-
-    def interact(self, bottom_out: torch.Tensor, pooled: Sequence[torch.Tensor]) -> torch.Tensor:
-        """Bottom output concatenated with the pairwise dot products of all T+1 vectors (i > j only)."""
-        vectors = torch.stack([bottom_out, *pooled], dim=1)
+        Each table's bag is the sum of the embeddings of its ids in the row; id -1 is padding (an all -1 bag
+        pools to zeros), so one-hot input is H = 1.
+        """
+        ids = sparse.clamp(min=0)
+        present = (sparse >= 0).to(torch.float32)
+        pooled = [bag(ids[:, table], per_sample_weights=present[:, table]) for table, bag in enumerate(self.embeddings)]
+        bottom = self.bottom_mlp(dense)
+        vectors = torch.stack([bottom, *pooled], dim=1)
         dots = torch.bmm(vectors, vectors.transpose(1, 2))
-        return torch.cat([bottom_out, dots[:, self._pair_rows, self._pair_cols]], dim=1)
-
-    def top(self, interaction: torch.Tensor) -> torch.Tensor:
+        interaction = torch.cat([bottom, dots[:, self._pair_rows, self._pair_cols]], dim=1)
         return torch.sigmoid(self.top_mlp(interaction))
+
+
+def _generator(seed: int, module_name: str) -> torch.Generator:
+    """CPU generator seeded from ``seed`` and a module's qualified name by a stable 64-bit hash."""
+    digest = hashlib.blake2b(f"{seed}/{module_name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+@torch.no_grad()
+def materialize_(module: nn.Module, *, seed: int) -> nn.Module:
+    """Allocates ``module``'s meta parameters on the CPU and initialises every Linear and EmbeddingBag in place.
+
+    ``module`` is a DLRM or a ``torch.fx.GraphModule`` cut from one: values depend only on ``seed`` and each
+    layer's qualified name (``embeddings.3``, ``bottom_mlp.0``), so a part gets exactly the full model's values
+    (the reference DLRM initialisation). Parameters already on the CPU are overwritten without a second copy.
+    """
+    for name, layer in module.named_modules():
+        if not isinstance(layer, nn.Linear | nn.EmbeddingBag):
+            continue
+        if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
+            layer.to_empty(device="cpu", recurse=False)
+        generator = _generator(seed, name)
+        if isinstance(layer, nn.Linear):
+            fan_out, fan_in = layer.weight.shape
+            layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
+            layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
+        else:
+            bound = math.sqrt(1.0 / layer.num_embeddings)
+            layer.weight.uniform_(-bound, bound, generator=generator)
+    left = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
+    if left:
+        raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
+    return module

@@ -1,7 +1,11 @@
 """One Ray cluster per test session, with both applications of deploy/serve_config.yaml deployed.
 
 The config is the one `make serve` uses, deployed through the same Serve controller path as
-`serve run`; only the HTTP port is swapped for a free one.
+`serve run`; the HTTP port is swapped for a free one. The cluster is `ray.cluster_utils.Cluster`: the head
+(2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the custom resource
+`embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
+replicas are placed on them by those resources, as on a real cluster. Variants added for the tests:
+`diffusion-cfg` (/cfg) and `dlrm-mono` (/mono/v2, the same DLRM served monolithically).
 """
 
 import copy
@@ -13,12 +17,15 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
 from serving.common.serve_config import deploy_serve_config, load_serve_config
 from tests.lora_files import write_lora
 
 REPO = Path(__file__).resolve().parents[2]
+POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resources of the simulated pool nodes
+DLRM_LOOKUP_TIMEOUT_S = 2.0
 
 
 def _free_port() -> int:
@@ -37,37 +44,77 @@ def lora_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def base_url(lora_dir: Path) -> Iterator[str]:
+def cluster() -> Iterator[Cluster]:
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "include_dashboard": False, "object_store_memory": 128 * 2**20,
+    })
+    for pool in POOLS.values():
+        cluster.add_node(num_cpus=0, resources={pool: 100}, object_store_memory=80 * 2**20)
+    ray.init(address=cluster.address,
+             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture(scope="session")
+def pool_nodes(cluster: Cluster) -> dict[str, str]:
+    """Node id of each simulated pool node, by pool resource name."""
+    return {pool: next(node["NodeID"] for node in ray.nodes() if node["Alive"] and pool in node["Resources"])
+            for pool in POOLS.values()}
+
+
+@pytest.fixture(scope="session")
+def base_url(cluster: Cluster, lora_dir: Path) -> Iterator[str]:
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.host = "127.0.0.1"
     config.http_options.port = _free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
     diffusion.args.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
-    config = _with_parallel_cfg_variant(config)
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20,
-             runtime_env={"env_vars": {"HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}})
+    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(config))
     try:
         deploy_serve_config(config, timeout_s=600)
         yield f"http://127.0.0.1:{config.http_options.port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 def _with_parallel_cfg_variant(config: ServeDeploySchema) -> ServeDeploySchema:
-    """Adds `diffusion-cfg` at /cfg: the diffusion app with `engine.cfg_parallel` (a CFGWorker deployment)
-    and its own ControlNet deployment, each given a sliver of CPU so the 2-CPU cluster can place them."""
+    """Adds `diffusion-cfg` at /cfg: the diffusion app with `engine.cfg_parallel` (a CFGWorker deployment),
+    two `DiffusionModel` replicas sharing one ControlNet deployment, each given a sliver of CPU so the 2-CPU
+    cluster can place them."""
     raw = config.model_dump(exclude_unset=True)
     diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
     variant = copy.deepcopy(diffusion)
     variant.update(name="diffusion-cfg", route_prefix="/cfg")
     variant["args"].setdefault("engine", {})["cfg_parallel"] = True
     variant["deployments"] = [
-        {"name": name, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.05}}
-        for name in ("ImagesIngress", "DiffusionModel", "CFGWorker", "ControlNet_edges")
+        {"name": name, "num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.02}}
+        for name, replicas in (("ImagesIngress", 1), ("DiffusionModel", 2), ("CFGWorker", 1), ("ControlNet_edges", 1))
     ]
     raw["applications"].append(variant)
+    return ServeDeploySchema.model_validate(raw)
+
+
+def _with_dlrm_pools_and_monolithic_variant(config: ServeDeploySchema) -> ServeDeploySchema:
+    """The `dlrm` app with two replicas per shard, shards on the CPU-pool node and the dense replica on the
+    GPU-pool node (by custom resources); and `dlrm-mono` at /mono/v2: the same model, monolithic."""
+    raw = config.model_dump(exclude_unset=True)
+    dlrm = next(app for app in raw["applications"] if app["name"] == "dlrm")
+    mono = copy.deepcopy(dlrm)
+    embedding = dlrm["args"].setdefault("embedding", {})
+    embedding.update(replicas_per_shard=2, bind_host="node", lookup_timeout_s=DLRM_LOOKUP_TIMEOUT_S)
+    for deployment in dlrm["deployments"]:
+        deployment.pop("num_replicas", None)
+        pool = POOLS["dense"] if deployment["name"] == "DisaggregatedDLRM" else POOLS["embedding"]
+        deployment["ray_actor_options"] = {"num_cpus": 0, "resources": {pool: 1}}
+    mono.update(name="dlrm-mono", route_prefix="/mono/v2")
+    mono["args"]["serving"] = "monolithic"
+    mono["deployments"] = [{"name": "MonolithicDLRM", "ray_actor_options": {"num_cpus": 0.05}}]
+    raw["applications"].append(mono)
     return ServeDeploySchema.model_validate(raw)
 
 

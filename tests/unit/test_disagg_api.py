@@ -1,68 +1,50 @@
-"""OIP v2 HTTP API over an in-process tiny DLRM (no Ray)."""
+"""OIP v2 HTTP API over a fake backend (no model, no Ray): JSON and binary bodies, limits, errors."""
 
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from disagg.api import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMLimits
-from disagg.model import DLRM, DLRMSpec, build_preset
 from disagg.protocol import encode_dlrm_request
+from tests.oip_fakes import FakeBackend, binary_body, expected_scores
 
 MAX_BODY_BYTES = 32 * 1024
 MAX_ROWS = 16
+MAX_IDS = 8
 
 
-class InProcessBackend:
-    """Runs the model directly and records what reached it."""
-
-    def __init__(self, model: DLRM) -> None:
-        self.model = model
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    @property
-    def spec(self) -> DLRMSpec:
-        return self.model.spec
-
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        self.calls.append((dense, sparse))
-        with torch.inference_mode():
-            return self.model(dense, sparse)
-
-
-class FailingBackend(InProcessBackend):
+class FailingBackend(FakeBackend):
     async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("secret internal detail")
 
 
-@pytest.fixture(scope="module")
-def model() -> DLRM:
-    return build_preset("tiny").eval()
-
-
 @pytest.fixture
-def backend(model: DLRM) -> InProcessBackend:
-    return InProcessBackend(model)
+def backend() -> FakeBackend:
+    return FakeBackend()
 
 
 def app_config() -> DLRMAppConfig:
-    return DLRMAppConfig(model_name="ctr",
-                         limits=DLRMLimits(max_body_bytes=MAX_BODY_BYTES, max_rows_per_request=MAX_ROWS))
+    limits = DLRMLimits(max_body_bytes=MAX_BODY_BYTES, max_rows_per_request=MAX_ROWS, max_ids_per_feature=MAX_IDS)
+    return DLRMAppConfig(model_name="ctr", limits=limits)
 
 
 @pytest.fixture
-def client(backend: InProcessBackend) -> TestClient:
+def client(backend: FakeBackend) -> TestClient:
     return TestClient(create_oip_api(backend, app_config()))
 
 
-def inputs(rows: int = 4, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs(rows: int = 4, seed: int = 0, ids: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random dense rows and ids (< 3, valid in every table): [rows, 26], or [rows, 26, ids] with -1 holes."""
     generator = torch.Generator().manual_seed(seed)
     dense = torch.randn(rows, 13, generator=generator)
-    sparse = torch.randint(0, 3, (rows, 26), generator=generator)
-    return dense, sparse
+    if ids is None:
+        return dense, torch.randint(0, 3, (rows, 26), generator=generator)
+    return dense, torch.randint(-1, 3, (rows, 26, ids), generator=generator)
 
 
 def body(rows: int = 4, request_id: str | None = "req-7") -> dict[str, Any]:
@@ -74,16 +56,120 @@ def post_raw(client: TestClient, path: str, content: str | bytes):
 
 
 @pytest.mark.parametrize("path", ["/models/ctr/infer", "/models/ctr/versions/1/infer"])
-def test_infer_returns_the_models_probabilities(client: TestClient, model: DLRM, path: str) -> None:
+def test_infer_returns_the_backends_output(client: TestClient, backend: FakeBackend, path: str) -> None:
     response = client.post(path, json=body(rows=4))
     assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/json"
     payload = response.json()
     assert (payload["model_name"], payload["model_version"], payload["id"]) == ("ctr", "1", "req-7")
     [output] = payload["outputs"]
     assert (output["name"], output["datatype"], output["shape"]) == ("probabilities", "FP32", [4, 1])
-    with torch.inference_mode():
-        expected = model(*inputs(rows=4))
-    assert torch.equal(torch.tensor(output["data"], dtype=torch.float32).reshape(4, 1), expected)
+    dense, sparse = inputs(rows=4)
+    np.testing.assert_allclose(output["data"], expected_scores(dense.numpy(), sparse.numpy()).ravel(), rtol=1e-6)
+    [(dense_seen, sparse_seen)] = backend.calls
+    assert torch.equal(dense_seen, dense) and torch.equal(sparse_seen, sparse.unsqueeze(2))
+
+
+def test_multi_hot_json_request_reaches_the_backend_as_bags(client: TestClient, backend: FakeBackend) -> None:
+    dense, sparse = inputs(rows=3, ids=5)
+    response = client.post("/models/ctr/infer", json=encode_dlrm_request(dense, sparse).model_dump())
+    assert response.status_code == 200, response.text
+    np.testing.assert_allclose(
+        response.json()["outputs"][0]["data"], expected_scores(dense.numpy(), sparse.numpy()).ravel(), rtol=1e-6
+    )
+    assert torch.equal(backend.calls[0][1], sparse)
+
+
+def post_binary(client: TestClient, request: dict[str, Any], arrays: dict[str, np.ndarray]):
+    content, length = binary_body(request, arrays)
+    return client.post(
+        "/models/ctr/infer",
+        content=content,
+        headers={"Inference-Header-Content-Length": length, "content-type": "application/octet-stream"},
+    )
+
+
+def binary_request(rows: int = 3, ids: int = 4, **fields: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """An infer request whose two inputs travel as binary data: FP32 dense and INT32 multi-hot ids."""
+    dense, sparse = inputs(rows=rows, ids=ids)
+    request = {"id": "b-1", **fields, "inputs": [
+        {"name": "dense_features", "shape": list(dense.shape), "datatype": "FP32"},
+        {"name": "sparse_features", "shape": list(sparse.shape), "datatype": "INT32"},
+    ]}  # fmt: skip
+    return request, {"dense_features": dense.numpy(), "sparse_features": sparse.numpy().astype(np.int32)}
+
+
+def test_binary_inputs_get_a_json_response_unless_binary_output_is_asked(
+    client: TestClient, backend: FakeBackend
+) -> None:
+    request, arrays = binary_request()
+    response = post_binary(client, request, arrays)
+    assert response.status_code == 200, response.text
+    assert "inference-header-content-length" not in response.headers
+    [output] = response.json()["outputs"]
+    np.testing.assert_allclose(output["data"], expected_scores(*arrays.values()).ravel(), rtol=1e-6)
+    [(dense, sparse)] = backend.calls
+    assert sparse.dtype == torch.int64 and sparse.shape == (3, 26, 4)
+    assert np.array_equal(sparse.numpy(), arrays["sparse_features"])
+    assert np.array_equal(dense.numpy(), arrays["dense_features"])
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"parameters": {"binary_data_output": True}},
+        {"outputs": [{"name": "probabilities", "parameters": {"binary_data": True}}]},
+    ],
+    ids=["binary_data_output", "output binary_data"],
+)
+def test_binary_output_follows_the_json_header(client: TestClient, fields: dict[str, Any]) -> None:
+    request, arrays = binary_request(rows=5, **fields)
+    response = post_binary(client, request, arrays)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "application/octet-stream"
+    length = int(response.headers["inference-header-content-length"])
+    header = json.loads(response.content[:length])
+    [output] = header["outputs"]
+    assert output["parameters"] == {"binary_data_size": 20} and "data" not in output
+    assert header["id"] == "b-1" and output["shape"] == [5, 1]
+    scores = np.frombuffer(response.content[length:], "<f4").reshape(5, 1)
+    np.testing.assert_allclose(scores, expected_scores(*arrays.values()), rtol=1e-6)
+
+
+def test_bad_binary_body_is_400_and_never_reaches_the_backend(client: TestClient, backend: FakeBackend) -> None:
+    request, arrays = binary_request()
+    content, length = binary_body(request, arrays)
+    response = client.post(
+        "/models/ctr/infer", content=content[:-1], headers={"Inference-Header-Content-Length": length}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("body: inputs declare ")
+    response = client.post("/models/ctr/infer", content=content, headers={"Inference-Header-Content-Length": "9999"})
+    assert response.json()["error"].startswith("Inference-Header-Content-Length: JSON header of 9999 bytes")
+    assert backend.calls == []
+
+
+def test_binary_ids_are_range_checked_like_json_ones(client: TestClient) -> None:
+    request, arrays = binary_request()
+    arrays["sparse_features"][1, 7, 2] = -3
+    response = post_binary(client, request, arrays)
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("inputs[1].data: id -3 in row 1 is out of range for table 7")
+
+
+def test_too_many_ids_per_feature_is_400(client: TestClient) -> None:
+    request, arrays = binary_request(ids=MAX_IDS + 1)
+    response = post_binary(client, request, arrays)
+    assert response.status_code == 400
+    assert response.json()["error"] == f"inputs[1].shape: 9 ids per table exceed the limit of {MAX_IDS} ids per table"
+
+
+def test_oversized_binary_body_is_413(client: TestClient, backend: FakeBackend) -> None:
+    rows = MAX_BODY_BYTES // (26 * MAX_IDS * 4) + 1  # the binary part alone is over the limit
+    request, arrays = binary_request(rows=rows, ids=MAX_IDS)
+    response = post_binary(client, request, arrays)
+    assert response.status_code == 413
+    assert backend.calls == []
 
 
 def test_response_omits_absent_optional_fields(client: TestClient) -> None:
@@ -94,18 +180,29 @@ def test_response_omits_absent_optional_fields(client: TestClient) -> None:
 def test_server_metadata_and_health(client: TestClient) -> None:
     server = client.get("/").json()
     assert server["name"] == "swiftserve"
-    assert isinstance(server["version"], str) and isinstance(server["extensions"], list)
+    assert isinstance(server["version"], str) and server["extensions"] == ["binary_tensor_data"]
     assert client.get("/health/live").json() == {"live": True}
     assert client.get("/health/ready").json() == {"ready": True}
     assert client.get("/models/ctr/ready").json() == {"name": "ctr", "ready": True}
     assert client.get("/models/ctr/versions/1/ready").status_code == 200
 
 
+def test_not_ready_backend_makes_readiness_routes_503(client: TestClient, backend: FakeBackend) -> None:
+    backend.is_ready = False  # e.g. an embedding shard with no replica
+    assert client.get("/health/live").status_code == 200
+    response = client.get("/health/ready")
+    assert (response.status_code, response.json()) == (503, {"ready": False})
+    assert client.get("/models/ctr/ready").status_code == 503
+    backend.is_ready = True
+    assert client.get("/models/ctr/versions/1/ready").json() == {"name": "ctr", "ready": True}
+
+
 def test_model_metadata(client: TestClient) -> None:
     metadata = client.get("/models/ctr").json()
     assert metadata["name"] == "ctr" and metadata["versions"] == ["1"]
     assert {t["name"]: t["shape"] for t in metadata["inputs"]} == {
-        "dense_features": [-1, 13], "sparse_features": [-1, 26]
+        "dense_features": [-1, 13],
+        "sparse_features": [-1, 26, -1],
     }
     assert metadata["outputs"] == [{"name": "probabilities", "datatype": "FP32", "shape": [-1, 1]}]
     assert client.get("/models/ctr/versions/1").json() == metadata
@@ -113,11 +210,15 @@ def test_model_metadata(client: TestClient) -> None:
 
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("get", "/models/dlrm"), ("get", "/models/dlrm/ready"), ("post", "/models/dlrm/infer"),
-     ("post", "/models/ctr/versions/2/infer"), ("get", "/models/ctr/versions/2")],
+    [
+        ("get", "/models/dlrm"),
+        ("get", "/models/dlrm/ready"),
+        ("post", "/models/dlrm/infer"),
+        ("post", "/models/ctr/versions/2/infer"),
+        ("get", "/models/ctr/versions/2"),
+    ],
 )
-def test_unknown_model_or_version_is_404(client: TestClient, backend: InProcessBackend, method: str,
-                                         path: str) -> None:
+def test_unknown_model_or_version_is_404(client: TestClient, backend: FakeBackend, method: str, path: str) -> None:
     response = client.request(method, path, json=body() if method == "post" else None)
     assert response.status_code == 404
     assert set(response.json()) == {"error"}
@@ -142,8 +243,9 @@ def test_malformed_json_is_400_naming_the_body(client: TestClient) -> None:
         ("colour", "red", "inputs[0].colour: unknown field"),
     ],
 )
-def test_schema_violations_are_400_naming_the_field(client: TestClient, backend: InProcessBackend, field: str,
-                                                   value: Any, message: str) -> None:
+def test_schema_violations_are_400_naming_the_field(
+    client: TestClient, backend: FakeBackend, field: str, value: Any, message: str
+) -> None:
     request = body()
     if value is None:
         del request["inputs"][0][field]
@@ -161,8 +263,7 @@ def test_empty_inputs_list_is_400(client: TestClient) -> None:
     assert response.json()["error"].startswith("inputs: ")
 
 
-def test_out_of_range_id_is_400_and_never_reaches_the_model(client: TestClient,
-                                                              backend: InProcessBackend) -> None:
+def test_out_of_range_id_is_400_and_never_reaches_the_model(client: TestClient, backend: FakeBackend) -> None:
     request = body()
     request["inputs"][1]["data"][26 * 2 + 5] = 10**6
     response = client.post("/models/ctr/infer", json=request)
@@ -186,7 +287,7 @@ def test_too_many_rows_is_400(client: TestClient) -> None:
     assert f"exceed the limit of {MAX_ROWS} rows" in response.json()["error"]
 
 
-def test_oversized_body_is_413(client: TestClient, backend: InProcessBackend) -> None:
+def test_oversized_body_is_413(client: TestClient, backend: FakeBackend) -> None:
     request = body() | {"parameters": {"padding": "x" * MAX_BODY_BYTES}}
     response = client.post("/models/ctr/infer", json=request)
     assert response.status_code == 413
@@ -194,17 +295,31 @@ def test_oversized_body_is_413(client: TestClient, backend: InProcessBackend) ->
     assert backend.calls == []
 
 
-def test_backend_failure_is_500_without_internal_details(model: DLRM) -> None:
-    client = TestClient(create_oip_api(FailingBackend(model), app_config()), raise_server_exceptions=False)
+def test_backend_failure_is_500_without_internal_details() -> None:
+    client = TestClient(create_oip_api(FailingBackend(), app_config()), raise_server_exceptions=False)
     response = client.post("/models/ctr/infer", json=body())
     assert response.status_code == 500
     assert response.json() == {"error": "internal server error"}
 
 
-def test_openapi_documents_the_infer_request_schema(client: TestClient) -> None:
+@pytest.mark.parametrize("path", ["/models/{model_name}/infer", "/models/{model_name}/versions/{model_version}/infer"])
+def test_openapi_documents_the_infer_request_schema(client: TestClient, path: str) -> None:
     schema = client.get("/openapi.json").json()
-    request_body = schema["paths"]["/models/{model_name}/infer"]["post"]["requestBody"]
-    assert request_body["content"]["application/json"]["schema"]["$ref"].endswith("/InferRequest")
-    infer_request = schema["components"]["schemas"]["InferRequest"]
-    assert infer_request["required"] == ["inputs"]
-    assert "FP32" in json.dumps(schema["components"]["schemas"]["InferTensor"])
+    operation = schema["paths"][path]["post"]
+    content = operation["requestBody"]["content"]
+    assert content["application/json"]["schema"]["$ref"] == "#/components/schemas/InferRequest"
+    assert "application/octet-stream" in content and "Inference-Header-Content-Length" in operation["description"]
+    schemas = schema["components"]["schemas"]
+    assert schemas["InferRequest"]["required"] == ["inputs"]
+    assert schemas["InferRequest"]["properties"]["outputs"]["anyOf"][0]["items"]["$ref"].endswith("/RequestedOutput")
+    assert "FP32" in json.dumps(schemas["InferTensor"]) and "binary_data_size" in json.dumps(schemas["InferTensor"])
+    refs = {ref.split("/")[-1] for ref in _refs(schema)}
+    assert refs <= set(schemas), refs - set(schemas)
+
+
+def _refs(node: Any) -> list[str]:
+    if isinstance(node, dict):
+        return [node["$ref"]] if "$ref" in node else [ref for value in node.values() for ref in _refs(value)]
+    if isinstance(node, list):
+        return [ref for value in node for ref in _refs(value)]
+    return []

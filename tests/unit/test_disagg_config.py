@@ -43,18 +43,34 @@ def test_invalid_values_are_refused(data: dict) -> None:
         DLRMAppConfig.model_validate(data)
 
 
-def test_build_app_validates_plain_dict_args_and_sizes_the_deployment() -> None:
+def test_build_app_validates_plain_dict_args_and_sizes_the_monolithic_deployment() -> None:
     from disagg.app import build_app
 
-    app = build_app({"model_name": "ctr", "batching": {"max_batch_size": 8}})
+    app = build_app({"model_name": "ctr", "serving": "monolithic", "batching": {"max_batch_size": 8}})
     deployment = app._bound_deployment  # Ray has no public accessor for an Application's deployment
     assert deployment.name == "MonolithicDLRM"
     assert deployment.ray_actor_options == {"num_cpus": 0.5}
     assert deployment.max_ongoing_requests == 16  # one batch running, the next one filling
     [config] = deployment.init_args
-    assert config == DLRMAppConfig(model_name="ctr", batching=BatchingConfig(max_batch_size=8))
+    assert config == DLRMAppConfig(model_name="ctr", serving="monolithic", batching=BatchingConfig(max_batch_size=8))
     with pytest.raises(ValidationError, match="model_name"):
         build_app({"model_name": "a/b"})
+
+
+def test_disaggregated_app_binds_one_deployment_per_shard_and_the_directory() -> None:
+    from disagg.app import build_app
+
+    app = build_app({"embedding": {"num_shards": 3, "replicas_per_shard": 2, "discovery_period_s": 0.5}})
+    ingress = app._bound_deployment
+    assert ingress.name == "DisaggregatedDLRM"
+    config, directory, shards = ingress.init_args
+    assert config.serving == "disaggregated"
+    assert directory._bound_deployment.name == "ShardDirectory"
+    shard_deployments = [shard._bound_deployment for shard in shards]
+    assert [d.name for d in shard_deployments] == ["EmbeddingShard_0", "EmbeddingShard_1", "EmbeddingShard_2"]
+    assert {d.num_replicas for d in shard_deployments} == {2}
+    assert [d.init_args[1] for d in shard_deployments] == [0, 1, 2]  # each replica builds its own shard
+    assert {d._deployment_config.health_check_period_s for d in shard_deployments} == {0.5}  # the heartbeat
 
 
 def test_builder_annotation_is_the_config_class_so_serve_configs_are_validated() -> None:

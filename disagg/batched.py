@@ -1,0 +1,63 @@
+"""What both DLRM ingress deployments share: the OIP v2 API, batching across requests, live batching changes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from fastapi import FastAPI
+from ray import serve
+
+from disagg.api import create_oip_api
+from disagg.batching import merge_requests, split_rows
+from disagg.config import BatchingConfig, DLRMAppConfig
+from disagg.model import DLRMSpec
+from serving.common.logging import get_logger
+from serving.common.memory import ProcessMemory, process_memory
+
+logger = get_logger("disagg.batched")
+
+
+class BatchedDLRM:
+    """Base of the DLRM deployments: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``).
+
+    Subclasses set ``config`` and ``spec``, call ``_apply_batching`` once, and implement ``_forward_batch``.
+    ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching without restart.
+    """
+
+    config: DLRMAppConfig
+    spec: DLRMSpec
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_oip_api(self, self.config)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Applies a new ``BatchingConfig`` (Ray Serve ``user_config``) to the running replica."""
+        batching = BatchingConfig.model_validate(user_config)
+        self._apply_batching(batching)
+        logger.info("%s batching now max_batch_size=%d batch_wait_timeout_s=%g", type(self).__name__,
+                    batching.max_batch_size, batching.batch_wait_timeout_s)
+
+    def _apply_batching(self, batching: BatchingConfig) -> None:
+        self._infer_batch.set_max_batch_size(batching.max_batch_size)
+        self._infer_batch.set_batch_wait_timeout_s(batching.batch_wait_timeout_s)
+
+    def ready(self) -> bool:
+        return True
+
+    async def memory_report(self) -> ProcessMemory:
+        """This replica's RSS (e.g. a dense replica's, against the embedding bytes it does not hold)."""
+        return process_memory()
+
+    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """Probabilities [B, 1] for one request, computed in a batch with whatever else is waiting."""
+        return await self._infer_batch((dense, sparse))
+
+    @serve.batch
+    async def _infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        merged = merge_requests(requests)
+        return split_rows(await self._forward_batch(merged.dense, merged.sparse), merged.row_counts)
+
+    async def _forward_batch(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """Probabilities [B, 1] for a merged batch; runs heavy work off the event loop."""
+        raise NotImplementedError

@@ -1,0 +1,94 @@
+"""Embedding shards on Ray Serve: each replica runs a gRPC ``EmbeddingServer`` and announces its address.
+
+``ShardDirectory`` is where dense replicas find shard replicas without host lists: every shard replica
+announces ``(shard, address)`` at start and on every Serve health check; an address not announced for
+``ttl_s`` is dropped, so replicas that died (and their replacements' new addresses) are noticed within a few
+health-check periods. Placement is Serve's: give the shard deployments resources only CPU nodes have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from disagg.config import DLRMAppConfig
+from disagg.embedding_server import EmbeddingServer
+from disagg.model import preset_spec
+from disagg.partition import build_embedding_shard
+from serving.common.logging import get_logger
+
+logger = get_logger("disagg.shard_service")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class ShardDirectory:
+    """Live addresses of every shard's replicas, as announced by the replicas themselves."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[int, dict[str, float]] = {}
+
+    def announce(self, shard_index: int, address: str, ttl_s: float) -> None:
+        """Replica ``address`` of shard ``shard_index`` is serving; forget it unless re-announced within ``ttl_s``."""
+        self._expiry.setdefault(shard_index, {})[address] = time.monotonic() + ttl_s
+
+    def withdraw(self, shard_index: int, address: str) -> None:
+        """The replica at ``address`` is shutting down."""
+        self._expiry.get(shard_index, {}).pop(address, None)
+
+    def addresses(self) -> dict[int, list[str]]:
+        """Shard index -> addresses announced and not expired, sorted."""
+        now = time.monotonic()
+        for replicas in self._expiry.values():
+            for address in [address for address, expiry in replicas.items() if expiry <= now]:
+                del replicas[address]
+        return {index: sorted(replicas) for index, replicas in self._expiry.items()}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25})
+class EmbeddingShardServer:
+    """One replica of one table-wise shard: builds only its own tables and serves them over gRPC."""
+
+    async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
+                       directory: DeploymentHandle) -> None:
+        config = DLRMAppConfig.model_validate(config)
+        embedding = config.embedding
+        shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
+                                        shard_index, embedding.num_shards)
+        host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
+        self._server = EmbeddingServer(
+            shard, model=config.model.preset, num_shards=embedding.num_shards, host=host, port=0,
+            max_message_bytes=embedding.max_message_bytes, torch_threads=embedding.torch_threads,
+        )
+        await self._server.start()
+        self._shard_index = shard_index
+        self._directory = directory
+        self._ttl_s = 3 * embedding.discovery_period_s
+        await self._announce()
+        logger.info("embedding shard %d/%d of %s (seed %d) serving %d tables (%s bytes) on %s, node %s",
+                    shard_index, embedding.num_shards, config.model.preset, config.model.seed,
+                    len(shard.output_names), f"{shard.parameter_bytes:,}", self._server.address,
+                    ray.get_runtime_context().get_node_id()[:8])
+
+    async def _announce(self) -> None:
+        await self._directory.announce.remote(self._shard_index, self._server.address, self._ttl_s)
+
+    async def address(self) -> str:
+        """Where this replica serves gRPC (``host:port``)."""
+        return self._server.address
+
+    async def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check doubles as the directory heartbeat."""
+        await self._announce()
+
+    async def __del__(self) -> None:  # Serve awaits an async __del__ on graceful replica shutdown
+        await self._directory.withdraw.remote(self._shard_index, self._server.address)
+        await self._server.stop(grace=1.0)

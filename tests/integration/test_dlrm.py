@@ -1,0 +1,136 @@
+"""Disaggregated DLRM on a multi-node cluster: placement by resources, equality with the monolithic path
+and the model, tritonclient, replica failover and shard outage."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+import tritonclient.http as triton
+from ray import serve
+from tritonclient.utils import InferenceServerException
+
+from disagg.model import build_preset
+from disagg.protocol import encode_dlrm_request
+from disagg.synthetic import SyntheticRequests
+from tests.integration.conftest import DLRM_LOOKUP_TIMEOUT_S, POOLS
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_preset("tiny").eval()  # the preset and seed both DLRM apps serve
+
+
+def _infer(http, prefix: str, dense: torch.Tensor, sparse: torch.Tensor):
+    return http.post(f"{prefix}/models/dlrm/infer", json=encode_dlrm_request(dense, sparse).model_dump())
+
+
+def _probabilities(response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.asarray(response.json()["outputs"][0]["data"], dtype=np.float32)
+
+
+def _replica_reports(deployment: str, method: str, replicas: int) -> set:
+    handle = serve.get_deployment_handle(deployment, app_name="dlrm")
+    seen = set()
+    for _ in range(100):
+        seen.add(getattr(handle, method).remote().result(timeout_s=30))
+        if len(seen) == replicas:
+            break
+    return seen
+
+
+def test_shards_and_dense_replicas_are_placed_by_their_pool_resources(http, pool_nodes):
+    for shard in ("EmbeddingShard_0", "EmbeddingShard_1"):
+        assert _replica_reports(shard, "node_id", replicas=1) == {pool_nodes[POOLS["embedding"]]}
+        assert len(_replica_reports(shard, "address", replicas=2)) == 2  # two replicas per shard
+    assert _replica_reports("DisaggregatedDLRM", "node_id", replicas=1) == {pool_nodes[POOLS["dense"]]}
+
+
+@pytest.mark.parametrize("hotness", [1, 4])
+def test_disaggregated_equals_monolithic_and_the_model(http, model, hotness):
+    requests = SyntheticRequests(model.spec, seed=hotness, max_hotness=hotness)
+    for rows in (1, 7, 64):
+        dense, sparse = requests.batch(rows)
+        disaggregated = _probabilities(_infer(http, "/v2", dense, sparse))
+        monolithic = _probabilities(_infer(http, "/mono/v2", dense, sparse))
+        with torch.inference_mode():
+            expected = model(dense, sparse).numpy().ravel()
+        np.testing.assert_allclose(disaggregated, monolithic, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(disaggregated, expected, rtol=0, atol=1e-6)
+
+
+def test_tritonclient_with_binary_tensors_through_serve(base_url, model):
+    client = triton.InferenceServerClient(base_url.removeprefix("http://"))
+    assert client.is_server_ready() and client.is_model_ready("dlrm")
+    metadata = client.get_model_metadata("dlrm")
+    assert [tensor["name"] for tensor in metadata["inputs"]] == ["dense_features", "sparse_features"]
+    dense, sparse = SyntheticRequests(model.spec, seed=9, max_hotness=3).batch(16)
+    inputs = [triton.InferInput("dense_features", list(dense.shape), "FP32"),
+              triton.InferInput("sparse_features", list(sparse.shape), "INT64")]
+    inputs[0].set_data_from_numpy(dense.numpy())
+    inputs[1].set_data_from_numpy(sparse.numpy())
+    result = client.infer("dlrm", inputs, outputs=[triton.InferRequestedOutput("probabilities")])
+    with torch.inference_mode():
+        np.testing.assert_allclose(result.as_numpy("probabilities"), model(dense, sparse).numpy(), atol=1e-6)
+    inputs[1] = triton.InferInput("sparse_features", list(sparse.shape), "FP64")
+    inputs[1].set_data_from_numpy(sparse.numpy().astype(np.float64))
+    with pytest.raises(InferenceServerException, match=r"inputs\[1\]\.datatype"):
+        client.infer("dlrm", inputs)
+    client.close()
+
+
+def _shard_replicas(shard: str) -> list[dict]:
+    return [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+            if f"dlrm#{shard}#" in actor["name"]]
+
+
+def _kill(replica: dict) -> None:
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+
+
+def test_killing_one_replica_of_a_shard_loses_no_request(http, model):
+    dense, sparse = SyntheticRequests(model.spec, seed=3).batch(4)
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        while not stop.is_set():
+            statuses.append(_infer(http, "/v2", dense, sparse).status_code)
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    time.sleep(1.0)
+    replicas = _shard_replicas("EmbeddingShard_0")
+    assert len(replicas) == 2
+    _kill(replicas[0])
+    time.sleep(5.0)  # requests keep flowing while the dead replica is noticed and replaced
+    stop.set()
+    thread.join(timeout=60)
+    assert len(statuses) > 10 and set(statuses) == {200}, statuses
+
+
+def test_shard_outage_gives_503_within_the_deadline_then_recovers(http, model):
+    dense, sparse = SyntheticRequests(model.spec, seed=4).batch(4)
+    _probabilities(_infer(http, "/v2", dense, sparse))
+    for replica in _shard_replicas("EmbeddingShard_1"):
+        _kill(replica)
+    started = time.monotonic()
+    response = _infer(http, "/v2", dense, sparse)
+    elapsed = time.monotonic() - started
+    assert response.status_code == 503, response.text
+    assert response.headers.get("retry-after") == "1"
+    assert "embedding shard 1" in response.json()["error"]
+    assert elapsed < DLRM_LOOKUP_TIMEOUT_S + 3.0  # deadline plus batching and HTTP slack
+
+    deadline = time.monotonic() + 180
+    while (response := _infer(http, "/v2", dense, sparse)).status_code != 200:  # Serve replaces the replicas
+        assert response.status_code == 503, response.text
+        assert time.monotonic() < deadline, "shard 1 did not recover"
+        time.sleep(1.0)
+    with torch.inference_mode():
+        np.testing.assert_allclose(_probabilities(response), model(dense, sparse).numpy().ravel(), atol=1e-6)
