@@ -1,4 +1,4 @@
-"""Disaggregated DLRM serving (DESIGN.md §4): model, OIP v2 API, monolithic baseline.
+"""Disaggregated DLRM serving (DESIGN.md §4): model, partitioner, embedding shards, OIP v2 API, deployments.
 
 Names are imported on first use, so ``import disagg`` loads neither torch nor Ray.
 """
@@ -11,19 +11,42 @@ from serving.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from disagg.app import build_app
-    from disagg.config import BatchingConfig, DLRMAppConfig, DLRMLimits, DLRMModelConfig
-    from disagg.model import DLRM, PRESETS, DLRMSpec, build_preset, preset_spec
+    from disagg.config import BatchingConfig, DLRMAppConfig, DLRMLimits, DLRMModelConfig, EmbeddingServiceConfig
+    from disagg.embedding_client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
+    from disagg.embedding_server import EmbeddingServer
+    from disagg.model import DLRM, PRESETS, DLRMSpec, build_preset, materialize_, preset_spec
+    from disagg.partition import (
+        EmbeddingShard,
+        Partition,
+        build_dense_part,
+        build_embedding_shard,
+        partition_embeddings,
+    )
+    from disagg.synthetic import SyntheticRequests
 
 _EXPORTS = {
     "BatchingConfig": "disagg.config",
     "DLRMAppConfig": "disagg.config",
     "DLRMLimits": "disagg.config",
     "DLRMModelConfig": "disagg.config",
+    "EmbeddingServiceConfig": "disagg.config",
     "DLRM": "disagg.model",
     "DLRMSpec": "disagg.model",
     "PRESETS": "disagg.model",
     "build_preset": "disagg.model",
+    "materialize_": "disagg.model",
     "preset_spec": "disagg.model",
+    "EmbeddingShard": "disagg.partition",
+    "Partition": "disagg.partition",
+    "build_dense_part": "disagg.partition",
+    "build_embedding_shard": "disagg.partition",
+    "partition_embeddings": "disagg.partition",
+    "SyntheticRequests": "disagg.synthetic",
+    "EmbeddingServer": "disagg.embedding_server",
+    "EmbeddingClient": "disagg.embedding_client",
+    "EmbeddingRequestError": "disagg.embedding_client",
+    "ShardClient": "disagg.embedding_client",
+    "ShardUnavailable": "disagg.embedding_client",
     "build_app": "disagg.app",
 }
 
@@ -35,8 +58,21 @@ __all__ = [
     "DLRMLimits",
     "DLRMModelConfig",
     "DLRMSpec",
+    "EmbeddingClient",
+    "EmbeddingRequestError",
+    "EmbeddingServer",
+    "EmbeddingServiceConfig",
+    "EmbeddingShard",
+    "Partition",
+    "ShardClient",
+    "ShardUnavailable",
+    "SyntheticRequests",
     "build_app",
+    "build_dense_part",
+    "build_embedding_shard",
     "build_preset",
+    "materialize_",
+    "partition_embeddings",
     "preset_spec",
 ]
 

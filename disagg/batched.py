@@ -19,7 +19,8 @@ logger = get_logger("disagg.batched")
 
 
 class BatchedDLRM:
-    """Base of the DLRM deployments: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``).
+    """Base of the DLRM deployments: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
+    two batches may be in flight, so one's embedding lookups (or validation) overlap the other's forward.
 
     Subclasses set ``config`` and ``spec``, call ``_apply_batching`` once, and implement ``_forward_batch``.
     ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching without restart.
@@ -53,7 +54,7 @@ class BatchedDLRM:
         """Probabilities [B, 1] for one request, computed in a batch with whatever else is waiting."""
         return await self._infer_batch((dense, sparse))
 
-    @serve.batch
+    @serve.batch(max_concurrent_batches=2)  # the next batch's lookups or parsing overlap this batch's compute
     async def _infer_batch(self, requests: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         merged = merge_requests(requests)
         return split_rows(await self._forward_batch(merged.dense, merged.sparse), merged.row_counts)

@@ -27,6 +27,10 @@ class DLRMModelConfig(BaseModel):
         description="Torch device: `auto` (SWIFTSERVE_DEVICE if set, else CUDA when present, else CPU), "
         "`cpu`, `cuda` or `cuda:N`.",
     )
+    torch_threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads of a replica running the dense part (or the whole model); "
+        "default: torch's (Ray sets it from the replica's `num_cpus`)."
+    )
 
     @field_validator("preset")
     @classmethod
@@ -89,6 +93,10 @@ class EmbeddingServiceConfig(BaseModel):
     discovery_period_s: float = Field(
         1.0, gt=0.0, le=60.0, description="Shard replicas re-announce their address and dense replicas refresh "
         "theirs this often; an address not announced for 3 periods is dropped."
+    )
+    startup_timeout_s: float = Field(
+        300.0, ge=0.0, le=3600.0, description="A starting dense replica waits this long for every shard to announce a "
+        "replica (shards load their tables meanwhile) before it starts anyway, not ready until they do."
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads of a shard replica.")
 

@@ -1,8 +1,9 @@
 """The dense side of disaggregated DLRM serving: API, batching, lookups fanned out to every shard, dense MLPs.
 
 Each batch's embedding lookups go over gRPC to all shards at once (``EmbeddingClient``), failing over between
-a shard's replicas within ``embedding.lookup_timeout_s``; the pooled embeddings that come back feed the dense
-part of the partitioned model on CUDA when present, else CPU. Shard addresses come from the ``ShardDirectory``.
+a shard's replicas within ``embedding.lookup_timeout_s``; meanwhile the part of the dense graph that needs no
+embedding (the DLRM bottom MLP) runs; the pooled embeddings that come back feed the rest, on CUDA when present,
+else CPU. Shard addresses come from the ``ShardDirectory``.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from disagg.embedding_client import (
     ShardUnavailable,
 )
 from disagg.model import preset_spec
-from disagg.partition import build_dense_part
-from serving.common.device import placement, resolve_device
+from disagg.partition import build_dense_part, dense_stages
+from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.http import APIError
 from serving.common.logging import get_logger
 
@@ -52,9 +53,11 @@ class DisaggregatedDLRM(BatchedDLRM):
         embedding = self.config.embedding
         self.spec = preset_spec(self.config.model.preset)
         self.device = resolve_device(self.config.model.device)
+        set_torch_threads(self.config.model.torch_threads)
         partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed)
-        self._dense = partition.dense_part.to(self.device).eval()
-        self._embedding_inputs, self._dense_inputs = partition.embedding_inputs, partition.dense_inputs
+        partition.dense_part.to(self.device).eval()
+        self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
+        self._embedding_inputs = partition.embedding_inputs
         self._client = EmbeddingClient([
             ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes)
             for shard in partition.shards(embedding.num_shards)
@@ -62,9 +65,9 @@ class DisaggregatedDLRM(BatchedDLRM):
         self._rows_per_lookup = self._lookup_chunk_rows()
         self._directory, self._shard_handles = directory, shards
         self._apply_batching(self.config.batching)
-        await self._refresh_addresses()
+        await self._wait_for_every_shard(embedding.startup_timeout_s)
         self._discovery = asyncio.create_task(self._discover_forever())
-        dense_bytes = sum(t.numel() * t.element_size() for t in self._dense.parameters())
+        dense_bytes = sum(t.numel() * t.element_size() for t in partition.dense_part.parameters())
         logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d device=%s dense bytes=%s over %d shards %s",
                     self.config.model_name, self.config.model.preset, self.config.model.seed, self.device,
                     f"{dense_bytes:,}", embedding.num_shards, placement())
@@ -86,9 +89,20 @@ class DisaggregatedDLRM(BatchedDLRM):
         return {shard.shard_index: shard.stats for shard in self._client.shards}
 
     async def _forward_batch(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        if not self.ready():  # a shard lost every replica: look for replacements before giving up on it
+            await self._refresh_addresses()
         inputs = dict(zip(MODEL_INPUTS, (dense, sparse), strict=True))
-        pooled = await self._lookup({name: inputs[name] for name in self._embedding_inputs})
-        return await asyncio.to_thread(self._run_dense, {name: inputs[name] for name in self._dense_inputs}, pooled)
+        stages = self._stages
+        lookup = asyncio.ensure_future(self._lookup({name: inputs[name] for name in self._embedding_inputs}))
+        try:
+            early_inputs = {name: inputs[name] for name in stages.early_inputs}
+            early = await asyncio.to_thread(self._run, stages.early, early_inputs)
+        except BaseException:
+            lookup.cancel()
+            raise
+        available = {**inputs, **early, **await lookup}
+        late = await asyncio.to_thread(self._run, stages.late, {name: available[name] for name in stages.late_inputs})
+        return late.cpu()
 
     async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pooled embeddings of a batch; lookups larger than the message limit go as concurrent row chunks."""
@@ -108,10 +122,9 @@ class DisaggregatedDLRM(BatchedDLRM):
             raise APIError(500, "internal error in the embedding lookup", code="internal_error") from error
         return {name: torch.cat([chunk[name] for chunk in chunks]) for name in chunks[0]}
 
-    def _run_dense(self, inputs: dict[str, torch.Tensor], pooled: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run(self, stage: torch.fx.GraphModule, inputs: dict[str, torch.Tensor]) -> Any:
         with torch.inference_mode():
-            on_device = {name: t.to(self.device) for name, t in (*inputs.items(), *pooled.items())}
-            return self._dense(**on_device).cpu()
+            return stage(**{name: tensor.to(self.device) for name, tensor in inputs.items()})
 
     def _lookup_chunk_rows(self) -> int:
         """Rows per lookup so that a request (ids, up to ``max_ids_per_feature`` each) and its response (pooled
@@ -120,6 +133,16 @@ class DisaggregatedDLRM(BatchedDLRM):
         request_row = spec.num_tables * limits.max_ids_per_feature * 8
         response_row = spec.num_tables * spec.embedding_dim * 4
         return max(1, self.config.embedding.max_message_bytes // 2 // max(request_row, response_row))
+
+    async def _wait_for_every_shard(self, timeout_s: float) -> None:
+        """Until every shard has announced a replica (shards load their tables while this replica starts), at
+        most ``timeout_s``; after that the replica starts anyway and is not ready (503) until they come."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            await self._refresh_addresses()
+            if self.ready() or asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(0.2)
 
     async def _discover_forever(self) -> None:
         while True:

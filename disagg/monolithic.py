@@ -11,7 +11,7 @@ from ray import serve
 from disagg.batched import BatchedDLRM
 from disagg.config import DLRMAppConfig
 from disagg.model import build_preset
-from serving.common.device import placement, resolve_device
+from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 
 logger = get_logger("disagg.monolithic")
@@ -25,6 +25,7 @@ class MonolithicDLRM(BatchedDLRM):
     def __init__(self, config: DLRMAppConfig | dict[str, Any]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
         self.device = resolve_device(self.config.model.device)
+        set_torch_threads(self.config.model.torch_threads)
         self.model = build_preset(self.config.model.preset, seed=self.config.model.seed).to(self.device).eval()
         self.spec = self.model.spec
         self._apply_batching(self.config.batching)

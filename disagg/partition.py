@@ -95,6 +95,40 @@ class Partition:
         return shards
 
 
+@dataclass(frozen=True)
+class DenseStages:
+    """``Partition.dense_part`` cut in two so that work not needing the embeddings overlaps their lookup.
+
+    ``early(**{name: input for name in early_inputs})`` returns ``{name: tensor}`` for ``early_names`` (e.g. the
+    DLRM bottom MLP); ``late(**inputs, **early, **cut)`` (its placeholders are ``late_inputs``) returns the model
+    output. Composition equals ``dense_part``.
+    """
+
+    early: fx.GraphModule
+    late: fx.GraphModule
+    early_inputs: tuple[str, ...]
+    early_names: tuple[str, ...]
+    late_inputs: tuple[str, ...]
+
+
+def dense_stages(partition: Partition) -> DenseStages:
+    """Splits ``partition.dense_part`` at the nodes that depend on no cut tensor (computable before the lookup)."""
+    dense = partition.dense_part
+    nodes = list(dense.graph.nodes)
+    cut = {node for node in nodes if node.op == "placeholder" and node.target in partition.cut_names}
+    waits: set[fx.Node] = set()  # nodes downstream of a cut tensor, in graph (topological) order
+    for node in nodes:
+        if node in cut or any(source in waits for source in node.all_input_nodes):
+            waits.add(node)
+    early = [node for node in nodes if node.op not in ("placeholder", "get_attr", "output") and node not in waits
+             and any(user in waits for user in node.users)]
+    early_part = _extract(dense, {node.name: node for node in early}, {}, "DenseEarly")
+    output = next(node for node in nodes if node.op == "output")
+    late_part = _extract(dense, output.args[0], {node: node.name for node in early}, "DenseLate")
+    return DenseStages(early_part, late_part, _placeholders(early_part), tuple(n.name for n in early),
+                       _placeholders(late_part))
+
+
 def partition_embeddings(model: nn.Module) -> Partition:
     """Traces ``model`` with ``torch.fx.symbolic_trace`` (meta parameters are fine) and cuts it as the module says."""
     traced = fx.symbolic_trace(model)

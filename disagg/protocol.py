@@ -142,6 +142,10 @@ def _bad(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
+def _too_large(param: str, message: str) -> APIError:
+    return APIError(413, f"{param}: {message}", param=param, code="too_large")
+
+
 def _check_requested_outputs(request: InferRequest) -> None:
     for index, output in enumerate(request.outputs or []):
         if output.name != PROBABILITIES_OUTPUT:
@@ -173,7 +177,7 @@ def _check_rows(tensor: InferTensor, param: str, max_rows: int) -> int:
     if rows == 0:
         raise _bad(param, f"{tensor.name} has no rows")
     if rows > max_rows:
-        raise _bad(param, f"{rows} rows exceed the limit of {max_rows} rows per request")
+        raise _too_large(param, f"{rows} rows exceed the limit of {max_rows} rows per request")
     return rows
 
 

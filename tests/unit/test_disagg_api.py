@@ -281,9 +281,9 @@ def test_non_finite_dense_value_is_400(client: TestClient) -> None:
     assert response.json()["error"].startswith("inputs[0].data: dense_features value nan")
 
 
-def test_too_many_rows_is_400(client: TestClient) -> None:
+def test_too_many_rows_is_413(client: TestClient) -> None:
     response = client.post("/models/ctr/infer", json=body(rows=MAX_ROWS + 1))
-    assert response.status_code == 400
+    assert response.status_code == 413
     assert f"exceed the limit of {MAX_ROWS} rows" in response.json()["error"]
 
 

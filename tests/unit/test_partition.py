@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.model import DLRM, preset_spec
-from disagg.partition import Partition, build_dense_part, build_embedding_shard, partition_embeddings
+from disagg.model import DLRM, build_preset, preset_spec
+from disagg.partition import Partition, build_dense_part, build_embedding_shard, dense_stages, partition_embeddings
+from disagg.synthetic import SyntheticRequests
 
 SEED = 3
 
@@ -232,3 +233,22 @@ def test_outputs_sharing_a_table_land_in_one_shard() -> None:
     first, second = partition.shards(2)
     assert (first.output_names, first.parameter_bytes) == (("other",), 30 * 4 * 4)
     assert (second.output_names, second.parameter_bytes) == (("shared", "shared_1"), 10 * 4 * 4)
+
+
+def test_dense_stages_split_off_what_needs_no_embedding_and_compose_exactly() -> None:
+    """The DLRM bottom MLP depends on no cut tensor: it becomes the early stage, run during the lookup."""
+    model = build_preset("tiny").eval()
+    partition = partition_embeddings(model)
+    stages = dense_stages(partition)
+    assert stages.early_inputs == ("dense",)
+    assert {name for name, _ in stages.early.named_parameters()} == {
+        name for name, _ in model.named_parameters() if name.startswith("bottom_mlp.")
+    }
+    assert not any(name.startswith("bottom_mlp.") for name, _ in stages.late.named_parameters())
+    assert set(partition.cut_names) <= set(stages.late_inputs)
+    dense, sparse = SyntheticRequests(model.spec, seed=2, max_hotness=3).batch(6)
+    with torch.inference_mode():
+        available = {"dense": dense, "sparse": sparse, **partition.embedding_part(sparse=sparse)}
+        available |= stages.early(dense=dense)
+        output = stages.late(**{name: available[name] for name in stages.late_inputs})
+        torch.testing.assert_close(output, model(dense, sparse), rtol=0, atol=1e-6)
