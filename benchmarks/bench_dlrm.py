@@ -91,7 +91,8 @@ def measure(serving: str, args: argparse.Namespace, workload: dict[int, list], h
         entry["rows_per_s"] = throughput(handle, batches, args.clients)
         result["batches"][rows] = entry
         print(serving, rows, entry, flush=True)
-    result["ingress_rss_bytes"] = handle.memory_report.remote().result(timeout_s=60).rss_bytes
+    memory = handle.memory_report.remote().result(timeout_s=60)
+    result["ingress_rss_bytes"], result["ingress_uss_bytes"] = memory.rss_bytes, memory.uss_bytes
     serve.delete(APP)
     return result
 
@@ -133,12 +134,14 @@ def main() -> None:
             f"{m['p99_ms']:.1f} | {d['p99_ms']:.1f} | {m['rows_per_s']:.0f} | {d['rows_per_s']:.0f} | "
             f"{d['rows_per_s'] / m['rows_per_s']:.2f}x | {d['grpc_bytes_per_request']:,.0f} |"
         )
-    dense_rss = results["disaggregated"]["ingress_rss_bytes"]
+    dense, whole = results["disaggregated"], results["monolithic"]
     lines += [
         "",
-        f"Embedding tables: {table_bytes / 2**30:.2f} GiB. Dense replica RSS: {dense_rss / 2**20:.0f} MiB "
-        f"({100 * dense_rss / table_bytes:.1f}% of the table bytes); monolithic replica RSS: "
-        f"{results['monolithic']['ingress_rss_bytes'] / 2**20:.0f} MiB.",
+        f"Embedding tables: {table_bytes / 2**30:.2f} GiB. Dense replica: RSS {dense['ingress_rss_bytes'] / 2**20:.0f} "
+        f"MiB ({100 * dense['ingress_rss_bytes'] / table_bytes:.1f}% of the table bytes), unshared (USS) "
+        f"{dense['ingress_uss_bytes'] / 2**20:.0f} MiB ({100 * dense['ingress_uss_bytes'] / table_bytes:.1f}%). "
+        f"Monolithic replica: RSS {whole['ingress_rss_bytes'] / 2**20:.0f} MiB, USS "
+        f"{whole['ingress_uss_bytes'] / 2**20:.0f} MiB.",
     ]
     table = "\n".join(lines)
     print(table)

@@ -15,5 +15,11 @@ LOG_LEVEL: str = os.environ.get("SWIFTSERVE_LOG_LEVEL", "INFO").upper()
 #: CUDA when available, else CPU.
 DEVICE_OVERRIDE: str = os.environ.get("SWIFTSERVE_DEVICE", "")
 
+#: Cap on the CUDA caching allocator of every model replica, as a fraction of the device's memory
+#: (``torch.cuda.set_per_process_memory_fraction``); set per deployment by ``autoconfig`` device shares.
+CUDA_MEMORY_FRACTION: float | None = (
+    float(os.environ["SWIFTSERVE_CUDA_MEMORY_FRACTION"]) if os.environ.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") else None
+)
+
 #: Name under which responses identify the server (OIP v2 server metadata, OpenAI ``owned_by``).
 SERVER_NAME = "swiftserve"

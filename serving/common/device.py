@@ -10,12 +10,15 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def resolve_device(requested: str = "auto") -> torch.device:
-    """``auto`` picks ``SWIFTSERVE_DEVICE`` if set, else CUDA when present, else CPU."""
+    """``auto`` picks ``SWIFTSERVE_DEVICE`` if set, else CUDA when present, else CPU. On CUDA, applies the
+    ``SWIFTSERVE_CUDA_MEMORY_FRACTION`` cap to this process's allocator when set."""
     if requested == "auto":
         requested = constants.DEVICE_OVERRIDE or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(requested)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {requested!r} requested but CUDA is not available")
+    if device.type == "cuda" and constants.CUDA_MEMORY_FRACTION is not None:
+        torch.cuda.set_per_process_memory_fraction(constants.CUDA_MEMORY_FRACTION, device)
     return device
 
 

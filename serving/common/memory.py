@@ -19,10 +19,12 @@ import torch
 
 @dataclass(frozen=True)
 class ProcessMemory:
-    """``rss_bytes`` of process ``pid`` and, per model class name, the bytes of its weights and buffers."""
+    """Process ``pid``'s resident bytes (``rss_bytes``), those no other process shares (``uss_bytes``: what one
+    more such process costs), and, per model class name, the bytes of its weights and buffers."""
 
     pid: int
     rss_bytes: int
+    uss_bytes: int
     model_bytes: dict[str, int] = field(default_factory=dict)
 
 
@@ -68,5 +70,5 @@ def process_memory(*roots: object) -> ProcessMemory:
                 continue
             seen.add(storage.data_ptr())
             model_bytes[type(model).__name__] += storage.nbytes()
-    return ProcessMemory(pid=os.getpid(), rss_bytes=psutil.Process().memory_info().rss,
-                         model_bytes=dict(model_bytes))
+    memory = psutil.Process().memory_full_info()
+    return ProcessMemory(pid=os.getpid(), rss_bytes=memory.rss, uss_bytes=memory.uss, model_bytes=dict(model_bytes))
