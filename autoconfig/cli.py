@@ -2,6 +2,9 @@
 
 ``autoconfig check CONFIG``  validate a Ray Serve config file, application ``args`` included, and
                              show what it would deploy.
+``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
+                             latency SLO, profiling real deployments chosen by a searcher; persists the study
+                             (resumable) and writes the chosen configuration as a Serve config.
 """
 
 from __future__ import annotations
@@ -37,6 +40,94 @@ def _check(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace, console: Console) -> int:
+    import ray
+    from ray import serve
+    from rich.progress import Progress
+
+    from autoconfig.bank import load_bank
+    from autoconfig.knobs import configure_serve_config, write_serve_config
+    from autoconfig.searchers import SEARCHERS
+    from autoconfig.space import SearchSpace, SpaceError
+    from autoconfig.stress import SearchSettings
+    from autoconfig.study import StudyError, TuningStudy
+    from autoconfig.trial import run_trial
+    from autoconfig.tuner import tune
+    from autoconfig.workloads import workload_for_app
+    from serving.common.serve_config import ServeConfigError, load_serve_config
+
+    try:
+        template = load_serve_config(args.config)
+        app = next((app for app in template.applications if app.name == args.app), None)
+        if app is None:
+            names = ", ".join(app.name for app in template.applications)
+            raise ServeConfigError(f"{args.config}: no application {args.app!r}; applications: {names}")
+        kind = "dlrm" if app.import_path == "disagg.app:build_app" else "diffusion"
+        space = SearchSpace.from_yaml(args.space) if args.space else SearchSpace.default(kind)
+        study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
+        prior = load_bank(args.bank) if args.bank else []
+    except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        return 2
+    if args.searcher == "meta" and not prior:
+        console.print("[red]error:[/red] --searcher meta needs --bank DIR (profiles of other models to learn from)")
+        return 2
+    searcher = SEARCHERS[args.searcher](space, args.seed, prior)
+    workload = workload_for_app(app.import_path, app.args)
+    settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
+                              rel_tolerance=args.tolerance)
+    done = len(study.history())
+    console.print(f"study {study.name!r} in {args.storage}: {done} finished trial(s), budget {args.budget}, "
+                  f"space of {space.size} configurations, searcher {args.searcher}")
+    owns_cluster = not ray.is_initialized() and args.address is None  # a local cluster of our own: ours to stop
+    if not ray.is_initialized():
+        ray.init(address=args.address, include_dashboard=False)
+    try:
+        with Progress(console=console) as progress:
+            bar = progress.add_task("profiling", total=args.budget, completed=min(done, args.budget))
+
+            def profile(config):
+                progress.update(bar, description=f"profiling {config.as_dict()}")
+                return run_trial(template, args.app, config.as_dict(), workload, args.slo_p99_ms,
+                                 warmup_s=args.warmup_s, search=settings, objective=args.objective,
+                                 accelerator=args.accelerator)
+
+            def report(number, config, record):
+                progress.advance(bar)
+                progress.console.print(f"trial {number}: {config.as_dict()} -> {record.status}, "
+                                       f"{record.sustainable_rps:.1f} rps, objective {record.objective:.2f}")
+
+            outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
+    finally:
+        if owns_cluster:  # on a shared cluster, trials delete their own apps and Serve keeps running
+            serve.shutdown()
+            ray.shutdown()
+    _print_trials(console, study.records())
+    if outcome.best is None:
+        closest = min(study.records(), key=lambda r: r.get("p99_ms") or float("inf"), default=None)
+        console.print(f"[red]no configuration met the p99 SLO of {args.slo_p99_ms:g} ms[/red]"
+                      + (f"; the lowest p99 seen was {closest['p99_ms']:.1f} ms at {closest['config']}"
+                         if closest and closest.get("p99_ms") else ""))
+        return 1
+    tuned = configure_serve_config(template, args.app, outcome.best.config.as_dict(), accelerator=args.accelerator)
+    write_serve_config(tuned, args.out)
+    console.print(f"[green]best:[/green] {outcome.best.config.as_dict()} (objective {outcome.best.value:.2f}); "
+                  f"wrote {args.out} (deploy with `serve deploy {args.out}`)")
+    return 0
+
+
+def _print_trials(console: Console, records: list[dict]) -> None:
+    table = Table(title="trials")
+    for column in ("#", "configuration", "status", "rps", "p99 ms", "objective"):
+        table.add_column(column)
+    for number, record in enumerate(records, start=1):
+        p99 = record.get("p99_ms")
+        table.add_row(str(number), str(record["config"]), str(record.get("status")),
+                      f"{record.get('sustainable_rps', 0):.1f}", "-" if p99 is None else f"{p99:.1f}",
+                      f"{record.get('objective', 0):.2f}")
+    console.print(table)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoconfig", description="Configure swiftserve deployments.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -44,6 +135,28 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("check", help="validate a Ray Serve config file and its application args")
     check.add_argument("config", help="path to a Serve config YAML (e.g. deploy/serve_config.yaml)")
     check.set_defaults(run=_check)
+
+    tune = commands.add_parser("tune", help="search the configuration of one application under a p99 SLO")
+    tune.add_argument("--config", default="deploy/serve_config.yaml", help="Serve config template")
+    tune.add_argument("--app", required=True, help="application of the config to tune (e.g. dlrm)")
+    tune.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO in milliseconds")
+    tune.add_argument("--budget", type=int, default=12, help="finished trials the study should hold")
+    tune.add_argument("--searcher", choices=("grid", "random", "tpe", "gp", "meta"), default="tpe")
+    tune.add_argument("--bank", help="profile bank directory (the meta searcher learns from it)")
+    tune.add_argument("--space", help="search space YAML (default: the shipped one for the app's kind)")
+    tune.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL")
+    tune.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
+    tune.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
+    tune.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    tune.add_argument("--probe-s", type=float, default=5.0, help="seconds of load per probed rate")
+    tune.add_argument("--start-rps", type=float, default=1.0, help="first request rate probed")
+    tune.add_argument("--max-probes", type=int, default=16, help="most rates probed per trial")
+    tune.add_argument("--tolerance", type=float, default=0.1, help="relative precision of the sustainable rate")
+    tune.add_argument("--warmup-s", type=float, default=5.0)
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")
+    tune.set_defaults(run=_tune)
     return parser
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -28,13 +27,6 @@ def machine() -> dict[str, object]:
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def timed(run: Callable[[], object], repeats: int) -> list[float]:

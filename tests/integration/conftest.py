@@ -9,7 +9,6 @@ replicas are placed on them by those resources, as on a real cluster. Variants a
 """
 
 import copy
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,18 +19,13 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
+from serving.common.net import free_port
 from serving.common.serve_config import deploy_serve_config, load_serve_config
 from tests.lora_files import write_lora
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resources of the simulated pool nodes
 DLRM_LOOKUP_TIMEOUT_S = 2.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -70,7 +64,7 @@ def pool_nodes(cluster: Cluster) -> dict[str, str]:
 def base_url(cluster: Cluster, lora_dir: Path) -> Iterator[str]:
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.host = "127.0.0.1"
-    config.http_options.port = _free_port()
+    config.http_options.port = free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
     diffusion.args.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less

@@ -1,0 +1,134 @@
+"""The profile bank: one JSON file per profiled model, each holding trials over a search space.
+
+A file reads::
+
+    {"model": {"name": "dlrm-small", ...}, "machine": {...}, "space": {...}, "objective": "rps_per_share",
+     "trials": [{"config": {...}, "rps": 812.0, "p50_ms": 3.1, "p99_ms": 9.8, "error_rate": 0.0,
+                 "status": "ok", "objective": 406.0}, ...]}
+
+``objective`` is set exactly when ``status`` is ``ok``; ``failed`` (the trial crashed) and ``slo_violated``
+(no request rate met the SLO) have none. A full grid has one trial per configuration of the space.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from autoconfig.space import Configuration, SearchSpace, SpaceError, describe_validation_error
+
+Status = Literal["ok", "failed", "slo_violated"]
+
+
+class BankError(ValueError):
+    """An invalid or unusable bank file; the message names the file and field."""
+
+
+class ProfileRecord(BaseModel):
+    """One trial: a configuration and what it sustained."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: Configuration
+    rps: float | None = Field(None, ge=0.0, description="Highest sustainable request rate found (requests/s).")
+    p50_ms: float | None = Field(None, ge=0.0, description="Median latency at that rate.")
+    p99_ms: float | None = Field(None, ge=0.0, description="99th-percentile latency at that rate.")
+    error_rate: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of failed requests at that rate.")
+    status: Status
+    objective: float | None = Field(None, ge=0.0, description="The objective; set exactly when status is ok.")
+
+    @model_validator(mode="after")
+    def _objective_iff_ok(self) -> ProfileRecord:
+        if (self.objective is None) == (self.status == "ok"):
+            raise ValueError(
+                f"objective: must be {'set' if self.status == 'ok' else 'null'} when status is {self.status!r}"
+            )
+        return self
+
+
+class ModelDescription(BaseModel):
+    """What was profiled; ``name`` identifies the entry (and its file), other fields are free-form."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=128)
+
+
+class BankEntry(BaseModel):
+    """The profile of one model on one machine over one search space."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelDescription
+    machine: dict[str, Any] = Field(default_factory=dict)
+    space: SearchSpace
+    objective: Literal["rps_per_share", "rps"] = "rps_per_share"
+    trials: list[ProfileRecord]
+
+    @model_validator(mode="after")
+    def _trials_in_space(self) -> BankEntry:
+        first: dict[Configuration, int] = {}
+        for i, trial in enumerate(self.trials):
+            try:
+                self.space.index(trial.config)
+            except SpaceError as exc:
+                raise ValueError(f"trials[{i}].config: {exc}") from None
+            if trial.config in first:
+                raise ValueError(f"trials[{i}].config: duplicate of trials[{first[trial.config]}]")
+            first[trial.config] = i
+        return self
+
+    @property
+    def name(self) -> str:
+        return self.model.name
+
+    def surface(self) -> tuple[tuple[Configuration, ...], np.ndarray]:
+        """Every configuration in enumeration order and its objective (NaN where the trial was not ok).
+
+        Raises :class:`BankError` unless the trials cover the whole space.
+        """
+        if len(self.trials) != self.space.size:
+            raise BankError(f"{self.name}: {len(self.trials)} trials, the space has {self.space.size} configurations")
+        values = np.full(self.space.size, np.nan)
+        for trial in self.trials:
+            if trial.objective is not None:
+                values[self.space.index(trial.config)] = trial.objective
+        return self.space.configurations(), values
+
+    @classmethod
+    def load(cls, path: str | Path) -> BankEntry:
+        path = Path(path)
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise BankError(f"{path}: {exc}") from exc
+        except ValidationError as exc:
+            raise BankError(f"{path}: {describe_validation_error(exc)}") from exc
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.model_dump(mode="json", exclude_none=True), indent=1) + "\n")
+
+
+def load_bank(directory: str | Path) -> list[BankEntry]:
+    """Every ``*.json`` entry of a bank directory, ordered by file name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise BankError(f"{directory}: not a directory")
+    entries = [BankEntry.load(path) for path in sorted(directory.glob("*.json"))]
+    names = [entry.name for entry in entries]
+    if len(set(names)) != len(names):
+        raise BankError(f"{directory}: model names repeat: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    return entries
+
+
+def save_bank(entries: Sequence[BankEntry], directory: str | Path) -> None:
+    """Write each entry to ``directory/<model name>.json``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in entries:
+        entry.save(directory / f"{entry.name}.json")

@@ -1,0 +1,69 @@
+"""The searcher interface: given the trials so far, suggest the next configuration to profile."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from autoconfig.space import Configuration, SearchSpace
+
+if TYPE_CHECKING:
+    from autoconfig.bank import BankEntry
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A profiled configuration; ``value`` is None when the trial failed or no rate met the SLO."""
+
+    config: Configuration
+    value: float | None
+
+
+class SpaceExhausted(Exception):
+    """Every configuration of the space has been observed."""
+
+
+class Searcher(ABC):
+    """Suggests unobserved configurations of one space; the objective is maximised."""
+
+    def __init__(self, space: SearchSpace) -> None:
+        self.space = space
+
+    def suggest(self, history: Sequence[Observation]) -> Configuration:
+        """The next configuration to profile, never one in ``history``.
+
+        Raises :class:`SpaceExhausted` when every configuration has been observed.
+        """
+        observed = np.zeros(self.space.size, dtype=bool)
+        observed[[self.space.index(o.config) for o in history]] = True
+        if observed.all():
+            raise SpaceExhausted(f"all {self.space.size} configurations have been observed")
+        index = self._suggest(history, observed)
+        if observed[index]:
+            raise RuntimeError(f"{type(self).__name__} suggested observed configuration #{index}")
+        return self.space.configurations()[index]
+
+    @abstractmethod
+    def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
+        """Index (in enumeration order) of an unobserved configuration; ``observed`` is a boolean mask."""
+
+    def nearest_unobserved(self, point: np.ndarray, observed: np.ndarray) -> int:
+        """The unobserved configuration closest to ``point`` in the encoding; ties go to the lowest index."""
+        distances = np.linalg.norm(self.space.encode_all() - point, axis=1)
+        distances[observed] = np.inf
+        return int(np.argmin(distances))
+
+
+class SearcherFactory(Protocol):
+    """Builds a searcher for ``space``; ``prior`` are profiles of other models (used by the meta searcher)."""
+
+    def __call__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> Searcher: ...
+
+
+def objective_values(history: Sequence[Observation]) -> np.ndarray:
+    """The history's values as an array, a failed trial counting as 0 (no sustainable rate)."""
+    return np.array([0.0 if o.value is None else o.value for o in history], dtype=np.float64)

@@ -1,0 +1,75 @@
+"""Bayesian optimisation baselines over Optuna: TPE and Gaussian-process samplers.
+
+Each knob is an ordinal parameter (the index of its value, an ``IntDistribution``), so the samplers see the
+order of the values while staying on the grid. The history is fed to an in-memory study with ``add_trial``;
+a failed trial counts as 0. A suggestion that is already observed (or left out of the space) is moved to the
+nearest unobserved configuration in the space's encoding, deterministically.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Sequence
+
+import numpy as np
+import optuna
+from optuna.distributions import IntDistribution
+from optuna.samplers import BaseSampler, GPSampler, TPESampler
+from optuna.trial import TrialState, create_trial
+
+from autoconfig.searchers.base import Observation, Searcher, objective_values
+from autoconfig.space import SearchSpace
+
+
+class OptunaSearcher(Searcher):
+    """Feeds the history to an Optuna study and maps its suggestion onto the unobserved grid."""
+
+    def __init__(self, space: SearchSpace, seed: int = 0) -> None:
+        super().__init__(space)
+        self.seed = seed
+        self._distributions = {name: IntDistribution(0, len(space.values(name)) - 1) for name in space.knob_names}
+        self._positions = {name: {v: i for i, v in enumerate(space.values(name))} for name in space.knob_names}
+        self._study: optuna.Study | None = None
+        self._told: list[Observation] = []
+
+    @abstractmethod
+    def _sampler(self) -> BaseSampler:
+        """A fresh sampler seeded with ``self.seed``."""
+
+    def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
+        study = self._sync(history)
+        trial = study.ask(self._distributions)
+        study.tell(trial, state=TrialState.FAIL)  # only a proposal: the real outcome arrives in the next history
+        point = np.array([self.space.coordinates(name)[trial.params[name]] for name in self.space.knob_names])
+        return self.nearest_unobserved(point, observed)
+
+    def _sync(self, history: Sequence[Observation]) -> optuna.Study:
+        """The study holding exactly ``history``: extended in place when it only grew, else rebuilt."""
+        if self._study is None or list(history[: len(self._told)]) != self._told:
+            verbosity = optuna.logging.get_verbosity()
+            optuna.logging.set_verbosity(optuna.logging.WARNING)
+            try:
+                self._study = optuna.create_study(direction="maximize", sampler=self._sampler())
+            finally:
+                optuna.logging.set_verbosity(verbosity)
+            self._told = []
+        new = history[len(self._told) :]
+        for observation, value in zip(new, objective_values(new), strict=True):
+            params = {name: self._positions[name][getattr(observation.config, name)] for name in self._distributions}
+            self._study.add_trial(create_trial(params=params, distributions=self._distributions, value=float(value)))
+        self._told.extend(new)
+        return self._study
+
+
+class TPESearcher(OptunaSearcher):
+    """Optuna's tree-structured Parzen estimator (10 random start-up trials, then TPE)."""
+
+    def _sampler(self) -> BaseSampler:
+        return TPESampler(seed=self.seed, constant_liar=False)
+
+
+class GPSearcher(OptunaSearcher):
+    """Optuna's Gaussian-process sampler (10 random start-up trials, then log expected improvement)."""
+
+    def _sampler(self) -> BaseSampler:
+        return GPSampler(seed=self.seed)

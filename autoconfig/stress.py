@@ -1,0 +1,244 @@
+"""Open-loop stress client: the highest request rate an HTTP endpoint sustains under a p99 latency SLO.
+
+Open loop: requests leave on a fixed schedule (constant intervals or Poisson arrivals, seeded) whether or not
+earlier ones have been answered, so a slow server builds a queue instead of slowing the client down. Latency
+is measured from each request's *scheduled* send time, so that queue (and any lag of the client itself) shows.
+At most ``max_in_flight`` requests are open at once: a request that finds no free slot waits for one, still on
+its clock, and fails as a timeout at ``scheduled + timeout_s`` — a dead server cannot make the client open
+unbounded sockets. Timeouts, transport errors and non-2xx answers count as errors.
+
+The rate search (as in Morphling's stress client) doubles the rate from ``start_rps`` until a probe breaks the
+SLO (p99 above it, or more than ``max_error_rate`` errors), then bisects between the last good and the first bad
+rate until they are within ``rel_tolerance`` of each other, within a cap on probes and on total time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from typing import Literal
+
+import httpx
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from autoconfig.workloads import Workload
+
+Arrivals = Literal["constant", "poisson"]
+StopReason = Literal["converged", "max_rps", "max_probes", "max_time", "unsustainable"]
+
+
+class ClientSettings(BaseModel):
+    """How the client sends requests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    arrivals: Arrivals = Field("poisson", description="Inter-arrival times: `constant` or exponential (`poisson`).")
+    seed: int = Field(0, description="Seed of the Poisson arrival schedule.")
+    timeout_s: float = Field(10.0, gt=0, description="A request not answered this long after its scheduled time fails.")
+    max_in_flight: int = Field(256, ge=1, description="Most requests open at once.")
+
+
+class SearchSettings(BaseModel):
+    """How ``find_sustainable_rate`` searches."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_rps: float = Field(1.0, gt=0, description="First rate probed; doubled while sustainable.")
+    probe_s: float = Field(5.0, gt=0, description="Duration of one probe's schedule.")
+    max_error_rate: float = Field(0.01, ge=0, le=1, description="More errors than this: not sustainable.")
+    rel_tolerance: float = Field(0.1, gt=0, description="Bisection stops when (bad - good) / good is at most this.")
+    max_probes: int = Field(16, ge=1, description="Most probes in one search.")
+    max_total_s: float = Field(300.0, gt=0, description="No probe starts that would end after this many seconds.")
+    max_rps: float = Field(100_000.0, gt=0, description="Rates are never raised beyond this.")
+
+
+class LoadResult(BaseModel):
+    """One probe: ``rate`` requests/s offered for ``duration_s``; latencies of the 2xx answers."""
+
+    rate: float
+    duration_s: float
+    completed: int
+    errors: int
+    p50_ms: float | None
+    p99_ms: float | None
+    achieved_rps: float
+
+    @property
+    def error_rate(self) -> float:
+        sent = self.completed + self.errors
+        return self.errors / sent if sent else 0.0
+
+
+class Probe(BaseModel):
+    """A measurement taken by the rate search and whether it met the SLO."""
+
+    result: LoadResult
+    sustainable: bool
+
+
+class RateSearchResult(BaseModel):
+    """The highest sustainable rate found (0: not even ``start_rps``) and every probe, in order."""
+
+    slo_p99_ms: float
+    sustainable_rps: float
+    best: LoadResult | None
+    probes: list[Probe]
+    stop_reason: StopReason
+    duration_s: float
+
+
+def arrival_offsets(rate: float, duration_s: float, arrivals: Arrivals, rng: np.random.Generator) -> np.ndarray:
+    """Send times in seconds from the start, sorted, within ``[0, duration_s)``; at least one."""
+    if arrivals == "constant":
+        return np.arange(max(1, round(rate * duration_s))) / rate
+    count = max(1, int(rng.poisson(rate * duration_s)))
+    return np.sort(rng.uniform(0.0, duration_s, count))
+
+
+def is_sustainable(result: LoadResult, slo_p99_ms: float, max_error_rate: float) -> bool:
+    """Something completed, errors within bounds, and p99 within the SLO."""
+    return result.p99_ms is not None and result.p99_ms <= slo_p99_ms and result.error_rate <= max_error_rate
+
+
+class StressClient:
+    """Drives ``workload`` against ``base_url`` (the application's route prefix); use as an async context."""
+
+    def __init__(
+        self,
+        base_url: str,
+        workload: Workload,
+        settings: ClientSettings | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.workload = workload
+        self.settings = settings or ClientSettings()
+        limit = self.settings.max_in_flight
+        self._http = httpx.AsyncClient(
+            base_url=base_url,
+            transport=transport,
+            timeout=self.settings.timeout_s,
+            limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+        )
+        self._slots = asyncio.Semaphore(limit)
+        self._rng = np.random.default_rng(self.settings.seed)
+        self._index = itertools.count()
+
+    async def __aenter__(self) -> StressClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._http.aclose()
+
+    async def measure(self, rate: float, duration_s: float) -> LoadResult:
+        """Offer ``rate`` requests/s for ``duration_s`` seconds, then wait for every answer (or its timeout).
+
+        ``achieved_rps`` is the 2xx answers over the window or, if the last answer came later, until it came.
+        """
+        if rate <= 0 or duration_s <= 0:
+            raise ValueError(f"rate and duration_s must be > 0, got {rate} and {duration_s}")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pending = []
+        for offset in arrival_offsets(rate, duration_s, self.settings.arrivals, self._rng):
+            scheduled = start + float(offset)
+            delay = scheduled - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            pending.append(asyncio.ensure_future(self._timed_request(scheduled)))
+        await asyncio.sleep(max(0.0, start + duration_s - loop.time()))  # a probe spans its whole window
+        latencies = await asyncio.gather(*pending)
+        elapsed = loop.time() - start
+        ok_ms = [1000.0 * latency for latency in latencies if latency is not None]
+        p50, p99 = np.percentile(ok_ms, [50, 99]).tolist() if ok_ms else (None, None)
+        return LoadResult(
+            rate=rate,
+            duration_s=duration_s,
+            completed=len(ok_ms),
+            errors=len(latencies) - len(ok_ms),
+            p50_ms=p50,
+            p99_ms=p99,
+            achieved_rps=len(ok_ms) / max(elapsed, duration_s),
+        )
+
+    async def _timed_request(self, scheduled: float) -> float | None:
+        """Seconds from ``scheduled`` to a 2xx answer; None on any error."""
+        loop = asyncio.get_running_loop()
+        remaining = scheduled + self.settings.timeout_s - loop.time()
+        try:
+            status = await asyncio.wait_for(self._send(next(self._index)), timeout=max(remaining, 0.0))
+        except (asyncio.TimeoutError, httpx.HTTPError):
+            return None
+        return loop.time() - scheduled if 200 <= status < 300 else None
+
+    async def _send(self, index: int) -> int:
+        async with self._slots:
+            workload = self.workload
+            response = await self._http.request(
+                workload.method, workload.path, content=workload.body(index), headers=workload.headers
+            )
+            return response.status_code
+
+    async def find_sustainable_rate(
+        self,
+        slo_p99_ms: float,
+        settings: SearchSettings | None = None,
+        *,
+        on_probe: Callable[[Probe], None] | None = None,
+    ) -> RateSearchResult:
+        """Double the rate until the SLO breaks, then bisect; ``on_probe`` sees every probe as it finishes."""
+        settings = settings or SearchSettings()
+        started = time.monotonic()
+        probes: list[Probe] = []
+
+        async def probe(rate: float) -> Probe:
+            measured = await self.measure(rate, settings.probe_s)
+            taken = Probe(result=measured, sustainable=is_sustainable(measured, slo_p99_ms, settings.max_error_rate))
+            probes.append(taken)
+            if on_probe is not None:
+                on_probe(taken)
+            return taken
+
+        def out_of_budget() -> StopReason | None:
+            if len(probes) >= settings.max_probes:
+                return "max_probes"
+            if time.monotonic() - started + settings.probe_s > settings.max_total_s:
+                return "max_time"
+            return None
+
+        good: Probe | None = None
+        bad_rate: float | None = None
+        rate = min(settings.start_rps, settings.max_rps)
+        stop: StopReason | None = None
+        while stop is None and bad_rate is None:  # doubling
+            taken = await probe(rate)
+            if not taken.sustainable:
+                bad_rate = rate
+            elif rate >= settings.max_rps:
+                good, stop = taken, "max_rps"
+            else:
+                good, rate = taken, min(2 * rate, settings.max_rps)
+                stop = out_of_budget()
+        if good is None:
+            stop = "unsustainable"
+        while stop is None:  # bisection between good and bad_rate
+            assert good is not None and bad_rate is not None
+            if (bad_rate - good.result.rate) / good.result.rate <= settings.rel_tolerance:
+                stop = "converged"
+            elif (stop := out_of_budget()) is None:
+                taken = await probe((good.result.rate + bad_rate) / 2)
+                if taken.sustainable:
+                    good = taken
+                else:
+                    bad_rate = taken.result.rate
+        return RateSearchResult(
+            slo_p99_ms=slo_p99_ms,
+            sustainable_rps=good.result.rate if good else 0.0,
+            best=good.result if good else None,
+            probes=probes,
+            stop_reason=stop,
+            duration_s=time.monotonic() - started,
+        )

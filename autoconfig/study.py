@@ -1,0 +1,99 @@
+"""Tuning studies persisted in Optuna storage: a SQLite file by default, any Optuna RDB URL for a shared database.
+
+One Optuna trial per finished profiling trial: its params are the configuration's knobs, its value the objective,
+its user attributes the measurements (rate, latencies, errors, status). A trial is written only once finished, in
+one transaction, so a study interrupted at any point (``kill -9`` included) holds every finished trial intact and
+nothing half-written; ``tune`` run again continues it and never repeats a finished configuration. The search
+space is stored with the study: resuming with a different space is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+from optuna.trial import TrialState
+
+from autoconfig.searchers.base import Observation
+from autoconfig.space import Configuration, SearchSpace
+
+_SPACE_ATTR = "search_space"
+
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+class StudyError(RuntimeError):
+    """The storage cannot be used, or the study does not match the request; the message says why."""
+
+
+def sqlite_url(path: str) -> str:
+    """Optuna storage URL of a SQLite file."""
+    return f"sqlite:///{path}"
+
+
+class TuningStudy:
+    """The finished trials of one tuning run of one application, in Optuna storage."""
+
+    def __init__(self, study: optuna.Study, space: SearchSpace) -> None:
+        self._study = study
+        self.space = space
+
+    @classmethod
+    def open(cls, storage_url: str, name: str, space: SearchSpace) -> TuningStudy:
+        """The study ``name`` in ``storage_url``, created if new; refuses an unreachable storage before any trial
+        runs, and a stored study whose search space differs from ``space``."""
+        try:
+            storage = optuna.storages.get_storage(storage_url)
+            study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
+        except Exception as error:  # sqlalchemy / driver errors carry the useful text
+            raise StudyError(f"cannot open study {name!r} in storage {storage_url!r}: {error}") from error
+        stored = study.user_attrs.get(_SPACE_ATTR)
+        mine = space.to_dict()
+        if stored is None:
+            study.set_user_attr(_SPACE_ATTR, mine)
+        elif stored != mine:
+            raise StudyError(
+                f"study {name!r} in {storage_url!r} was run over another search space; use a new --study name"
+            )
+        return cls(study, space)
+
+    @property
+    def name(self) -> str:
+        return self._study.study_name
+
+    def _finished(self) -> list[optuna.trial.FrozenTrial]:
+        return self._study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
+
+    def history(self) -> list[Observation]:
+        """Finished trials in order, as the searchers see them (failed or SLO-violating: value None)."""
+        return [Observation(_configuration(trial.params), trial.value) for trial in self._finished()]
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every finished trial's configuration and measurements, in order."""
+        return [{"config": dict(trial.params), **trial.user_attrs} for trial in self._finished()]
+
+    def record(self, config: Configuration, value: float | None, measurements: Mapping[str, Any]) -> None:
+        """Stores one finished trial: ``value`` None marks it failed (crash, or no rate within the SLO)."""
+        params = config.as_dict()
+        distributions = {name: CategoricalDistribution(self.space.values(name)) for name in params}
+        trial = optuna.trial.create_trial(
+            params=params,
+            distributions=distributions,
+            value=value,
+            state=TrialState.COMPLETE if value is not None else TrialState.FAIL,
+            user_attrs={key: _json_safe(item) for key, item in measurements.items()},
+        )
+        self._study.add_trial(trial)
+
+
+def _configuration(params: Mapping[str, Any]) -> Configuration:
+    """Back from Optuna's stored choices; count knobs as ints."""
+    counts = {"max_batch_size", "num_replicas", "torch_threads"}
+    return Configuration(**{name: int(value) if name in counts else value for name, value in params.items()})
+
+
+def _json_safe(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))

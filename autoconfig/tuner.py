@@ -1,0 +1,59 @@
+"""The tuning loop: ask the searcher, profile the configuration, persist the trial, until the budget is spent.
+
+Resuming is the same call: the study's finished trials are the history, so a restarted ``tune`` continues
+where it stopped and never repeats a finished configuration.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from autoconfig.searchers.base import Observation, Searcher, SpaceExhausted
+from autoconfig.space import Configuration
+from autoconfig.study import TuningStudy
+from autoconfig.trial import TrialRecord
+
+
+@dataclass(frozen=True)
+class TuneOutcome:
+    """The study's trials after this run; ``best`` is None when no configuration met the SLO."""
+
+    history: list[Observation]
+    best: Observation | None
+    ran: int
+    exhausted: bool
+
+
+def best_observation(history: list[Observation]) -> Observation | None:
+    """The feasible observation with the highest objective (earliest on ties)."""
+    feasible = [observation for observation in history if observation.value is not None]
+    return max(feasible, key=lambda observation: observation.value, default=None)
+
+
+def tune(
+    study: TuningStudy,
+    searcher: Searcher,
+    profile: Callable[[Configuration], TrialRecord],
+    *,
+    budget: int,
+    on_trial: Callable[[int, Configuration, TrialRecord], None] | None = None,
+) -> TuneOutcome:
+    """Profiles configurations chosen by ``searcher`` until the study holds ``budget`` finished trials."""
+    history = study.history()
+    ran = 0
+    exhausted = False
+    while len(history) < budget:
+        try:
+            config = searcher.suggest(history)
+        except SpaceExhausted:
+            exhausted = True
+            break
+        record = profile(config)
+        value = record.objective if record.status == "ok" else None
+        study.record(config, value, record.model_dump(exclude={"search", "configuration"}))
+        history.append(Observation(config, value))
+        ran += 1
+        if on_trial is not None:
+            on_trial(len(history), config, record)
+    return TuneOutcome(history, best_observation(history), ran, exhausted)

@@ -1,0 +1,139 @@
+"""Searchers on synthetic surfaces: no repeats, exhaustion, determinism, meta-weights."""
+
+import numpy as np
+import pytest
+
+from autoconfig.searchers import (
+    GPSearcher,
+    GridSearcher,
+    MetaParams,
+    MetaSearcher,
+    Observation,
+    RandomSearcher,
+    Searcher,
+    SpaceExhausted,
+    TPESearcher,
+)
+from autoconfig.searchers.meta import bank_surfaces
+from autoconfig.space import Configuration, SearchSpace, SpaceError
+from autoconfig.surfaces import synthetic_bank
+
+FAST_META = MetaParams(meta_iterations=20, meta_batch=4, adapt_steps=5)
+
+
+@pytest.fixture(scope="module")
+def space() -> SearchSpace:
+    return SearchSpace.parse(
+        {
+            "knobs": {
+                "max_batch_size": {"values": [1, 4, 16, 64]},
+                "batch_wait_timeout_s": {"values": [0.0, 0.005]},
+                "device_share": {"values": [0.5, 1.0]},
+                "num_replicas": {"values": [1, 2]},
+            }
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def bank(space):
+    return synthetic_bank(4, space, seed=3)
+
+
+def build(name: str, space: SearchSpace, bank, seed: int = 0) -> Searcher:
+    if name == "meta":
+        return MetaSearcher.meta_train(space, bank_surfaces(bank[1:]), seed=seed, params=FAST_META)
+    return {
+        "grid": lambda: GridSearcher(space),
+        "random": lambda: RandomSearcher(space, seed),
+        "tpe": lambda: TPESearcher(space, seed),
+        "gp": lambda: GPSearcher(space, seed),
+    }[name]()
+
+
+def run(searcher: Searcher, values: np.ndarray, trials: int) -> list[Observation]:
+    history: list[Observation] = []
+    for _ in range(trials):
+        config = searcher.suggest(history)
+        value = values[searcher.space.index(config)]
+        history.append(Observation(config, None if np.isnan(value) else float(value)))
+    return history
+
+
+@pytest.mark.parametrize("name", ["grid", "random", "tpe", "gp", "meta"])
+def test_searcher_covers_the_space_without_repeats_then_exhausts(name, space, bank):
+    searcher = build(name, space, bank)
+    _, values = bank[0].surface()
+    assert np.isnan(values).any()  # failed trials (value None) are part of the history
+    history = run(searcher, values, space.size)
+    configs = [o.config for o in history]
+    assert len(set(configs)) == space.size  # no repeats, so the optimum was found within the space's size
+    with pytest.raises(SpaceExhausted):
+        searcher.suggest(history)
+
+
+def test_grid_follows_the_enumeration_and_skips_observed(space):
+    configs = space.configurations()
+    history = [Observation(configs[0], 1.0), Observation(configs[2], None)]
+    assert GridSearcher(space).suggest(history) == configs[1]
+    assert GridSearcher(space).suggest([*history, Observation(configs[1], 2.0)]) == configs[3]
+
+
+def test_history_outside_the_space_is_refused(space):
+    with pytest.raises(SpaceError, match="not in the search space"):
+        RandomSearcher(space).suggest([Observation(Configuration(2, 0.0, 0.5, 1), 1.0)])
+
+
+@pytest.mark.parametrize("cls", [RandomSearcher, TPESearcher, GPSearcher])
+def test_seeded_searchers_are_deterministic(cls, space, bank):
+    _, values = bank[0].surface()
+    trials = 14  # past the samplers' 10 random start-up trials
+    first = [o.config for o in run(cls(space, seed=5), values, trials)]
+    again = [o.config for o in run(cls(space, seed=5), values, trials)]
+    other = [o.config for o in run(cls(space, seed=6), values, trials)]
+    assert first == again
+    assert first != other
+
+
+def test_optuna_searcher_rebuilds_on_a_history_that_is_not_an_extension(space, bank):
+    _, values = bank[0].surface()
+    searcher = TPESearcher(space, seed=0)
+    run(searcher, values, 12)
+    other = run(TPESearcher(space, seed=1), values, 12)
+    suggestion = searcher.suggest(other)
+    assert suggestion not in {o.config for o in other}
+
+
+def test_meta_training_is_deterministic_and_weights_round_trip(tmp_path, space, bank):
+    first = MetaSearcher.meta_train(space, bank_surfaces(bank), seed=2, params=FAST_META)
+    again = MetaSearcher.meta_train(space, bank_surfaces(bank), seed=2, params=FAST_META)
+    other = MetaSearcher.meta_train(space, bank_surfaces(bank), seed=3, params=FAST_META)
+    assert all(np.array_equal(first.weights[k], again.weights[k]) for k in first.weights)
+    assert not np.array_equal(first.weights["w1"], other.weights["w1"])
+    first.save(tmp_path / "meta")
+    loaded = MetaSearcher.load(space, tmp_path / "meta")
+    assert loaded.params == FAST_META
+    _, values = bank[0].surface()
+    assert [o.config for o in run(loaded, values, 6)] == [o.config for o in run(first, values, 6)]
+
+
+def test_meta_refuses_mismatched_weights_and_surfaces(tmp_path, space, bank):
+    MetaSearcher.meta_train(space, bank_surfaces(bank), params=FAST_META).save(tmp_path / "meta")
+    threaded = SearchSpace.parse({"knobs": {**space.to_dict()["knobs"], "torch_threads": {"values": [1, 2]}}})
+    with pytest.raises(ValueError, match="meta-weights are for knobs"):
+        MetaSearcher.load(threaded, tmp_path / "meta")
+    with pytest.raises(ValueError, match=r"surfaces\[0\]: shapes"):
+        MetaSearcher.meta_train(threaded, bank_surfaces(bank), params=FAST_META)
+    features, values = bank_surfaces(bank)[0]
+    with pytest.raises(ValueError, match=r"surfaces\[0\]: objective values must be finite"):
+        MetaSearcher.meta_train(space, [(features, np.where(values > 0, values, np.nan))], params=FAST_META)
+
+
+def test_meta_first_suggestion_is_the_learned_optimum(space):
+    """Surfaces of different scales sharing one peak: the meta-model alone should point at it."""
+    features = np.asarray(space.encode_all())
+    peak = space.index(Configuration(16, 0.005, 0.5, 2))
+    shape = 1.0 - np.linalg.norm(features - features[peak], axis=1) / 2
+    surfaces = [(features, scale * shape) for scale in (1.0, 30.0, 500.0)]
+    searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=MetaParams(meta_iterations=60))
+    assert searcher.suggest([]) == space.configurations()[peak]

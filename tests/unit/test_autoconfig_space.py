@@ -1,0 +1,108 @@
+"""The search space: parsing, refusals naming the field, enumeration, encoding."""
+
+import numpy as np
+import pytest
+
+from autoconfig.space import MAX_SPACE_SIZE, Configuration, SearchSpace, SpaceError
+
+
+def small_space(**overrides) -> dict:
+    knobs = {
+        "max_batch_size": {"values": [4, 1, 16]},
+        "batch_wait_timeout_s": {"values": [0.0, 0.01]},
+        "device_share": {"values": [0.5, 1.0]},
+        "num_replicas": {"values": [1, 2]},
+    }
+    knobs.update(overrides)
+    return {"knobs": knobs}
+
+
+def test_yaml_round_trip_and_defaults(tmp_path):
+    path = tmp_path / "space.yaml"
+    path.write_text(
+        "knobs:\n"
+        "  max_batch_size: {values: [1, 8]}\n"
+        "  batch_wait_timeout_s: {values: [0.0]}\n"
+        "  device_share: {values: [1.0]}\n"
+        "  num_replicas: {values: [1, 2, 3]}\n"
+        "  torch_threads: {values: [1, 2]}\n"
+    )
+    space = SearchSpace.from_yaml(path)
+    assert space.knob_names == (
+        "max_batch_size",
+        "batch_wait_timeout_s",
+        "device_share",
+        "num_replicas",
+        "torch_threads",
+    )
+    assert space.size == 12
+    assert SearchSpace.parse(space.to_dict()) == space
+    assert SearchSpace.default("dlrm").size == 540
+    assert SearchSpace.default("diffusion").size == 140
+
+
+@pytest.mark.parametrize(
+    ("space", "message"),
+    [
+        (small_space(max_batch_size={"values": [1, 2, 0]}), "knobs.max_batch_size.values[2]: "),
+        (small_space(max_batch_size={"values": [1.5]}), "knobs.max_batch_size.values[0]: "),
+        (small_space(batch_wait_timeout_s={"values": [-0.001]}), "knobs.batch_wait_timeout_s.values[0]: "),
+        (small_space(device_share={"values": [0]}), "knobs.device_share.values[0]: "),
+        (small_space(num_replicas={"values": [1, 2, 1]}), "knobs.num_replicas.values: duplicate value 1"),
+        (small_space(num_replicas={"values": []}), "knobs.num_replicas.values: "),
+        (small_space(cpus={"values": [1]}), "knobs.cpus: Extra inputs are not permitted"),
+        (
+            {"knobs": {k: v for k, v in small_space()["knobs"].items() if k != "device_share"}},
+            "knobs.device_share: Field required",
+        ),
+        ({**small_space(), "max_total_share": 0.25}, "max_total_share: 0.25 leaves no configuration"),
+        (small_space(num_replicas={"values": list(range(1, 10_000))}), f"limit of {MAX_SPACE_SIZE}"),
+    ],
+)
+def test_invalid_space_names_the_field(space, message):
+    with pytest.raises(SpaceError, match=r"^space: ") as info:
+        SearchSpace.parse(space)
+    assert message in str(info.value)
+
+
+def test_unreadable_file_and_unknown_kind(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("knobs: [")
+    with pytest.raises(SpaceError, match=r"bad\.yaml"):
+        SearchSpace.from_yaml(path)
+    with pytest.raises(SpaceError, match="known: diffusion, dlrm"):
+        SearchSpace.default("bert")
+
+
+def test_enumeration_is_complete_sorted_and_indexed():
+    space = SearchSpace.parse(small_space())
+    configs = space.configurations()
+    assert len(configs) == len(set(configs)) == 3 * 2 * 2 * 2
+    assert configs[0] == Configuration(1, 0.0, 0.5, 1)
+    assert configs[1] == Configuration(1, 0.0, 0.5, 2)  # the last knob varies fastest
+    assert configs[-1] == Configuration(16, 0.01, 1.0, 2)
+    assert [space.index(c) for c in configs] == list(range(space.size))
+    with pytest.raises(SpaceError, match="not in the search space"):
+        space.index(Configuration(2, 0.0, 0.5, 1))
+
+
+def test_max_total_share_leaves_out_oversubscribed_configurations():
+    space = SearchSpace.parse({**small_space(), "max_total_share": 1.0})
+    assert all(c.num_replicas * c.device_share <= 1.0 for c in space.configurations())
+    assert space.size == 3 * 2 * 3  # (0.5, 1), (0.5, 2), (1.0, 1)
+
+
+def test_encoding_is_log_scaled_for_batch_and_wait():
+    space = SearchSpace.parse(small_space(batch_wait_timeout_s={"values": [0.0, 0.001, 0.003]}))
+    encoded = space.encode_all()
+    assert encoded.shape == (space.size, 4)
+    assert encoded.min() == 0.0 and encoded.max() == 1.0
+    np.testing.assert_allclose(space.coordinates("max_batch_size"), [0.0, 0.5, 1.0])  # 1, 4, 16
+    np.testing.assert_allclose(space.coordinates("batch_wait_timeout_s"), [0.0, 0.5, 1.0])  # log(v + 1 ms)
+    config = Configuration(4, 0.001, 1.0, 1)
+    np.testing.assert_allclose(space.encode(config), [0.5, 0.5, 1.0, 0.0])
+
+
+def test_single_value_knob_encodes_to_the_middle():
+    space = SearchSpace.parse(small_space(num_replicas={"values": [3]}))
+    assert set(space.encode_all()[:, 3]) == {0.5}
