@@ -48,7 +48,7 @@ def deploy(serving: str, args: argparse.Namespace, http_port: int) -> Deployment
         "http_options": {"host": "127.0.0.1", "port": http_port},
         "applications": [{
             "name": APP, "route_prefix": "/v2", "import_path": "disagg.app:build_app",
-            "args": {"model": {"preset": args.preset}, "serving": serving,
+            "args": {"model": {"preset": args.preset, "torch_threads": args.threads.get(serving)}, "serving": serving,
                      "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0}},
             "deployments": [{"name": name, "ray_actor_options": {"num_cpus": n}} for name, n in cpus.items()],
         }],
@@ -106,7 +106,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="concurrent callers in the throughput run")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--cpus", type=int, default=2, help="CPUs of the Ray cluster, for each system")
+    parser.add_argument("--dense-threads", type=int, default=None,
+                        help="torch threads of the disaggregated dense replica (default: its num_cpus, floored)")
     args = parser.parse_args()
+    args.threads = {"disaggregated": args.dense_threads}
     spec = preset_spec(args.preset)
     generator = SyntheticRequests(spec, seed=0)
     workload = {rows: [generator.batch(rows) for _ in range(args.requests)] for rows in args.batches}
