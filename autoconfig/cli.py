@@ -2,6 +2,7 @@
 
 ``autoconfig check CONFIG``  validate a Ray Serve config file, application ``args`` included, and
                              show what it would deploy.
+``autoconfig evaluate ...``  replay searchers on a profile bank: trials to (near) the optimum, and a plot.
 ``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
                              latency SLO, profiling real deployments chosen by a searcher; persists the study
                              (resumable) and writes the chosen configuration as a Serve config.
@@ -116,6 +117,33 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _evaluate(args: argparse.Namespace, console: Console) -> int:
+    from rich.progress import Progress
+
+    from autoconfig.bank import BankError, load_bank
+    from autoconfig.evaluate import plot_progress, replay_table, selected
+    from autoconfig.replay import replay
+    from autoconfig.searchers import SEARCHERS
+
+    try:
+        entries = load_bank(args.bank)
+        names = selected(args.searchers.split(","), list(SEARCHERS))
+    except (BankError, ValueError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        return 2
+    if len(entries) < 2:
+        console.print(f"[red]error:[/red] {args.bank}: leave-one-model-out needs at least 2 profiled models")
+        return 2
+    factories = {name: SEARCHERS[name] for name in names}
+    with Progress(console=console) as progress:
+        bar = progress.add_task("replaying", total=len(names) * len(entries) * args.seeds)
+        result = replay(factories, entries, seeds=range(args.seeds), budget=args.budget, tolerance=args.tolerance,
+                        on_run=lambda *_: progress.advance(bar))
+    console.print(replay_table(result))
+    console.print(f"plot: {plot_progress(result, args.plot, trials=args.budget)}")
+    return 0
+
+
 def _print_trials(console: Console, records: list[dict]) -> None:
     table = Table(title="trials")
     for column in ("#", "configuration", "status", "rps", "p99 ms", "objective"):
@@ -157,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")
     tune.set_defaults(run=_tune)
+
+    evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")
+    evaluate.add_argument("--bank", required=True, help="profile bank directory (one JSON file per model)")
+    evaluate.add_argument("--searchers", default="random,tpe,gp,meta", help="comma-separated searcher names")
+    evaluate.add_argument("--seeds", type=int, default=5, help="runs per searcher and held-out model")
+    evaluate.add_argument("--budget", type=int, default=None, help="trials per run (default: the whole space)")
+    evaluate.add_argument("--tolerance", type=float, default=0.05, help="'near the optimum' as a fraction")
+    evaluate.add_argument("--plot", default="autoconfig_replay.png", help="PNG of the search progress")
+    evaluate.set_defaults(run=_evaluate)
     return parser
 
 
