@@ -2,6 +2,7 @@
 
 ``autoconfig check CONFIG``  validate a Ray Serve config file, application ``args`` included, and
                              show what it would deploy.
+``autoconfig profile ...``   profile every configuration of a space (a full grid) into a profile-bank entry.
 ``autoconfig evaluate ...``  replay searchers on a profile bank: trials to (near) the optimum, and a plot.
 ``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
                              latency SLO, profiling real deployments chosen by a searcher; persists the study
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -46,7 +48,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from ray import serve
     from rich.progress import Progress
 
-    from autoconfig.bank import load_bank
+    from autoconfig.bank import ModelDescription, load_bank
     from autoconfig.knobs import configure_serve_config, write_serve_config
     from autoconfig.searchers import SEARCHERS
     from autoconfig.space import SearchSpace, SpaceError
@@ -65,8 +67,12 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             raise ServeConfigError(f"{args.config}: no application {args.app!r}; applications: {names}")
         kind = "dlrm" if app.import_path == "disagg.app:build_app" else "diffusion"
         space = SearchSpace.from_yaml(args.space) if args.space else SearchSpace.default(kind)
+        profiling = args.command == "profile"  # the whole grid, recorded as a bank entry
+        if profiling:
+            ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
+            args.searcher, args.budget, args.seed = "grid", space.size, 0
         study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
-        prior = load_bank(args.bank) if args.bank else []
+        prior = load_bank(args.bank) if args.bank and not profiling else []
     except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
@@ -104,6 +110,17 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             serve.shutdown()
             ray.shutdown()
     _print_trials(console, study.records())
+    if profiling:
+        if len(outcome.history) < space.size:
+            console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
+            return 1
+        entry = study.to_bank_entry({"name": args.model_name, "app": args.app, "args": app.args},
+                                    _machine(), args.objective)
+        path = Path(args.bank) / f"{args.model_name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        entry.save(path)
+        console.print(f"[green]profiled[/green] {space.size} configurations; wrote {path}")
+        return 0
     if outcome.best is None:
         closest = min(study.records(), key=lambda r: r.get("p99_ms") or float("inf"), default=None)
         console.print(f"[red]no configuration met the p99 SLO of {args.slo_p99_ms:g} ms[/red]"
@@ -115,6 +132,18 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[green]best:[/green] {outcome.best.config.as_dict()} (objective {outcome.best.value:.2f}); "
                   f"wrote {args.out} (deploy with `serve deploy {args.out}`)")
     return 0
+
+
+def _machine() -> dict[str, object]:
+    """Where a profile was measured."""
+    import os
+    import platform
+
+    import torch
+
+    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "python": platform.python_version()}
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
@@ -156,6 +185,24 @@ def _print_trials(console: Console, records: list[dict]) -> None:
     console.print(table)
 
 
+def _trial_arguments(parser: argparse.ArgumentParser) -> None:
+    """What ``tune`` and ``profile`` share: the application, the SLO, the study and how trials measure."""
+    parser.add_argument("--config", default="deploy/serve_config.yaml", help="Serve config template")
+    parser.add_argument("--app", required=True, help="application of the config to tune (e.g. dlrm)")
+    parser.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO in milliseconds")
+    parser.add_argument("--space", help="search space YAML (default: the shipped one for the app's kind)")
+    parser.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL")
+    parser.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
+    parser.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
+    parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--probe-s", type=float, default=5.0, help="seconds of load per probed rate")
+    parser.add_argument("--start-rps", type=float, default=1.0, help="first request rate probed")
+    parser.add_argument("--max-probes", type=int, default=16, help="most rates probed per trial")
+    parser.add_argument("--tolerance", type=float, default=0.1, help="relative precision of the sustainable rate")
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoconfig", description="Configure swiftserve deployments.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -165,26 +212,19 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(run=_check)
 
     tune = commands.add_parser("tune", help="search the configuration of one application under a p99 SLO")
-    tune.add_argument("--config", default="deploy/serve_config.yaml", help="Serve config template")
-    tune.add_argument("--app", required=True, help="application of the config to tune (e.g. dlrm)")
-    tune.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO in milliseconds")
+    _trial_arguments(tune)
     tune.add_argument("--budget", type=int, default=12, help="finished trials the study should hold")
     tune.add_argument("--searcher", choices=("grid", "random", "tpe", "gp", "meta"), default="tpe")
     tune.add_argument("--bank", help="profile bank directory (the meta searcher learns from it)")
-    tune.add_argument("--space", help="search space YAML (default: the shipped one for the app's kind)")
-    tune.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL")
-    tune.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
-    tune.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
-    tune.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
-    tune.add_argument("--probe-s", type=float, default=5.0, help="seconds of load per probed rate")
-    tune.add_argument("--start-rps", type=float, default=1.0, help="first request rate probed")
-    tune.add_argument("--max-probes", type=int, default=16, help="most rates probed per trial")
-    tune.add_argument("--tolerance", type=float, default=0.1, help="relative precision of the sustainable rate")
-    tune.add_argument("--warmup-s", type=float, default=5.0)
     tune.add_argument("--seed", type=int, default=0)
-    tune.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")
     tune.set_defaults(run=_tune)
+
+    profile = commands.add_parser("profile", help="profile every configuration of the space into a bank entry")
+    _trial_arguments(profile)
+    profile.add_argument("--bank", required=True, help="profile bank directory to write MODEL_NAME.json into")
+    profile.add_argument("--model-name", required=True, help="name of the bank entry (letters, digits, ._-)")
+    profile.set_defaults(run=_tune)
 
     evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")
     evaluate.add_argument("--bank", required=True, help="profile bank directory (one JSON file per model)")

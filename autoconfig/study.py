@@ -17,6 +17,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
+from autoconfig.bank import BankEntry, ProfileRecord
 from autoconfig.searchers.base import Observation
 from autoconfig.space import Configuration, SearchSpace
 
@@ -74,6 +75,23 @@ class TuningStudy:
     def records(self) -> list[dict[str, Any]]:
         """Every finished trial's configuration and measurements, in order."""
         return [{"config": dict(trial.params), **trial.user_attrs} for trial in self._finished()]
+
+    def to_bank_entry(self, model: Mapping[str, Any], machine: Mapping[str, Any], objective: str) -> BankEntry:
+        """The study as a profile-bank entry (``objective``: ``rate_per_share`` or ``max_rate``, as measured)."""
+        trials = [
+            ProfileRecord(
+                config=_configuration(record["config"]),
+                rps=record.get("sustainable_rps"),
+                p50_ms=record.get("p50_ms"),
+                p99_ms=record.get("p99_ms"),
+                error_rate=record.get("error_rate"),
+                status=record["status"],
+                objective=record.get("objective") if record["status"] == "ok" else None,
+            )
+            for record in self.records()
+        ]
+        return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
+                         objective="rps_per_share" if objective == "rate_per_share" else "rps")
 
     def record(self, config: Configuration, value: float | None, measurements: Mapping[str, Any]) -> None:
         """Stores one finished trial: ``value`` None marks it failed (crash, or no rate within the SLO)."""

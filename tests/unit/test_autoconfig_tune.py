@@ -73,3 +73,24 @@ def test_unreachable_storage_and_another_space_are_refused_before_any_trial(tmp_
     other = SearchSpace.parse({"knobs": {**SPACE.to_dict()["knobs"], "num_replicas": {"values": [1, 2, 3]}}})
     with pytest.raises(StudyError, match="another search space"):
         TuningStudy.open(url, "s", other)
+
+
+def test_a_full_grid_study_becomes_a_bank_entry_with_every_status(tmp_path):
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
+    tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)
+    entry = study.to_bank_entry({"name": "tiny-dlrm", "app": "dlrm"}, {"cpus": 2}, "max_rate")
+    configs, values = entry.surface()  # refuses an entry that does not cover the space
+    assert entry.objective == "rps" and entry.name == "tiny-dlrm"
+    assert sum(trial.status == "slo_violated" for trial in entry.trials) == 4
+    for config, value in zip(configs, values, strict=True):
+        violated = config.max_batch_size == 16 and config.num_replicas == 1
+        assert (value != value) if violated else value == config.max_batch_size * config.num_replicas  # NaN
+
+
+def test_profile_refuses_a_bad_model_name_before_any_trial(tmp_path, capsys):
+    from autoconfig.cli import main
+
+    argv = ["profile", "--app", "dlrm", "--slo-p99-ms", "50", "--bank", str(tmp_path), "--model-name", "../x",
+            "--storage", sqlite_url(tmp_path / "s.db")]
+    assert main(argv) == 2
+    assert "name" in capsys.readouterr().out and not list(tmp_path.glob("*.json"))
