@@ -39,6 +39,7 @@ APP = "dlrm-bench"
 
 def deploy(serving: str, args: argparse.Namespace, http_port: int) -> DeploymentHandle:
     """The app under test, sized to ``args.cpus`` in total, deployed as a Serve config; its ingress handle."""
+    threads = args.dense_threads if serving == "disaggregated" else None
     if serving == "monolithic":
         cpus = {"MonolithicDLRM": args.cpus}
     else:  # half for the dense replica, half shared by the shards
@@ -48,7 +49,7 @@ def deploy(serving: str, args: argparse.Namespace, http_port: int) -> Deployment
         "http_options": {"host": "127.0.0.1", "port": http_port},
         "applications": [{
             "name": APP, "route_prefix": "/v2", "import_path": "disagg.app:build_app",
-            "args": {"model": {"preset": args.preset, "torch_threads": args.threads.get(serving)}, "serving": serving,
+            "args": {"model": {"preset": args.preset, "torch_threads": threads}, "serving": serving,
                      "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0}},
             "deployments": [{"name": name, "ray_actor_options": {"num_cpus": n}} for name, n in cpus.items()],
         }],
@@ -109,7 +110,6 @@ def main() -> None:
     parser.add_argument("--dense-threads", type=int, default=None,
                         help="torch threads of the disaggregated dense replica (default: its num_cpus, floored)")
     args = parser.parse_args()
-    args.threads = {"disaggregated": args.dense_threads}
     spec = preset_spec(args.preset)
     generator = SyntheticRequests(spec, seed=0)
     workload = {rows: [generator.batch(rows) for _ in range(args.requests)] for rows in args.batches}

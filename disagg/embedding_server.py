@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disagg import tensor_wire
 from disagg._proto import embedding_pb2 as pb
 from disagg._proto import embedding_pb2_grpc as pb_grpc
+from serving.common.device import set_torch_threads
 from serving.common.logging import get_logger
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
@@ -134,8 +135,7 @@ class EmbeddingServer:
 
     async def start(self) -> int:
         """Bind and start serving; returns the bound port (the chosen one when ``port`` was 0)."""
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
+        set_torch_threads(self._torch_threads)
         self._pool = ThreadPoolExecutor(self._worker_threads, thread_name_prefix=f"embedding-shard-{self._shard.index}")
         self._server = grpc.aio.server(
             options=[

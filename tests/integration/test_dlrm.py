@@ -9,13 +9,13 @@ import pytest
 import ray
 import torch
 import tritonclient.http as triton
-from ray import serve
 from tritonclient.utils import InferenceServerException
 
 from disagg.model import build_preset
 from disagg.protocol import encode_dlrm_request
 from disagg.synthetic import SyntheticRequests
 from tests.integration.conftest import DLRM_LOOKUP_TIMEOUT_S, POOLS
+from tests.integration.replicas import answers_from_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -34,21 +34,11 @@ def _probabilities(response) -> np.ndarray:
     return np.asarray(response.json()["outputs"][0]["data"], dtype=np.float32)
 
 
-def _replica_reports(deployment: str, method: str, replicas: int) -> set:
-    handle = serve.get_deployment_handle(deployment, app_name="dlrm")
-    seen = set()
-    for _ in range(100):
-        seen.add(getattr(handle, method).remote().result(timeout_s=30))
-        if len(seen) == replicas:
-            break
-    return seen
-
-
 def test_shards_and_dense_replicas_are_placed_by_their_pool_resources(http, pool_nodes):
     for shard in ("EmbeddingShard_0", "EmbeddingShard_1"):
-        assert _replica_reports(shard, "node_id", replicas=1) == {pool_nodes[POOLS["embedding"]]}
-        assert len(_replica_reports(shard, "address", replicas=2)) == 2  # two replicas per shard
-    assert _replica_reports("DisaggregatedDLRM", "node_id", replicas=1) == {pool_nodes[POOLS["dense"]]}
+        assert set(answers_from_replicas("dlrm", shard, "node_id", 1)) == {pool_nodes[POOLS["embedding"]]}
+        assert len(answers_from_replicas("dlrm", shard, "address", 2)) == 2  # two replicas per shard
+    assert set(answers_from_replicas("dlrm", "DisaggregatedDLRM", "node_id", 1)) == {pool_nodes[POOLS["dense"]]}
 
 
 @pytest.mark.parametrize("hotness", [1, 4])

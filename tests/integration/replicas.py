@@ -1,0 +1,19 @@
+"""Reaching every replica of a Serve deployment through its handle (requests spread over the replicas)."""
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from ray import serve
+
+
+def answers_from_replicas(app: str, deployment: str, method: str, replicas: int,
+                          key: Callable[[Any], Hashable] = lambda answer: answer) -> dict[Hashable, Any]:
+    """``method``'s answers by ``key`` (e.g. the replica's pid), calling until ``replicas`` distinct keys came."""
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    answers: dict[Hashable, Any] = {}
+    for _ in range(200):
+        answer = getattr(handle, method).remote().result(timeout_s=60)
+        answers[key(answer)] = answer
+        if len(answers) == replicas:
+            return answers
+    raise AssertionError(f"saw {len(answers)} of {replicas} distinct answers from {deployment}.{method}")
