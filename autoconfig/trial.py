@@ -22,14 +22,13 @@ from typing import Any, Literal
 import ray
 from pydantic import BaseModel
 from ray import serve
-from ray.serve._private.api import serve_start
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
 from autoconfig.workloads import Workload
 from serving.common.net import free_port
-from serving.common.serve_config import load_serve_config, wait_for_applications
+from serving.common.serve_config import load_serve_config, start_serve, wait_for_applications
 
 Objective = Literal["rate_per_share", "max_rate"]
 TrialStatus = Literal["ok", "slo_violated", "failed"]
@@ -94,12 +93,7 @@ def trial_application(
 
 def _deploy(app: ServeApplicationSchema, template: ServeDeploySchema, http_port: int | None, timeout_s: float) -> str:
     """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix."""
-    http_options = template.http_options.model_dump() | {"port": http_port or free_port()}
-    client = serve_start(
-        http_options=http_options,
-        proxy_location=template.proxy_location,
-        global_logging_config=template.logging_config,
-    )
+    client = start_serve(template, http_port=http_port or free_port())
     instance = client.get_serve_details()
     running = [
         ServeApplicationSchema.model_validate(details["deployed_app_config"])

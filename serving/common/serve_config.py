@@ -76,15 +76,22 @@ def _first_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
     return f"{field_path((*prefix, *error['loc']))}: {error['msg']}"
 
 
-def deploy_serve_config(config: ServeDeploySchema, *, timeout_s: float = 300.0) -> None:
-    """Start Serve with the config's HTTP options, deploy every application, wait until all run."""
+def start_serve(config: ServeDeploySchema, *, http_port: int | None = None) -> Any:
+    """Serve started (or joined, if already running) with the config's HTTP options (``http_port`` replacing its
+    port), proxy location and logging; returns Serve's controller client."""
     from ray.serve._private.api import serve_start
 
-    client = serve_start(
-        http_options=config.http_options.model_dump(),
+    http_options = config.http_options.model_dump() | ({"port": http_port} if http_port is not None else {})
+    return serve_start(
+        http_options=http_options,
         proxy_location=config.proxy_location,
         global_logging_config=config.logging_config,
     )
+
+
+def deploy_serve_config(config: ServeDeploySchema, *, timeout_s: float = 300.0) -> None:
+    """Start Serve with the config's HTTP options, deploy every application, wait until all run."""
+    client = start_serve(config)
     client.deploy_apps(config)
     wait_for_applications([app.name for app in config.applications], timeout_s=timeout_s)
 
