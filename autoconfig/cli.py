@@ -4,6 +4,8 @@
                              show what it would deploy.
 ``autoconfig profile ...``   profile every configuration of a space (a full grid) into a profile-bank entry.
 ``autoconfig evaluate ...``  replay searchers on a profile bank: trials to (near) the optimum, and a plot.
+``autoconfig report ...``    a study's (or a bank entry's) trials as a table, and a PNG of its search progress
+                             and performance surface.
 ``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
                              latency SLO, profiling real deployments chosen by a searcher; persists the study
                              (resumable) and writes the chosen configuration as a Serve config.
@@ -50,13 +52,13 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
     from autoconfig.bank import ModelDescription, load_bank
     from autoconfig.knobs import configure_serve_config, write_serve_config
-    from autoconfig.searchers import SEARCHERS
+    from autoconfig.searchers import SEARCHERS, GridSearcher
     from autoconfig.space import SearchSpace, SpaceError
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
-    from autoconfig.trial import run_trial
+    from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
     from autoconfig.tuner import tune
-    from autoconfig.workloads import workload_for_app
+    from autoconfig.workloads import parse_workload_options, workload_for_app
     from serving.common.serve_config import ServeConfigError, load_serve_config
 
     try:
@@ -73,14 +75,17 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             args.searcher, args.budget, args.seed = "grid", space.size, 0
         study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
         prior = load_bank(args.bank) if args.bank and not profiling else []
+        workload_options = parse_workload_options(args.workload)
+        workload = workload_for_app(app.import_path, app.args, workload_options)
     except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
     if args.searcher == "meta" and not prior:
         console.print("[red]error:[/red] --searcher meta needs --bank DIR (profiles of other models to learn from)")
         return 2
-    searcher = SEARCHERS[args.searcher](space, args.seed, prior)
-    workload = workload_for_app(app.import_path, app.args)
+    # A profile walks the grid in deployment order: the kept trial app restarts replicas a few times per grid.
+    searcher = (GridSearcher(space, order="deployment") if profiling
+                else SEARCHERS[args.searcher](space, args.seed, prior))
     settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                               rel_tolerance=args.tolerance)
     done = len(study.history())
@@ -97,7 +102,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 progress.update(bar, description=f"profiling {config.as_dict()}")
                 return run_trial(template, args.app, config.as_dict(), workload, args.slo_p99_ms,
                                  warmup_s=args.warmup_s, search=settings, objective=args.objective,
-                                 accelerator=args.accelerator)
+                                 accelerator=args.accelerator, teardown=args.fresh_deploy)
 
             def report(number, config, record):
                 progress.advance(bar)
@@ -106,7 +111,8 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
             outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
     finally:
-        if owns_cluster:  # on a shared cluster, trials delete their own apps and Serve keeps running
+        delete_trial_app(TRIAL_APP_NAME)  # kept between trials unless --fresh-deploy
+        if owns_cluster:  # on a shared cluster Serve keeps running
             serve.shutdown()
             ray.shutdown()
     _print_trials(console, study.records())
@@ -114,8 +120,8 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         if len(outcome.history) < space.size:
             console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
             return 1
-        entry = study.to_bank_entry({"name": args.model_name, "app": args.app, "args": app.args},
-                                    _machine(), args.objective)
+        entry = study.to_bank_entry({"name": args.model_name, "app": args.app, "args": app.args,
+                                     "workload": workload_options}, _machine(), args.objective)
         path = Path(args.bank) / f"{args.model_name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         entry.save(path)
@@ -173,6 +179,42 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace, console: Console) -> int:
+    from autoconfig.bank import BankEntry, BankError
+    from autoconfig.report import plot_report
+    from autoconfig.searchers.base import Observation
+    from autoconfig.study import StudyError, TuningStudy
+    from autoconfig.tuner import best_observation
+
+    try:
+        if args.bank_entry:
+            entry = BankEntry.load(args.bank_entry)
+            space, title, objective = entry.space, f"profile {entry.name}", entry.objective
+            history = [Observation(trial.config, trial.objective) for trial in entry.trials]
+            records = [{"config": trial.config.as_dict(), "status": trial.status, "sustainable_rps": trial.rps or 0.0,
+                        "p99_ms": trial.p99_ms, "objective": trial.objective or 0.0} for trial in entry.trials]
+        else:
+            study = TuningStudy.load(args.storage, args.study)
+            space, title = study.space, f"study {study.name}"
+            history, records = study.history(), study.records()
+            objective = records[0].get("objective_name", "objective") if records else "objective"
+    except (BankError, StudyError) as error:
+        console.print(f"[red]error:[/red] {error}")
+        return 2
+    if not history:
+        console.print(f"[red]error:[/red] {title} has no finished trial")
+        return 1
+    _print_trials(console, records)
+    best = best_observation(history)
+    if best is None:
+        console.print(f"{len(history)} trials; [red]none met the SLO[/red]")
+    else:
+        console.print(f"{len(history)} trials of {space.size}; best {best.config.as_dict()} "
+                      f"({objective} {best.value:.2f}, found at trial {history.index(best) + 1})")
+    console.print(f"plot: {plot_report(space, history, args.plot, title=title, objective=objective)}")
+    return 0
+
+
 def _print_trials(console: Console, records: list[dict]) -> None:
     table = Table(title="trials")
     for column in ("#", "configuration", "status", "rps", "p99 ms", "objective"):
@@ -201,6 +243,12 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tolerance", type=float, default=0.1, help="relative precision of the sustainable rate")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
+    parser.add_argument("--workload", default=None,
+                        help="request options, KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed; "
+                             "diffusion steps, size, n (default: one small request of the app's model)")
+    parser.add_argument("--fresh-deploy", action="store_true",
+                        help="delete and redeploy the app for every trial (default: update the kept trial app "
+                             "in place; Serve restarts replicas only when resources or threads change)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,6 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--tolerance", type=float, default=0.05, help="'near the optimum' as a fraction")
     evaluate.add_argument("--plot", default="autoconfig_replay.png", help="PNG of the search progress")
     evaluate.set_defaults(run=_evaluate)
+
+    report = commands.add_parser("report", help="a study's (or a bank entry's) trials, search progress and surface")
+    source = report.add_mutually_exclusive_group(required=True)
+    source.add_argument("--study", help="name of a study in --storage")
+    source.add_argument("--bank-entry", help="a profile-bank JSON file instead of a study")
+    report.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL of the study")
+    report.add_argument("--plot", default="autoconfig_report.png", help="PNG of the progress and the surface")
+    report.set_defaults(run=_report)
     return parser
 
 

@@ -9,13 +9,16 @@ keep the template's resources).
 What each knob sets, and what that enforces:
 
 - ``num_replicas``: the target's ``num_replicas`` (any ``autoscaling_config`` there is removed).
-- ``max_batch_size``: DLRM ``args.batching.max_batch_size`` (requests merged into one forward pass by
-  ``@serve.batch``); diffusion ``args.engine.max_batch_rows`` (UNet rows per denoising step; an image with
-  classifier-free guidance takes two rows). For diffusion the target's ``max_ongoing_requests`` becomes
-  2 x max_batch_size and ``ImagesIngress``'s 2 x max_batch_size x num_replicas, so batches can fill (the DLRM
-  builder sizes its own ingress from ``args.batching``).
-- ``batch_wait_timeout_s``: DLRM ``args.batching.batch_wait_timeout_s``. The diffusion engine batches
-  continuously at step boundaries and has no wait timeout: the knob does not apply to it and is ignored.
+- ``max_batch_size`` and ``batch_wait_timeout_s`` go into the target's Serve ``user_config``, which the replica's
+  ``reconfigure`` applies live (Serve updates running replicas in place: no restart, no rebuild of the app;
+  the template's ``args`` are left alone, so only knobs that need one restart replicas).
+  DLRM: ``{max_batch_size, batch_wait_timeout_s}`` (a ``BatchingConfig``: requests merged into one forward
+  pass by ``@serve.batch``); the target's ``max_ongoing_requests`` becomes 2 x max_batch_size, room for one
+  batch running and the next filling. Diffusion: ``{max_batch_rows}`` (UNet rows per denoising step; an image
+  with classifier-free guidance takes two rows); the target's ``max_ongoing_requests`` becomes
+  2 x max_batch_size and ``ImagesIngress``'s 2 x max_batch_size x num_replicas, so batches can fill. The
+  diffusion engine batches continuously at step boundaries and has no wait timeout: that knob does not apply
+  to it and is ignored.
 - ``device_share`` on CPU:
   - ``ray_actor_options.num_cpus = share``: a scheduling reservation, not a cap. Ray places a replica only
     where that many CPUs are unreserved; the process itself may still run on every core of the node.
@@ -72,30 +75,35 @@ class Knobs(BaseModel):
 
 @dataclass(frozen=True)
 class AppKnobs:
-    """Where one application (by ``import_path``) takes the knobs; paths are keys under ``args``."""
+    """Where one application (by ``import_path``) takes the knobs.
+
+    ``target`` names the deployment holding the model (from the app's ``args``); ``user_config`` is the live
+    batching configuration of that deployment; ``max_ongoing`` maps deployment names to their
+    ``max_ongoing_requests`` (the target's name is passed in); ``threads`` is a key path under ``args``.
+    """
 
     target: Callable[[Mapping[str, Any]], str]
-    batch_size: tuple[str, ...]
+    user_config: Callable[[Knobs], dict[str, Any]]
+    max_ongoing: Callable[[Knobs, str], dict[str, int]]
     threads: tuple[str, ...]
-    batch_wait: tuple[str, ...] | None = None
-    max_ongoing: Callable[[Knobs], dict[str, int]] | None = None
 
 
 APP_KNOBS: Mapping[str, AppKnobs] = {
     "disagg.app:build_app": AppKnobs(
         target=lambda args: "MonolithicDLRM" if args.get("serving") == "monolithic" else "DisaggregatedDLRM",
-        batch_size=("batching", "max_batch_size"),
-        batch_wait=("batching", "batch_wait_timeout_s"),
+        user_config=lambda knobs: {"max_batch_size": knobs.max_batch_size,
+                                   "batch_wait_timeout_s": knobs.batch_wait_timeout_s},
+        max_ongoing=lambda knobs, target: {target: 2 * knobs.max_batch_size},
         threads=("model", "torch_threads"),
     ),
     "serving.app:build_app": AppKnobs(
         target=lambda args: "DiffusionModel",
-        batch_size=("engine", "max_batch_rows"),
-        threads=("model", "torch_threads"),
-        max_ongoing=lambda knobs: {
-            "DiffusionModel": 2 * knobs.max_batch_size,
+        user_config=lambda knobs: {"max_batch_rows": knobs.max_batch_size},
+        max_ongoing=lambda knobs, target: {
+            target: 2 * knobs.max_batch_size,
             "ImagesIngress": 2 * knobs.max_batch_size * knobs.num_replicas,
         },
+        threads=("model", "torch_threads"),
     ),
 }
 
@@ -129,13 +137,12 @@ def apply_knobs(
         raise ValueError(f"import_path {app.get('import_path')!r} has no knobs; known: {', '.join(APP_KNOBS)}")
     app = copy.deepcopy(dict(app))
     args = app.setdefault("args", {})
-    _set(args, mapping.batch_size, knobs.max_batch_size)
-    if mapping.batch_wait is not None:
-        _set(args, mapping.batch_wait, knobs.batch_wait_timeout_s)
-    target = _deployment(app, mapping.target(args))
+    target_name = mapping.target(args)
+    target = _deployment(app, target_name)
     target.pop("autoscaling_config", None)
     target["num_replicas"] = knobs.num_replicas
-    for name, limit in (mapping.max_ongoing(knobs) if mapping.max_ongoing else {}).items():
+    target["user_config"] = mapping.user_config(knobs)
+    for name, limit in mapping.max_ongoing(knobs, target_name).items():
         _deployment(app, name)["max_ongoing_requests"] = limit
     actor = target.setdefault("ray_actor_options", {})
     env: dict[str, str] = {}

@@ -56,7 +56,8 @@ class SearchSettings(BaseModel):
 
 
 class LoadResult(BaseModel):
-    """One probe: ``rate`` requests/s offered for ``duration_s``; latencies of the 2xx answers."""
+    """One probe: ``rate`` requests/s offered for ``duration_s``; latencies of the 2xx answers and, when the probe
+    ``stopped_early`` (the SLO already broken), of the ``cancelled`` requests as the time they had waited."""
 
     rate: float
     duration_s: float
@@ -65,6 +66,8 @@ class LoadResult(BaseModel):
     p50_ms: float | None
     p99_ms: float | None
     achieved_rps: float
+    cancelled: int = 0
+    stopped_early: bool = False
 
     @property
     def error_rate(self) -> float:
@@ -103,6 +106,14 @@ def is_sustainable(result: LoadResult, slo_p99_ms: float, max_error_rate: float)
     return result.p99_ms is not None and result.p99_ms <= slo_p99_ms and result.error_rate <= max_error_rate
 
 
+def _is_late(scheduled: float, task: asyncio.Future[float | None], now: float, slo_s: float) -> bool:
+    """A request unanswered past ``scheduled + slo_s``, or answered (2xx) later than that."""
+    if not task.done():
+        return now - scheduled > slo_s
+    latency = None if task.cancelled() else task.result()
+    return latency is not None and latency > slo_s
+
+
 class StressClient:
     """Drives ``workload`` against ``base_url`` (the application's route prefix); use as an async context."""
 
@@ -133,35 +144,75 @@ class StressClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._http.aclose()
 
-    async def measure(self, rate: float, duration_s: float) -> LoadResult:
+    async def measure(self, rate: float, duration_s: float, *, slo_p99_ms: float | None = None) -> LoadResult:
         """Offer ``rate`` requests/s for ``duration_s`` seconds, then wait for every answer (or its timeout).
 
+        With ``slo_p99_ms``, the probe stops as soon as more than 1% of its planned requests are late (answered,
+        or still unanswered, past ``scheduled + slo_p99_ms``): their p99 is then above the SLO whatever happens
+        next, so sending stops and the open requests are cancelled instead of drained. Each cancelled request
+        counts with the time it had waited (a lower bound of its latency), ``stopped_early`` is set.
         ``achieved_rps`` is the 2xx answers over the window or, if the last answer came later, until it came.
         """
         if rate <= 0 or duration_s <= 0:
             raise ValueError(f"rate and duration_s must be > 0, got {rate} and {duration_s}")
         loop = asyncio.get_running_loop()
+        offsets = arrival_offsets(rate, duration_s, self.settings.arrivals, self._rng)
+        late_budget = int(0.01 * len(offsets))
         start = loop.time()
-        pending = []
-        for offset in arrival_offsets(rate, duration_s, self.settings.arrivals, self._rng):
-            scheduled = start + float(offset)
-            delay = scheduled - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            pending.append(asyncio.ensure_future(self._timed_request(scheduled)))
-        await asyncio.sleep(max(0.0, start + duration_s - loop.time()))  # a probe spans its whole window
-        latencies = await asyncio.gather(*pending)
+        sent: list[tuple[float, asyncio.Future[float | None]]] = []
+        broken = asyncio.Event()
+
+        async def send() -> None:
+            for offset in offsets:
+                scheduled = start + float(offset)
+                delay = scheduled - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                sent.append((scheduled, asyncio.ensure_future(self._timed_request(scheduled))))
+            await asyncio.sleep(max(0.0, start + duration_s - loop.time()))  # a probe spans its whole window
+            await asyncio.gather(*(task for _, task in sent))
+
+        async def watch(slo_s: float) -> None:
+            while True:
+                now = loop.time()
+                late = sum(1 for scheduled, task in sent if _is_late(scheduled, task, now, slo_s))
+                if late > late_budget:
+                    broken.set()
+                    return
+                await asyncio.sleep(0.01)
+
+        sender = asyncio.ensure_future(send())
+        watcher = asyncio.ensure_future(watch(slo_p99_ms / 1000.0)) if slo_p99_ms is not None else None
+        waiting = {sender} | ({watcher} if watcher else set())
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        stopped_early = broken.is_set() and not sender.done()
+        now = loop.time()
+        for task in (sender, watcher):
+            if task is not None and not task.done():
+                task.cancel()
+        answered: list[float | None] = []
+        waited: list[float] = []
+        for scheduled, task in sent:
+            if task.done() and not task.cancelled():
+                answered.append(task.result())
+            else:
+                task.cancel()
+                waited.append(now - scheduled)  # cancelled after waiting this long: a lower bound of its latency
+        await asyncio.gather(*(task for _, task in sent), return_exceptions=True)
         elapsed = loop.time() - start
-        ok_ms = [1000.0 * latency for latency in latencies if latency is not None]
-        p50, p99 = np.percentile(ok_ms, [50, 99]).tolist() if ok_ms else (None, None)
+        ok_s = [latency for latency in answered if latency is not None]
+        timed_ms = [1000.0 * latency for latency in ok_s + waited]
+        p50, p99 = np.percentile(timed_ms, [50, 99]).tolist() if timed_ms else (None, None)
         return LoadResult(
             rate=rate,
             duration_s=duration_s,
-            completed=len(ok_ms),
-            errors=len(latencies) - len(ok_ms),
+            completed=len(ok_s),
+            errors=len(answered) - len(ok_s),
+            cancelled=len(waited),
             p50_ms=p50,
             p99_ms=p99,
-            achieved_rps=len(ok_ms) / max(elapsed, duration_s),
+            achieved_rps=len(ok_s) / max(elapsed, duration_s),
+            stopped_early=stopped_early,
         )
 
     async def _timed_request(self, scheduled: float) -> float | None:
@@ -195,7 +246,7 @@ class StressClient:
         probes: list[Probe] = []
 
         async def probe(rate: float) -> Probe:
-            measured = await self.measure(rate, settings.probe_s)
+            measured = await self.measure(rate, settings.probe_s, slo_p99_ms=slo_p99_ms)
             taken = Probe(result=measured, sustainable=is_sustainable(measured, slo_p99_ms, settings.max_error_rate))
             probes.append(taken)
             if on_probe is not None:

@@ -61,6 +61,20 @@ class TuningStudy:
             )
         return cls(study, space)
 
+    @classmethod
+    def load(cls, storage_url: str, name: str) -> TuningStudy:
+        """An existing study, over the search space stored with it (for reading: ``autoconfig report``)."""
+        try:
+            study = optuna.load_study(study_name=name, storage=optuna.storages.get_storage(storage_url))
+        except KeyError:
+            raise StudyError(f"no study {name!r} in storage {storage_url!r}") from None
+        except Exception as error:
+            raise StudyError(f"cannot open study {name!r} in storage {storage_url!r}: {error}") from error
+        stored = study.user_attrs.get(_SPACE_ATTR)
+        if stored is None:
+            raise StudyError(f"study {name!r} in {storage_url!r} was not written by autoconfig (no search space)")
+        return cls(study, SearchSpace.parse(stored))
+
     @property
     def name(self) -> str:
         return self._study.study_name

@@ -8,7 +8,8 @@ host and ``http_port`` (default: a free port) and left running for the next tria
 
 Status: ``ok`` (a sustainable rate was found), ``slo_violated`` (not even the start rate met the SLO) or ``failed``
 (an invalid configuration, a deploy error or timeout, a crash: the error text is recorded and the caller's search
-goes on). The application is deleted (``serve.delete``, which waits until it is gone) in every case.
+goes on). The application is deleted (``serve.delete``, which waits until it is gone) after the trial, unless the
+caller keeps it for the next trial to update in place (``teardown=False``); a failed trial's always is.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
+from autoconfig.knobs import APP_KNOBS, Accelerator, Knobs, configure_serve_config
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
 from autoconfig.workloads import Workload
 from serving.common.net import free_port
@@ -65,13 +66,20 @@ class TrialRecord(BaseModel):
     search: RateSearchResult | None = None
 
 
-def _check_cluster_fits(knobs: Knobs, accelerator: Accelerator) -> None:
-    """Fail fast, without deploying, when the replicas' device share exceeds what the whole cluster has."""
-    resource = "CPU" if accelerator == "cpu" else "GPU"
+def _check_cluster_fits(app: ServeApplicationSchema, accelerator: Accelerator) -> None:
+    """Fail fast, without deploying, when the app's deployments, as its config sets their resources and replica
+    counts, need more of the device than the whole cluster has (Serve would wait forever to place them)."""
+    resource, option = ("CPU", "num_cpus") if accelerator == "cpu" else ("GPU", "num_gpus")
     total = ray.cluster_resources().get(resource, 0.0)
-    if knobs.resources > total + 1e-9:
-        raise ValueError(f"{knobs.num_replicas} replica(s) x {knobs.device_share:g} {resource} need "
-                         f"{knobs.resources:g} {resource}; the cluster has {total:g}")
+    needs = {
+        deployment["name"]: deployment.get("ray_actor_options", {}).get(option, 0.0)
+        * (deployment["num_replicas"] if isinstance(deployment.get("num_replicas"), int) else 1)
+        for deployment in app.model_dump(exclude_unset=True).get("deployments", [])
+    }
+    if sum(needs.values()) > total + 1e-9:
+        parts = ", ".join(f"{name} {need:g}" for name, need in needs.items() if need)
+        raise ValueError(f"the application needs {sum(needs.values()):g} {resource} ({parts}); "
+                         f"the cluster has {total:g}")
 
 
 def trial_application(
@@ -91,10 +99,19 @@ def trial_application(
     return ServeApplicationSchema.model_validate(raw)
 
 
-def _deploy(app: ServeApplicationSchema, template: ServeDeploySchema, http_port: int | None, timeout_s: float) -> str:
-    """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix."""
+def _deploy(
+    app: ServeApplicationSchema, template: ServeDeploySchema, http_port: int | None, timeout_s: float
+) -> tuple[str, float]:
+    """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix and the start time
+    (``time.time()``) of its newest model replica."""
     client = start_serve(template, http_port=http_port or free_port())
     instance = client.get_serve_details()
+    kept = instance.get("applications", {}).get(app.name, {}).get("deployed_app_config")
+    if kept and _restarts_replicas(kept, app.model_dump(mode="json", exclude_unset=True)):
+        # Serve would roll the replicas over, starting new ones while the old still hold their CPUs or GPUs: on
+        # a full node that waits forever. Deleting first frees them.
+        serve.delete(app.name)
+        instance = client.get_serve_details()
     running = [
         ServeApplicationSchema.model_validate(details["deployed_app_config"])
         for name, details in instance.get("applications", {}).items()
@@ -109,11 +126,52 @@ def _deploy(app: ServeApplicationSchema, template: ServeDeploySchema, http_port:
     )
     try:
         wait_for_applications([app.name], timeout_s=timeout_s)
+        newest = _wait_for_target_replicas(client, app, timeout_s)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}: {_status_messages(app.name)}") from None
     host = client.http_config.host
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}"
+    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}", newest
+
+
+#: Options Serve changes on running replicas (or by adding and removing replicas), no restart. Serve fills the
+#: app's ``logging_config`` in from the global one, so it is also left out of the comparison.
+_LIVE_OPTIONS = frozenset({"num_replicas", "user_config", "max_ongoing_requests", "autoscaling_config",
+                           "logging_config"})
+
+
+def _restarts_replicas(deployed: dict[str, Any], new: dict[str, Any]) -> bool:
+    """Whether updating application config ``deployed`` to ``new`` restarts replicas (anything beyond
+    :data:`_LIVE_OPTIONS` differs: ``args``, resources, runtime environment...)."""
+
+    def fixed(app: dict[str, Any]) -> dict[str, Any]:
+        deployments = {d["name"]: {k: v for k, v in d.items() if k not in _LIVE_OPTIONS}
+                       for d in app.get("deployments", [])}
+        settings = {k: v for k, v in app.items() if k not in ("deployments", "logging_config")}
+        return settings | {"deployments": deployments}
+
+    return fixed(deployed) != fixed(new)
+
+
+def _wait_for_target_replicas(client: Any, app: ServeApplicationSchema, timeout_s: float) -> float:
+    """Block until the model deployment runs exactly its configured replicas with its configured ``user_config``
+    (after an in-place update of a deployed trial app, RUNNING alone could still describe the old replicas);
+    the start time of the newest of them."""
+    wanted = {deployment["name"]: deployment for deployment in app.model_dump(exclude_unset=True)["deployments"]}
+    target = wanted[APP_KNOBS[app.import_path].target(app.args or {})]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        details = client.get_serve_details()["applications"].get(app.name, {}).get("deployments", {})
+        current = details.get(target["name"], {})
+        running = [r for r in current.get("replicas", []) if r.get("state") == "RUNNING"]
+        config = current.get("deployment_config", {})
+        if (len(running) == target["num_replicas"] and current.get("status") == "HEALTHY"
+                and config.get("user_config") == target.get("user_config")):
+            return max(replica.get("start_time_s", 0.0) for replica in running)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{target['name']} has {len(running)} of {target['num_replicas']} replicas running "
+                               f"after {timeout_s:.0f}s")
+        time.sleep(0.25)
 
 
 def _status_messages(app_name: str) -> str:
@@ -163,6 +221,7 @@ def run_trial(
     slo_p99_ms: float,
     *,
     warmup_s: float = 5.0,
+    cold_warmup_s: float = 3.0,
     search: SearchSettings | None = None,
     client: ClientSettings | None = None,
     objective: Objective = "rate_per_share",
@@ -172,22 +231,31 @@ def run_trial(
     route_prefix: str = TRIAL_ROUTE_PREFIX,
     http_port: int | None = None,
     deploy_timeout_s: float = 300.0,
+    teardown: bool = True,
     on_event: Callable[[TrialEvent], None] | None = None,
 ) -> TrialRecord:
     """Deploy application ``app_name`` of the template at ``configuration`` and measure it; never raises for a
-    failing trial (only without a Ray connection, if the app cannot be deleted afterwards, or on interrupts)."""
+    failing trial (only without a Ray connection, if the app cannot be deleted afterwards, or on interrupts).
+
+    ``warmup_s`` of load at the start rate precede the rate search, ``cold_warmup_s`` more when the trial started
+    model replicas (a first deploy, a redeploy, a scale-up): their first requests run cold.
+
+    ``teardown=False`` leaves the trial app deployed after a trial that measured something: the next trial of the
+    same ``trial_app_name`` then updates it in place, and Serve restarts replicas only for knobs that need it
+    (resources, threads), not for batching or replica counts. The caller deletes it at the end
+    (``serve.delete(trial_app_name)``). A failed trial is always deleted.
+    """
     if not ray.is_initialized():
         raise RuntimeError("not connected to a Ray cluster: call ray.init(address=...) before run_trial")
 
     emit = on_event or (lambda event: None)
     search = search or SearchSettings()
-    started = time.monotonic()
+    started, started_wall = time.monotonic(), time.time()
     fields: dict[str, Any] = {"status": "failed", "sustainable_rps": 0.0}
     deploying = False
     try:
         knobs = Knobs.model_validate(dict(configuration))
         fields |= {"device_share": knobs.device_share, "num_replicas": knobs.num_replicas, "resources": knobs.resources}
-        _check_cluster_fits(knobs, accelerator)
         template = serve_config_template
         if not isinstance(template, ServeDeploySchema):
             template = load_serve_config(template)
@@ -200,9 +268,12 @@ def run_trial(
             name=trial_app_name,
             route_prefix=route_prefix,
         )
+        _check_cluster_fits(app, accelerator)
         emit(TrialEvent(phase="deploy", message=f"deploying {app_name} as {trial_app_name} at {dict(configuration)}"))
         deploying = True
-        base_url = _deploy(app, template, http_port, deploy_timeout_s)
+        base_url, newest_replica = _deploy(app, template, http_port, deploy_timeout_s)
+        if newest_replica >= started_wall:  # this trial started replicas: their first requests run cold
+            warmup_s += cold_warmup_s
         emit(TrialEvent(phase="warmup", message=f"warming up {warmup_s:g} s at {search.start_rps:g} rps"))
         result = asyncio.run(
             _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
@@ -223,7 +294,7 @@ def run_trial(
     except Exception as exc:
         fields["error"] = f"{type(exc).__name__}: {exc}"
     finally:
-        if deploying:
+        if deploying and (teardown or fields["status"] == "failed"):
             emit(TrialEvent(phase="teardown", message=f"deleting {trial_app_name}"))
             serve.delete(trial_app_name)
     rate, resources = fields["sustainable_rps"], fields.get("resources")
@@ -236,3 +307,13 @@ def run_trial(
         duration_s=time.monotonic() - started,
         **fields,
     )
+
+
+def delete_trial_app(name: str = TRIAL_APP_NAME) -> None:
+    """Delete a trial app kept deployed (``teardown=False``), if Serve runs and has it."""
+    try:
+        applications = serve.status().applications
+    except Exception:  # Serve is not running on this cluster: nothing to delete
+        return
+    if name in applications:
+        serve.delete(name)

@@ -7,10 +7,13 @@ so building them costs nothing while the client measures latency.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import yaml
 
 from disagg.model import preset_spec
 from disagg.protocol import encode_dlrm_request
@@ -62,12 +65,34 @@ def diffusion_workload(
     return Workload("POST", "/v1/images/generations", _cycling(pool))
 
 
-def workload_for_app(import_path: str, args: Mapping[str, Any] | None) -> Workload:
-    """The default workload of a Serve application, read from its ``import_path`` and ``args``."""
+def parse_workload_options(text: str | None) -> dict[str, Any]:
+    """``"rows_per_request=32,seed=1"`` -> ``{"rows_per_request": 32, "seed": 1}`` (values read as YAML scalars)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"workload option {item!r}: expected KEY=VALUE")
+        options[key.strip()] = yaml.safe_load(value.strip())
+    return options
+
+
+def workload_for_app(
+    import_path: str, args: Mapping[str, Any] | None, options: Mapping[str, Any] | None = None
+) -> Workload:
+    """The workload of a Serve application, read from its ``import_path`` and ``args``; ``options`` override the
+    factory's keyword arguments (``dlrm_workload`` or ``diffusion_workload``), an unknown one is an error naming it."""
     args = args or {}
     model = args.get("model") or {}
     if import_path == "disagg.app:build_app":
-        return dlrm_workload(preset=model.get("preset", "tiny"), model_name=args.get("model_name", "dlrm"))
-    if import_path == "serving.app:build_app":
-        return diffusion_workload(model=model.get("name"))
-    raise ValueError(f"no workload for import_path {import_path!r}; known: disagg.app:build_app, serving.app:build_app")
+        factory: Callable[..., Workload] = dlrm_workload
+        defaults: dict[str, Any] = {"preset": model.get("preset", "tiny"), "model_name": args.get("model_name", "dlrm")}
+    elif import_path == "serving.app:build_app":
+        factory, defaults = diffusion_workload, {"model": model.get("name")}
+    else:
+        raise ValueError(f"no workload for import_path {import_path!r}; known: disagg.app:build_app, "
+                         "serving.app:build_app")
+    known = [name for name in inspect.signature(factory).parameters]
+    for name in options or {}:
+        if name not in known:
+            raise ValueError(f"workload option {name!r} is not one of {factory.__name__}'s: {', '.join(known)}")
+    return factory(**(defaults | dict(options or {})))

@@ -76,10 +76,15 @@ def _criteo_shaped(max_rows_per_table: int | None = None) -> DLRMSpec:
     )
 
 
-#: Named architectures. ``criteo-kaggle`` holds 33.76M embedding rows (2.2 GB in FP32); ``tiny`` has the
-#: same shape with every table capped at 1000 rows, for tests and demos.
+#: Named architectures. ``criteo-kaggle`` holds 33.76M embedding rows (2.2 GB in FP32); ``small`` and ``tiny``
+#: have the same shape with every table capped at 100,000 rows (0.84M rows, 51 MiB) and 1000 rows, for
+#: profiling, tests and demos.
 PRESETS: Mapping[str, DLRMSpec] = MappingProxyType(
-    {"criteo-kaggle": _criteo_shaped(), "tiny": _criteo_shaped(max_rows_per_table=1000)}
+    {
+        "criteo-kaggle": _criteo_shaped(),
+        "small": _criteo_shaped(max_rows_per_table=100_000),
+        "tiny": _criteo_shaped(max_rows_per_table=1000),
+    }
 )
 
 

@@ -98,6 +98,18 @@ class EngineConfig(_Config):
                     "then waits for it (Katz: 20 of 50 steps).")
 
 
+class EngineTuning(_Config):
+    """The engine settings a running replica takes live, as its Serve ``user_config`` (unset: unchanged)."""
+
+    max_batch_rows: int | None = Field(None, ge=1, description="Most UNet rows per step.")
+    continuous_batching: bool | None = Field(None, description="Admit requests at every step boundary.")
+    lora_wait_fraction: float | None = Field(None, ge=0.0, le=1.0, description="See `EngineConfig`.")
+
+    def apply(self, engine: EngineConfig) -> EngineConfig:
+        """``engine`` with the fields set here replaced."""
+        return engine.model_copy(update=self.model_dump(exclude_none=True))
+
+
 class LoRAConfig(_Config):
     """Where LoRAs come from and how many stay in host memory."""
 

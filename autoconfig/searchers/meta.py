@@ -140,10 +140,15 @@ def bank_surfaces(entries: Sequence[BankEntry]) -> list[Surface]:
 
 
 def meta_factory(params: MetaParams | None = None) -> SearcherFactory:
-    """A factory that meta-trains on the prior entries with the run's seed."""
+    """A factory that meta-trains, with the run's seed, on the prior entries over the same knobs as the space."""
 
     def build(space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> Searcher:
-        return MetaSearcher.meta_train(space, bank_surfaces(prior), seed=seed, params=params)
+        # Only surfaces over the same knobs share the surrogate's inputs (DLRM and diffusion spaces may differ).
+        usable = [entry for entry in prior if entry.space.knob_names == space.knob_names]
+        if not usable:
+            raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}; "
+                             "the meta searcher needs at least one")
+        return MetaSearcher.meta_train(space, bank_surfaces(usable), seed=seed, params=params)
 
     return build
 

@@ -8,7 +8,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.stress import ClientSettings, SearchSettings
-from autoconfig.trial import run_trial
+from autoconfig.trial import delete_trial_app, run_trial
 from autoconfig.workloads import dlrm_workload
 from serving.common.serve_config import load_serve_config
 from tests.integration.conftest import REPO
@@ -105,4 +105,30 @@ def test_a_crashing_replica_is_a_failed_trial(template, base_url):
     next(app for app in raw["applications"] if app["name"] == "dlrm")["args"]["model"]["device"] = "cuda:7"
     record = _trial(ServeDeploySchema.model_validate(raw), CONFIGURATION, deploy_timeout_s=120.0)
     assert record.status == "failed" and "failed to deploy" in record.error
+    _assert_trial_app_gone(base_url)
+
+
+def _model_deployment() -> dict:
+    return _get_global_client().get_serve_details()["applications"][TRIAL_APP]["deployments"]["MonolithicDLRM"]
+
+
+def _model_replicas() -> set[str]:
+    return {replica["actor_id"] for replica in _model_deployment()["replicas"] if replica["state"] == "RUNNING"}
+
+
+def test_a_kept_trial_app_is_updated_in_place_and_restarted_only_for_resources(template, base_url):
+    try:
+        first = _trial(template, CONFIGURATION, teardown=False)
+        assert first.status != "failed", first.error
+        replicas = _model_replicas()
+        assert len(replicas) == 1
+        second = _trial(template, CONFIGURATION | {"max_batch_size": 16}, teardown=False)
+        assert second.status != "failed", second.error
+        assert _model_deployment()["deployment_config"]["user_config"]["max_batch_size"] == 16
+        assert _model_replicas() == replicas  # batching is reconfigured live, in the same replica
+        third = _trial(template, CONFIGURATION | {"device_share": 0.3}, teardown=False)
+        assert third.status != "failed", third.error
+        assert len(_model_replicas()) == 1 and _model_replicas().isdisjoint(replicas)  # new CPUs: new replica
+    finally:
+        delete_trial_app(TRIAL_APP)
     _assert_trial_app_gone(base_url)

@@ -7,6 +7,7 @@ import yaml
 from autoconfig.cli import main
 from autoconfig.space import SearchSpace
 from autoconfig.study import TuningStudy
+from disagg.config import BatchingConfig
 from serving.common.serve_config import load_serve_config, validate_app_args
 from tests.integration.conftest import REPO
 
@@ -40,9 +41,12 @@ def test_tune_writes_a_deployable_config_and_resumes_its_study(base_url, tmp_pat
     tuned = load_serve_config(out)  # validated like any Serve config, application args included
     dlrm = next(app for app in tuned.applications if app.name == "dlrm")
     args = validate_app_args(dlrm)
-    assert args.batching.max_batch_size == best["config"]["max_batch_size"]
+    assert args.model.torch_threads == 1  # max(1, round(0.25 CPUs))
     dense = next(d for d in dlrm.deployments if d.name == "DisaggregatedDLRM")
     assert dense.ray_actor_options.num_cpus == 0.25 and dense.num_replicas == 1
+    # Batching is the dense replica's live user_config (a BatchingConfig), sized for two batches in flight.
+    assert BatchingConfig.model_validate(dense.user_config).max_batch_size == best["config"]["max_batch_size"]
+    assert dense.max_ongoing_requests == 2 * best["config"]["max_batch_size"]
 
     assert main(argv) == 0  # resumed: the study already holds its budget, nothing is profiled again
     assert TuningStudy.open(storage, "it", SearchSpace.parse(SPACE)).records() == records

@@ -1,5 +1,7 @@
 """Searchers on synthetic surfaces: no repeats, exhaustion, determinism, meta-weights."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -137,3 +139,55 @@ def test_meta_first_suggestion_is_the_learned_optimum(space):
     surfaces = [(features, scale * shape) for scale in (1.0, 30.0, 500.0)]
     searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=MetaParams(meta_iterations=60))
     assert searcher.suggest([]) == space.configurations()[peak]
+
+
+DEPLOYMENT_SPACE = SearchSpace.parse(
+    {
+        "knobs": {
+            "max_batch_size": {"values": [1, 4, 16]},
+            "batch_wait_timeout_s": {"values": [0.0, 0.005]},
+            "device_share": {"values": [2.0, 0.5, 1.0]},
+            "num_replicas": {"values": [1, 2, 3]},
+            "torch_threads": {"values": [1, 2]},
+        },
+        "max_total_share": 3.0,
+    }
+)
+
+
+def _walk(searcher: Searcher) -> list[Configuration]:
+    history: list[Observation] = []
+    while True:
+        try:
+            history.append(Observation(searcher.suggest(history), 1.0))
+        except SpaceExhausted:
+            return [o.config for o in history]
+
+
+def test_grid_in_deployment_order_changes_the_costly_knobs_least_often():
+    space = DEPLOYMENT_SPACE
+    sequence = _walk(GridSearcher(space, order="deployment"))
+    assert len(sequence) == len(set(sequence)) == space.size and set(sequence) == set(space.configurations())
+    assert sequence != list(space.configurations())  # not the enumeration, whose last knob varies fastest
+    shares = [c.device_share for c in sequence]
+    assert shares == sorted(shares)  # each device share once: replicas restart only when it changes...
+    restarts = sum(
+        (a.device_share, a.torch_threads) != (b.device_share, b.torch_threads) for a, b in itertools.pairwise(sequence)
+    )
+    assert restarts == len({(c.device_share, c.torch_threads) for c in sequence}) - 1  # ...or the threads do
+    # Batching varies fastest: a block of every (batch size, wait) per deployment shape, batch size outermost.
+    batching = [(b, w) for b in (1, 4, 16) for w in (0.0, 0.005)]
+    for start in range(0, len(sequence), len(batching)):
+        block = sequence[start : start + len(batching)]
+        assert [(c.max_batch_size, c.batch_wait_timeout_s) for c in block] == batching
+        assert len({(c.device_share, c.torch_threads, c.num_replicas) for c in block}) == 1
+    assert sequence[0] == Configuration(1, 0.0, 0.5, 1, 1)
+    assert sequence[-1] == Configuration(16, 0.005, 2.0, 1, 2)  # 2 x 2.0 CPUs exceeds max_total_share
+
+
+def test_grid_in_deployment_order_skips_observed_and_enumeration_stays_the_default(space):
+    deployment = _walk(GridSearcher(space, order="deployment"))
+    history = [Observation(deployment[0], 1.0), Observation(deployment[2], None)]
+    assert GridSearcher(space, order="deployment").suggest(history) == deployment[1]
+    assert _walk(GridSearcher(space)) == list(space.configurations())
+    assert _walk(GridSearcher(space, order="enumeration")) == list(space.configurations())

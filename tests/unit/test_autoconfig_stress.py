@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from autoconfig.stress import ClientSettings, SearchSettings, StressClient, arrival_offsets
-from autoconfig.workloads import Workload, dlrm_workload, workload_for_app
+from autoconfig.workloads import Workload, dlrm_workload, parse_workload_options, workload_for_app
 from disagg.config import DLRMLimits
 from disagg.model import preset_spec
 from disagg.protocol import InferRequest, decode_dlrm_request
@@ -68,10 +68,10 @@ def _search(server, slo_p99_ms: float, search: SearchSettings, on_probe=None, **
     return asyncio.run(run())
 
 
-def _measure(server, rate: float, duration_s: float, **settings):
+def _measure(server, rate: float, duration_s: float, slo_p99_ms: float | None = None, **settings):
     async def run():
         async with _client(server, **settings) as client:
-            return await client.measure(rate, duration_s)
+            return await client.measure(rate, duration_s, slo_p99_ms=slo_p99_ms)
 
     return asyncio.run(run())
 
@@ -117,6 +117,21 @@ def test_latency_counts_from_the_scheduled_time_so_client_side_queueing_shows():
     assert result.p50_ms < result.p99_ms
     assert result.p99_ms > 500  # the 20th request waited for 19 others, one at a time
     assert result.achieved_rps < 25  # one at a time: at most 20 per second
+
+
+def test_a_probe_stops_once_more_than_one_percent_of_its_requests_are_late():
+    server = ConcurrencyServer()  # never answers: every request becomes late 50 ms after its send time
+    result = _measure(server, rate=100, duration_s=10.0, slo_p99_ms=50.0, timeout_s=60.0)
+    # 1000 planned, so the 11th late request breaks the SLO: sending stops about 0.16 s in, not after 10 s.
+    assert result.stopped_early and 11 <= result.cancelled < 100
+    assert result.completed == 0 and result.errors == 0
+    assert result.p99_ms > 50.0  # the waits of the cancelled requests: lower bounds of their latency
+    assert server.open == 0 and len(server.requests) == result.cancelled  # cancelled on the server too
+
+
+def test_a_probe_within_the_slo_runs_its_whole_schedule():
+    result = _measure(ConcurrencyServer(delay_s=0.0), rate=50, duration_s=0.4, slo_p99_ms=1000.0)
+    assert not result.stopped_early and result.completed == 20 and result.cancelled == 0
 
 
 def test_requests_follow_the_workload_and_the_schedule():
@@ -177,3 +192,52 @@ def test_workload_bodies_are_valid_requests_of_their_apps():
     assert (request.model, request.size, request.num_inference_steps, request.seed) == ("tiny", "32x32", 4, 3)
     with pytest.raises(ValueError, match="no workload"):
         workload_for_app("other.app:build", {})
+
+
+def test_workload_options_are_parsed_as_yaml_scalars():
+    assert parse_workload_options(None) == parse_workload_options("") == parse_workload_options(" , ") == {}
+    assert parse_workload_options("rows_per_request=32, seed=1,size=64x64 ,flag=true,x=0.5") == {
+        "rows_per_request": 32,
+        "seed": 1,
+        "size": "64x64",
+        "flag": True,
+        "x": 0.5,
+    }
+    for malformed in ("rows_per_request", "=3", "seed=1,steps"):
+        with pytest.raises(ValueError, match="expected KEY=VALUE"):
+            parse_workload_options(malformed)
+
+
+def _dlrm_rows(body: bytes, preset: str = "tiny") -> int:
+    return decode_dlrm_request(InferRequest.model_validate_json(body), preset_spec(preset), DLRMLimits()).dense.shape[0]
+
+
+def test_workload_options_change_the_requests_and_unknown_ones_are_named():
+    args = {"model": {"preset": "tiny"}, "model_name": "ctr"}
+    plain = workload_for_app("disagg.app:build_app", args)
+    rows = workload_for_app("disagg.app:build_app", args, parse_workload_options("rows_per_request=32,pool_size=2"))
+    assert (_dlrm_rows(plain.body(0)), _dlrm_rows(rows.body(0))) == (1, 32)
+    assert rows.path == "/models/ctr/infer" and rows.body(0) == rows.body(2) != rows.body(1)
+    reseeded = workload_for_app("disagg.app:build_app", args, {"seed": 1})
+    assert reseeded.body(0) != plain.body(0)
+    # An option overrides what the app's args imply.
+    assert workload_for_app("disagg.app:build_app", args, {"model_name": "other"}).path == "/models/other/infer"
+    images = workload_for_app(
+        "serving.app:build_app", {"model": {"name": "tiny"}}, parse_workload_options("steps=2,size=64x64,n=2")
+    )
+    request = ImageGenerationRequest.model_validate_json(images.body(0))
+    assert (request.model, request.size, request.num_inference_steps, request.n) == ("tiny", "64x64", 2, 2)
+    with pytest.raises(ValueError, match=r"workload option 'steps' is not one of dlrm_workload's: .*rows_per_request"):
+        workload_for_app("disagg.app:build_app", args, {"rows_per_request": 2, "steps": 4})
+    with pytest.raises(ValueError, match="workload option 'rows_per_request' is not one of diffusion_workload's"):
+        workload_for_app("serving.app:build_app", {}, {"rows_per_request": 2})
+    with pytest.raises(ValueError, match="rows_per_request and pool_size must be >= 1"):
+        workload_for_app("disagg.app:build_app", args, {"rows_per_request": 0})
+
+
+def test_dlrm_workload_of_the_small_preset_addresses_its_larger_tables():
+    spec = preset_spec("small")
+    assert max(spec.table_sizes) == 100_000 and max(preset_spec("tiny").table_sizes) == 1000
+    body = workload_for_app("disagg.app:build_app", {"model": {"preset": "small"}}, {"rows_per_request": 64}).body(0)
+    inputs = decode_dlrm_request(InferRequest.model_validate_json(body), spec, DLRMLimits())
+    assert inputs.sparse.shape[0] == 64 and int(inputs.sparse.max()) >= 1000

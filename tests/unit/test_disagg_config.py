@@ -17,7 +17,7 @@ def test_defaults() -> None:
 
 
 def test_unknown_preset_is_refused_with_the_known_ones() -> None:
-    with pytest.raises(ValidationError, match="unknown DLRM preset 'huge'; known presets: criteo-kaggle, tiny"):
+    with pytest.raises(ValidationError, match="unknown DLRM preset 'huge'; known presets: criteo-kaggle, small, tiny"):
         DLRMAppConfig.model_validate({"model": {"preset": "huge"}})
 
 

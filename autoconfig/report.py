@@ -1,0 +1,79 @@
+"""``autoconfig report``: what a study (or a profile-bank entry) measured, as a table and one PNG.
+
+The PNG has two panels: the search progress (each trial's objective in the order run, and the best so far) and
+the performance surface: the objective over (device share x replicas) rows and ``max_batch_size`` columns, each
+cell the best over the remaining knobs among the trials run; cells no trial reached are blank, cells whose
+trials all failed or missed the SLO show 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from autoconfig.searchers.base import Observation
+from autoconfig.space import SearchSpace
+
+
+@dataclass(frozen=True)
+class Surface:
+    """Best objective per (device_share, num_replicas) row and max_batch_size column; NaN where unobserved."""
+
+    rows: tuple[tuple[float, int], ...]
+    columns: tuple[int, ...]
+    values: np.ndarray
+
+
+def performance_surface(space: SearchSpace, history: Sequence[Observation]) -> Surface:
+    """The surface of ``history`` over ``space``'s (share, replicas) pairs and batch sizes."""
+    rows = tuple(sorted({(c.device_share, c.num_replicas) for c in space.configurations()}))
+    columns = tuple(int(v) for v in space.values("max_batch_size"))
+    values = np.full((len(rows), len(columns)), np.nan)
+    for observation in history:
+        config = observation.config
+        i, j = rows.index((config.device_share, config.num_replicas)), columns.index(config.max_batch_size)
+        value = observation.value or 0.0
+        values[i, j] = value if np.isnan(values[i, j]) else max(values[i, j], value)
+    return Surface(rows, columns, values)
+
+
+def best_so_far(history: Sequence[Observation]) -> np.ndarray:
+    """Running maximum of the objective (a failed trial counts 0)."""
+    return np.maximum.accumulate(np.array([o.value or 0.0 for o in history], dtype=np.float64))
+
+
+def plot_report(space: SearchSpace, history: Sequence[Observation], path: str | Path, *, title: str,
+                objective: str) -> Path:
+    """Write the two-panel PNG (progress, surface) of ``history`` to ``path``."""
+    if not history:
+        raise ValueError("nothing to plot: no finished trial")
+    figure = Figure(figsize=(12, 4.8))
+    progress, heat = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.2]})
+    trials = np.arange(1, len(history) + 1)
+    progress.scatter(trials, [o.value or 0.0 for o in history], s=12, color="tab:blue", label="trial")
+    progress.step(trials, best_so_far(history), where="post", color="tab:red", label="best so far")
+    progress.set_xlabel("trial")
+    progress.set_ylabel(objective)
+    progress.set_title("search progress")
+    progress.legend(loc="lower right")
+
+    surface = performance_surface(space, history)
+    image = heat.imshow(np.ma.masked_invalid(surface.values), aspect="auto", cmap="viridis")
+    heat.set_xticks(range(len(surface.columns)), [str(c) for c in surface.columns])
+    heat.set_yticks(range(len(surface.rows)), [f"{share:g} x {replicas}" for share, replicas in surface.rows])
+    heat.set_xlabel("max_batch_size")
+    heat.set_ylabel("device share x replicas")
+    heat.set_title("performance surface (best over the other knobs)")
+    for (i, j), value in np.ndenumerate(surface.values):
+        if np.isfinite(value):
+            heat.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7, color="white")
+    figure.colorbar(image, ax=heat, label=objective)
+    figure.suptitle(title)
+    figure.tight_layout()
+    path = Path(path)
+    figure.savefig(path, dpi=110)
+    return path
