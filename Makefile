@@ -1,4 +1,5 @@
-# swiftserve: `make serve` starts both applications on 127.0.0.1:8000, `make test` runs lint + tests.
+# swiftserve: `make serve` starts both applications on 127.0.0.1:8000, `make test` runs lint + tests,
+# `make loadtest` drives a running server with Locust (loadtests/README.md).
 # Both set up .venv on first use (torch CPU wheel first, then the project, editable, with dev extras).
 
 PYTHON ?= python3
@@ -7,9 +8,19 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 SERVE_CONFIG ?= deploy/serve_config.yaml
 
+# `make loadtest`: headless Locust against $(HOST); reports under $(LOADTEST_OUT); extra options in LOADTEST_ARGS
+HOST ?= http://127.0.0.1:8000
+LOADTEST_USERS ?= 4
+LOADTEST_SPAWN_RATE ?= 2
+LOADTEST_TIME ?= 60s
+LOADTEST_MAX_FAILURE_RATIO ?= 0.01
+LOADTEST_MAX_P95_MS ?= 5000
+LOADTEST_OUT ?= out/loadtest
+LOADTEST_ARGS ?=
+
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install serve test lint check-config proto clean
+.PHONY: install serve test lint check-config proto loadtest clean
 
 install: $(INSTALLED)
 
@@ -35,6 +46,13 @@ check-config: install
 
 proto: install
 	$(BIN)/python scripts/gen_proto.py
+
+loadtest: install
+	mkdir -p $(LOADTEST_OUT)
+	$(BIN)/locust -f loadtests/locustfile.py --headless --host $(HOST) \
+		--users $(LOADTEST_USERS) --spawn-rate $(LOADTEST_SPAWN_RATE) --run-time $(LOADTEST_TIME) \
+		--max-failure-ratio $(LOADTEST_MAX_FAILURE_RATIO) --max-p95-ms $(LOADTEST_MAX_P95_MS) \
+		--csv $(LOADTEST_OUT)/report --html $(LOADTEST_OUT)/report.html $(LOADTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

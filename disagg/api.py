@@ -2,6 +2,11 @@
 
 Routes carry no ``/v2`` prefix: Ray Serve mounts the app under the route prefix ``/v2``. Infer bodies are
 JSON or use the binary tensor data extension (``disagg.oip_binary``), so infer routes parse the raw body.
+
+API-key auth (``serving.common.auth``): with ``api_key`` set, every route but the probes ``GET /v2/health/live``
+and ``GET /v2/health/ready`` (and the docs) needs ``Authorization: Bearer <key>``: infer, model metadata,
+per-model readiness and server metadata (``GET /v2``), as Triton's ``--http-restricted-api`` with all but
+``health`` restricted; otherwise 401 ``{"error": "..."}`` with ``WWW-Authenticate: Bearer``.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from disagg.protocol import (
     dlrm_model_metadata,
     encode_dlrm_response,
 )
+from serving.common.auth import api_key_dependencies
 from serving.common.constants import SERVER_NAME
 from serving.common.http import APIError, install_error_handling
 
@@ -99,12 +105,14 @@ def _server_version() -> str:
         return "unknown"
 
 
-def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
-    """FastAPI app serving ``backend`` as model ``config.model_name`` over OIP v2."""
+def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig, *, api_key: str = "") -> FastAPI:
+    """FastAPI app serving ``backend`` as model ``config.model_name`` over OIP v2; a non-empty ``api_key``
+    (deployments pass ``constants.API_KEY``) makes all but the health probes need it as a bearer token."""
     version = _server_version()
     app = FastAPI(title=f"{SERVER_NAME} DLRM (Open Inference Protocol v2)", version=version)
     install_error_handling(app, render_oip_error, max_body_bytes=config.limits.max_body_bytes)
     _publish_infer_request_schema(app)
+    protected = api_key_dependencies(api_key)
     server_metadata = ServerMetadata(name=SERVER_NAME, version=version, extensions=["binary_tensor_data"])
     model_metadata = dlrm_model_metadata(config.model_name, MODEL_VERSION, backend.spec)
 
@@ -137,8 +145,9 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
             return Response(body, media_type="application/json")
         return Response(body, media_type=BINARY_MEDIA_TYPE, headers={HEADER_LENGTH: str(header_length)})
 
-    @app.get("/", response_model=ServerMetadata)
-    @app.get("", response_model=ServerMetadata, include_in_schema=False)  # `GET /v2` under Serve's prefix /v2
+    @app.get("/", response_model=ServerMetadata, dependencies=protected)
+    # `GET /v2` under Serve's route prefix /v2
+    @app.get("", response_model=ServerMetadata, include_in_schema=False, dependencies=protected)
     async def get_server_metadata() -> ServerMetadata:
         return server_metadata
 
@@ -154,24 +163,29 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
     async def ready() -> JSONResponse:
         return readiness({})
 
-    @app.get("/models/{model_name}", response_model=ModelMetadata, response_model_exclude_none=True)
+    @app.get(
+        "/models/{model_name}", response_model=ModelMetadata, response_model_exclude_none=True, dependencies=protected
+    )
     async def get_model_metadata(model_name: str) -> ModelMetadata:
         require_model(model_name)
         return model_metadata
 
     @app.get(
-        "/models/{model_name}/versions/{model_version}", response_model=ModelMetadata, response_model_exclude_none=True
+        "/models/{model_name}/versions/{model_version}",
+        response_model=ModelMetadata,
+        response_model_exclude_none=True,
+        dependencies=protected,
     )
     async def get_model_version_metadata(model_name: str, model_version: str) -> ModelMetadata:
         require_model(model_name, model_version)
         return model_metadata
 
-    @app.get("/models/{model_name}/ready")
+    @app.get("/models/{model_name}/ready", dependencies=protected)
     async def model_ready(model_name: str) -> JSONResponse:
         require_model(model_name)
         return readiness({"name": model_name})
 
-    @app.get("/models/{model_name}/versions/{model_version}/ready")
+    @app.get("/models/{model_name}/versions/{model_version}/ready", dependencies=protected)
     async def model_version_ready(model_name: str, model_version: str) -> JSONResponse:
         require_model(model_name, model_version)
         return readiness({"name": model_name})
@@ -181,6 +195,7 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
         response_model=InferResponse,
         description=_INFER_DESCRIPTION,
         openapi_extra=_INFER_OPENAPI,
+        dependencies=protected,
     )
     async def infer_latest(model_name: str, request: Request) -> Response:
         return await infer(request, model_name, None)
@@ -190,6 +205,7 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig) -> FastAPI:
         response_model=InferResponse,
         description=_INFER_DESCRIPTION,
         openapi_extra=_INFER_OPENAPI,
+        dependencies=protected,
     )
     async def infer_version(model_name: str, model_version: str, request: Request) -> Response:
         return await infer(request, model_name, model_version)

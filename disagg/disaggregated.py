@@ -31,6 +31,7 @@ from disagg.partition import build_dense_part, dense_stages
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.http import APIError
 from serving.common.logging import get_logger
+from serving.common.metrics import Metrics
 
 logger = get_logger("disagg.disaggregated")
 
@@ -50,6 +51,7 @@ class DisaggregatedDLRM(BatchedDLRM):
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], directory: DeploymentHandle,
                        shards: list[DeploymentHandle]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
+        self.metrics = Metrics.for_replica()
         embedding = self.config.embedding
         self.spec = preset_spec(self.config.model.preset)
         self.device = resolve_device(self.config.model.device)
@@ -59,7 +61,8 @@ class DisaggregatedDLRM(BatchedDLRM):
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
         self._client = EmbeddingClient([
-            ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes)
+            ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes,
+                        metrics=self.metrics)
             for shard in partition.shards(embedding.num_shards)
         ])
         self._rows_per_lookup = self._lookup_chunk_rows()

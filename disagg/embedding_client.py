@@ -19,6 +19,7 @@ import torch
 from disagg import tensor_wire
 from disagg._proto import embedding_pb2 as pb
 from disagg._proto import embedding_pb2_grpc as pb_grpc
+from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Status codes that blame the request, not the replica: raised at once, never retried elsewhere.
@@ -88,8 +89,10 @@ class ShardClient:
         max_tensor_elements: int = tensor_wire.DEFAULT_MAX_ELEMENTS,
         cooldown_s: float = 1.0,
         max_reconnect_backoff_ms: int = 1000,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.shard_index = shard_index
+        self._metrics = metrics
         self.input_names: tuple[str, ...] | None = None if input_names is None else tuple(input_names)
         self.stats = ShardStats()
         self._max_tensor_elements = max_tensor_elements
@@ -162,6 +165,7 @@ class ShardClient:
                     continue
                 if attempts:
                     self.stats.failovers += 1
+                    self._metrics.embedding_failover(self.shard_index)
                 attempts += 1
                 try:
                     response = await getattr(self._stub(address), method)(
@@ -170,20 +174,25 @@ class ShardClient:
                 except grpc.aio.AioRpcError as error:
                     if error.code() in _REQUEST_ERRORS:
                         self.stats.request_errors += 1
-                        self.stats.observe(time.monotonic() - start)
+                        self._observe(method, "request_error", start)
                         raise EmbeddingRequestError(self.shard_index, error.code(), error.details()) from None
                     last_error = f"{address}: {error.code().name}: {error.details()}"
                     if address in self._addresses:
                         self._cooling_until[address] = time.monotonic() + self._cooldown_s
                     continue
                 self._cooling_until.pop(address, None)
-                self.stats.observe(time.monotonic() - start)
+                self._observe(method, "ok", start)
                 self.stats.bytes_sent += request.ByteSize()
                 self.stats.bytes_received += response.ByteSize()
                 return response
         self.stats.unavailable += 1
-        self.stats.observe(time.monotonic() - start)
+        self._observe(method, "unavailable", start)
         raise ShardUnavailable(self.shard_index, last_error)
+
+    def _observe(self, method: str, status: RPCStatus, start: float) -> None:
+        elapsed = time.monotonic() - start
+        self.stats.observe(elapsed)
+        self._metrics.embedding_rpc(self.shard_index, method, status, elapsed)
 
     def _tiers(self) -> tuple[list[str], list[str]]:
         """Replicas in round-robin order from a rotating start: those not cooling down, then those that are."""

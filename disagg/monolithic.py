@@ -13,6 +13,7 @@ from disagg.config import DLRMAppConfig
 from disagg.model import build_preset
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
+from serving.common.metrics import Metrics
 
 logger = get_logger("disagg.monolithic")
 
@@ -24,6 +25,7 @@ class MonolithicDLRM(BatchedDLRM):
 
     def __init__(self, config: DLRMAppConfig | dict[str, Any]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
+        self.metrics = Metrics.for_replica()
         self.device = resolve_device(self.config.model.device)
         set_torch_threads(self.config.model.torch_threads)
         self.model = build_preset(self.config.model.preset, seed=self.config.model.seed).to(self.device).eval()

@@ -2,6 +2,10 @@
 
 ``create_images_api`` depends only on ``ImageGenerationBackend``: inside Ray Serve the backend is a
 handle to the model deployment, in unit tests an in-process engine.
+
+API-key auth (``serving.common.auth``): with ``api_key`` set, ``/v1/images/generations`` and ``/v1/models``
+need ``Authorization: Bearer <key>``, else 401 in OpenAI's shape (``type`` ``invalid_request_error``,
+``code`` ``invalid_api_key``) with ``WWW-Authenticate: Bearer``; ``/health`` and the docs stay open.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from serving.common.auth import api_key_dependencies
 from serving.common.constants import SERVER_NAME
 from serving.common.http import APIError, install_error_handling
 from serving.config import DiffusionAppConfig
@@ -24,7 +29,8 @@ from serving.protocol import (
     ModelList,
 )
 
-_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+#: OpenAI answers a missing or wrong API key with 401 and type ``invalid_request_error``.
+_ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
 
 
 def render_openai_error(error: APIError) -> Response:
@@ -35,8 +41,9 @@ def render_openai_error(error: APIError) -> Response:
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
-def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfig) -> FastAPI:
-    """The ``/v1/images/generations``, ``/v1/models`` and ``/health`` routes over ``backend``."""
+def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfig, *, api_key: str = "") -> FastAPI:
+    """The ``/v1/images/generations``, ``/v1/models`` and ``/health`` routes over ``backend``; a non-empty
+    ``api_key`` (deployments pass ``constants.API_KEY``) makes all but ``/health`` need it as a bearer token."""
     app = FastAPI(
         title="swiftserve diffusion",
         description="OpenAI Images API compatible text-to-image serving.",
@@ -44,15 +51,16 @@ def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfi
         responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
     )
     install_error_handling(app, render_openai_error, max_body_bytes=config.limits.max_body_bytes)
+    protected = api_key_dependencies(api_key)
 
-    @app.post("/v1/images/generations", response_model=ImageGenerationResponse)
+    @app.post("/v1/images/generations", response_model=ImageGenerationResponse, dependencies=protected)
     async def generate_images(request: ImageGenerationRequest) -> ImageGenerationResponse:
         started = time.perf_counter()
         params = request.to_params(await backend.model_info(), config)
         result = await backend.generate(params)
         return ImageGenerationResponse.from_result(result, total_s=time.perf_counter() - started)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, dependencies=protected)
     async def list_models() -> ModelList:
         info = await backend.model_info()
         cards = [ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import ray
@@ -21,11 +22,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from serving._private.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
 from serving.api import create_images_api
+from serving.common.constants import API_KEY
 from serving.common.device import placement
 from serving.common.http import APIError
 from serving.common.logging import get_logger
 from serving.common.memory import ProcessMemory, process_memory
-from serving.config import DiffusionAppConfig
+from serving.common.metrics import Metrics
+from serving.config import DiffusionAppConfig, EngineTuning
+from serving.controlnet.client import MeasuredControlNets
 from serving.controlnet.service import ServeControlNets
 from serving.engine import DiffusionEngine, GenerationParams, GenerationResult, LocalBackend, ModelInfo
 from serving.engine.rows import RowBatch
@@ -78,9 +82,11 @@ class CFGWorkerDeployment:
     """Parallel CFG: a second copy of the model, on its own device, predicting unconditional rows."""
 
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
-        client = ServeControlNets(controlnets, config.engine.remote_timeout_s) if controlnets else None
+        metrics = Metrics.for_replica()
+        client = (MeasuredControlNets(ServeControlNets(controlnets, config.engine.remote_timeout_s), metrics)
+                  if controlnets else None)
         self._engine = DiffusionEngine.from_config(config.model, config.lora, client)
-        self._loras = LocalBackend.lora_cache_for(self._engine, config)
+        self._loras = LocalBackend.lora_cache_for(self._engine, config, metrics)
         self._images = ResolvedTensors()
         self._lock = asyncio.Lock()  # one forward at a time: LoRA hooks hold per-forward state
         logger.info("CFG worker up on %s", placement())
@@ -113,9 +119,16 @@ class DiffusionModel:
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
         timeout_s = config.engine.remote_timeout_s
-        client = ServeControlNets(controlnets, timeout_s) if controlnets else None
+        metrics = Metrics.for_replica()
+        client = MeasuredControlNets(ServeControlNets(controlnets, timeout_s), metrics) if controlnets else None
         worker = ServeCFGWorker(cfg_worker, timeout_s) if cfg_worker is not None else None
-        self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker)
+        self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker, metrics=metrics)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Applies an ``EngineTuning`` (Serve ``user_config``, e.g. ``{max_batch_rows: 8}``) without a restart."""
+        loop = self._backend.loop
+        loop.config = EngineTuning.model_validate(user_config).apply(loop.config)
+        logger.info("engine now %s", loop.config.model_dump(include=set(EngineTuning.model_fields)))
 
     async def model_info(self) -> ModelInfo:
         return await self._backend.model_info()
@@ -177,4 +190,4 @@ class ImagesIngress:
         logger.info("images ingress up on %s", placement())
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_images_api(self._backend, self._config)
+        return create_images_api(self._backend, self._config, api_key=API_KEY)

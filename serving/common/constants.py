@@ -21,5 +21,10 @@ CUDA_MEMORY_FRACTION: float | None = (
     float(os.environ["SWIFTSERVE_CUDA_MEMORY_FRACTION"]) if os.environ.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") else None
 )
 
+#: Shared secret for optional API-key auth: when set, every inference route of both apps needs
+#: ``Authorization: Bearer <key>`` (see ``serving.common.auth``); empty or unset means auth is off.
+#: Surrounding whitespace (a trailing newline from a secret file) is dropped: HTTP cannot carry it.
+API_KEY: str = os.environ.get("SWIFTSERVE_API_KEY", "").strip()
+
 #: Name under which responses identify the server (OIP v2 server metadata, OpenAI ``owned_by``).
 SERVER_NAME = "swiftserve"

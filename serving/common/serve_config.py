@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,20 +32,30 @@ def load_serve_config(path: str | Path) -> ServeDeploySchema:
     """Parse and validate ``path`` against Ray's ``ServeDeploySchema`` and every builder's ``args`` model."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        text = path.read_text()
+    except OSError as exc:
         raise ServeConfigError(f"{path}: {exc}") from exc
+    return parse_serve_config(text, source=str(path))
+
+
+def parse_serve_config(config: str | Mapping[str, Any], *, source: str = "<serve config>") -> ServeDeploySchema:
+    """Validate a Serve config given as YAML text (e.g. a RayService's ``serveConfigV2``) or as a parsed mapping,
+    as ``load_serve_config`` does; error messages start with ``source``."""
     try:
-        config = ServeDeploySchema.model_validate(raw)
+        raw = yaml.safe_load(config) if isinstance(config, str) else config
+    except yaml.YAMLError as exc:
+        raise ServeConfigError(f"{source}: {exc}") from exc
+    try:
+        schema = ServeDeploySchema.model_validate(raw)
     except ValidationError as exc:
-        raise ServeConfigError(f"{path}: {_first_error(exc)}") from exc
-    for index, app in enumerate(config.applications):
+        raise ServeConfigError(f"{source}: {_first_error(exc)}") from exc
+    for index, app in enumerate(schema.applications):
         try:
             validate_app_args(app)
         except (ValidationError, ImportError, AttributeError, TypeError) as exc:
             detail = _first_error(exc, prefix=("args",)) if isinstance(exc, ValidationError) else str(exc)
-            raise ServeConfigError(f"{path}: applications[{index}] ({app.name}): {detail}") from exc
-    return config
+            raise ServeConfigError(f"{source}: applications[{index}] ({app.name}): {detail}") from exc
+    return schema
 
 
 def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]:

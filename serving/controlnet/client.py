@@ -1,14 +1,17 @@
 """How the engine reaches ControlNets: ``submit`` one call, get something with ``.result()`` back.
 
 ``LocalControlNets`` runs them in this process on worker threads (tests, a single-process server); the
-Serve deployment's client (``serving.deployments``) sends calls to shared ControlNet deployments.
+Serve deployment's client (``serving.deployments``) sends calls to shared ControlNet deployments;
+``MeasuredControlNets`` wraps either and records each call's latency.
 """
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from serving.common.metrics import Metrics
 from serving.controlnet.runner import ControlNetCall, ControlNetResiduals, ControlNetRunner
 
 
@@ -55,3 +58,29 @@ class LocalControlNets:
 
     def close(self) -> None:
         self._pool.shutdown()
+
+
+class _MeasuredPending:
+    def __init__(self, pending: PendingResiduals, name: str, started: float, metrics: Metrics) -> None:
+        self._pending, self._name, self._started, self._metrics = pending, name, started, metrics
+
+    def result(self) -> ControlNetResiduals:
+        residuals = self._pending.result()
+        self._metrics.controlnet_call(self._name, time.perf_counter() - self._started)
+        return residuals
+
+
+class MeasuredControlNets:
+    """``client`` with each call's latency recorded: from ``submit`` until its residuals are in hand (calls that
+    fail are not recorded; they fail their requests, which the request latency records)."""
+
+    def __init__(self, client: ControlNetClient, metrics: Metrics) -> None:
+        self._client = client
+        self._metrics = metrics
+
+    def names(self) -> list[str]:
+        return self._client.names()
+
+    def submit(self, name: str, call: ControlNetCall) -> PendingResiduals:
+        started = time.perf_counter()
+        return _MeasuredPending(self._client.submit(name, call), name, started, self._metrics)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from serving.common.http import APIError
+from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
 from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
@@ -27,31 +28,36 @@ def _name_param(field: str, specs: tuple, name: str) -> str:
 class LocalBackend:
     """Serves one model: submits requests to the engine loop and awaits their futures."""
 
-    def __init__(self, loop: EngineLoop, registry: LoRARegistry | None = None) -> None:
+    def __init__(self, loop: EngineLoop, registry: LoRARegistry | None = None,
+                 metrics: Metrics = NO_METRICS) -> None:
         self.loop = loop
         self.registry = registry
+        self._metrics = metrics
 
     @classmethod
     def from_config(cls, config: DiffusionAppConfig, *, controlnets: ControlNetClient | None = None,
-                    cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None) -> LocalBackend:
+                    cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None,
+                    metrics: Metrics = NO_METRICS) -> LocalBackend:
         engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker)
-        return cls.for_engine(engine, config, on_step=on_step)
+        return cls.for_engine(engine, config, on_step=on_step, metrics=metrics)
 
     @staticmethod
-    def lora_cache_for(engine: DiffusionEngine, config: DiffusionAppConfig) -> LoRACache | None:
+    def lora_cache_for(engine: DiffusionEngine, config: DiffusionAppConfig,
+                       metrics: Metrics = NO_METRICS) -> LoRACache | None:
         """The LoRA cache ``config`` asks for, validated against ``engine``'s modules (None: no LoRAs)."""
         if config.lora.directory is None:
             return None
         return LoRACache(LoRARegistry(config.lora.directory), engine.lora_targets,
                          budget_bytes=config.lora.cache_bytes, max_file_bytes=config.lora.max_file_bytes,
-                         max_workers=config.lora.load_workers)
+                         max_workers=config.lora.load_workers, metrics=metrics)
 
     @classmethod
     def for_engine(cls, engine: DiffusionEngine, config: DiffusionAppConfig, *,
-                   on_step: StepCallback | None = None) -> LocalBackend:
-        cache = cls.lora_cache_for(engine, config)
+                   on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> LocalBackend:
+        """A backend over ``engine``; its loop, LoRA cache and requests record into ``metrics``."""
+        cache = cls.lora_cache_for(engine, config, metrics)
         registry = cache.registry if cache is not None else None
-        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step), registry)
+        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics), registry, metrics)
 
     async def model_info(self) -> ModelInfo:
         return self.loop.engine.info
@@ -64,6 +70,10 @@ class LocalBackend:
         return controlnets.names() if controlnets is not None else []
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
+        with self._metrics.request("diffusion_generation"):
+            return await self._generate(params)
+
+    async def _generate(self, params: GenerationParams) -> GenerationResult:
         try:
             future = self.loop.submit(params)
         except InvalidLoRAName as exc:

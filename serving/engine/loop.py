@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from serving.common.logging import get_logger
+from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import EngineConfig
 from serving.controlnet.client import ControlNetUnavailable
 from serving.engine.denoiser import DiffusionEngine, encode_png
@@ -56,11 +57,12 @@ class EngineLoop:
     """Runs ``engine`` in a background thread; ``submit`` is thread-safe and returns a future."""
 
     def __init__(self, engine: DiffusionEngine, config: EngineConfig, lora_cache: LoRACache | None = None,
-                 *, on_step: StepCallback | None = None) -> None:
+                 *, on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> None:
         self.engine = engine
         self.config = config
         self.lora_cache = lora_cache
         self._on_step = on_step
+        self._metrics = metrics
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
         self._wakeup = threading.Condition()
@@ -162,6 +164,7 @@ class EngineLoop:
             if state.blocked_since is not None:
                 state.lora_wait_s += now - state.blocked_since
                 state.blocked_since = None
+            self._metrics.lora_wait_steps(state.lora_applied_at)
 
     def _loras_ready(self) -> bool:
         return any(active.state.loras_pending and all(p.load.done() for p in active.state.loras)
@@ -189,6 +192,7 @@ class EngineLoop:
         return batch
 
     def _step(self, batch: list[_Active]) -> None:
+        started = time.perf_counter()
         try:
             self.engine.step([active.state for active in batch])
         except ControlNetUnavailable as exc:  # fail its users; the others step again (states are unchanged)
@@ -205,6 +209,7 @@ class EngineLoop:
             for active in batch:
                 self._finish(active, error=exc)
             return
+        self._metrics.diffusion_step(time.perf_counter() - started, rows=sum(active.state.rows for active in batch))
         for active in batch:
             if self._on_step is not None:
                 self._on_step(active.state)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from serving.common.logging import get_logger
+from serving.common.metrics import NO_METRICS, LoRALookup, Metrics
 from serving.lora.format import LoRATargets, load_lora_file
 from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
 from serving.lora.weights import LoRAWeights
@@ -53,8 +54,10 @@ class LoRACache:
         max_workers: int = 2,
         dtype: torch.dtype = torch.float32,
         loader: Callable[[Path], LoRAWeights] | None = None,
+        metrics: Metrics = NO_METRICS,
     ) -> None:
         self.registry = registry
+        self._metrics = metrics
         self.budget_bytes = budget_bytes
         self._loader = loader or functools.partial(
             load_lora_file, targets=targets, max_file_bytes=max_file_bytes, dtype=dtype
@@ -70,26 +73,33 @@ class LoRACache:
         """The LoRA's weights, now or later. ``InvalidLoRAName`` / ``LoRANotFound`` raise here, synchronously."""
         key = self._file_key(name)
         with self._lock:
-            entry = self._entries.get(name)
-            if entry is not None and entry.key == key:
-                self._entries.move_to_end(name)
-                self._hits += 1
-                done: Future[LoRAWeights] = Future()
-                done.set_result(entry.weights)
-                return done
-            if entry is not None:  # the file was replaced
-                self._drop(name)
-            load = self._loads.get(name)
-            if load is not None and load.key == key:
-                self._shared += 1
-                return load.future
-            future: Future[LoRAWeights] = Future()
-            future.set_running_or_notify_cancel()  # shared by many callers: none of them may cancel it
-            load = _Load(key, future)
-            self._pool.submit(self._run, name, load)
-            self._loads[name] = load
-            self._misses += 1
-            return future
+            future, outcome = self._lookup(name, key)
+            self._metrics.lora_cache_bytes(self._bytes)  # under the lock: gauge updates keep their order
+        self._metrics.lora_lookup(outcome)
+        return future
+
+    def _lookup(self, name: str, key: _FileKey) -> tuple[Future[LoRAWeights], LoRALookup]:
+        """``get`` under the lock: the future and whether it was a hit, a new load or a load in flight."""
+        entry = self._entries.get(name)
+        if entry is not None and entry.key == key:
+            self._entries.move_to_end(name)
+            self._hits += 1
+            done: Future[LoRAWeights] = Future()
+            done.set_result(entry.weights)
+            return done, "hit"
+        if entry is not None:  # the file was replaced
+            self._drop(name)
+        load = self._loads.get(name)
+        if load is not None and load.key == key:
+            self._shared += 1
+            return load.future, "shared"
+        future: Future[LoRAWeights] = Future()
+        future.set_running_or_notify_cancel()  # shared by many callers: none of them may cancel it
+        load = _Load(key, future)
+        self._pool.submit(self._run, name, load)
+        self._loads[name] = load
+        self._misses += 1
+        return future, "new"
 
     def contains(self, name: str) -> bool:
         """Whether ``name`` is cached and its file unchanged (no counters move)."""
@@ -145,6 +155,7 @@ class LoRACache:
             if self._loads.get(name) is load:  # not superseded by a load of a newer file
                 del self._loads[name]
                 self._insert(name, _Entry(load.key, weights))
+            self._metrics.lora_cache_bytes(self._bytes)
         modules = len(weights.unet) + len(weights.text_encoder)
         logger.info("LoRA %r loaded: %d modules, %.1f MiB in %.2fs", name, modules, weights.nbytes / 2**20,
                     time.perf_counter() - started)

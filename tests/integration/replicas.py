@@ -1,8 +1,10 @@
-"""Reaching every replica of a Serve deployment through its handle (requests spread over the replicas)."""
+"""Reaching every replica of a Serve deployment through its handle (requests spread over the replicas), and
+killing one."""
 
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import ray
 from ray import serve
 
 
@@ -17,3 +19,14 @@ def answers_from_replicas(app: str, deployment: str, method: str, replicas: int,
         if len(answers) == replicas:
             return answers
     raise AssertionError(f"saw {len(answers)} of {replicas} distinct answers from {deployment}.{method}")
+
+
+def named_replicas(app: str, deployment: str) -> list[dict]:
+    """The named actors of ``deployment``'s replicas in ``app`` (Serve names them ``...app#deployment#id``)."""
+    return [actor for actor in ray.util.list_named_actors(all_namespaces=True)
+            if f"{app}#{deployment}#" in actor["name"]]
+
+
+def kill_replica(replica: dict) -> None:
+    """Kills one replica (an entry of ``named_replicas``) for good; Serve starts a replacement."""
+    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)

@@ -6,7 +6,6 @@ import time
 
 import numpy as np
 import pytest
-import ray
 import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
@@ -15,7 +14,7 @@ from disagg.model import build_preset
 from disagg.protocol import encode_dlrm_request
 from disagg.synthetic import SyntheticRequests
 from tests.integration.conftest import DLRM_LOOKUP_TIMEOUT_S, POOLS
-from tests.integration.replicas import answers_from_replicas
+from tests.integration.replicas import answers_from_replicas, kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -74,15 +73,6 @@ def test_tritonclient_with_binary_tensors_through_serve(base_url, model):
     client.close()
 
 
-def _shard_replicas(shard: str) -> list[dict]:
-    return [actor for actor in ray.util.list_named_actors(all_namespaces=True)
-            if f"dlrm#{shard}#" in actor["name"]]
-
-
-def _kill(replica: dict) -> None:
-    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
-
-
 def test_killing_one_replica_of_a_shard_loses_no_request(http, model):
     dense, sparse = SyntheticRequests(model.spec, seed=3).batch(4)
     statuses: list[int] = []
@@ -95,9 +85,9 @@ def test_killing_one_replica_of_a_shard_loses_no_request(http, model):
     thread = threading.Thread(target=stream)
     thread.start()
     time.sleep(1.0)
-    replicas = _shard_replicas("EmbeddingShard_0")
+    replicas = named_replicas("dlrm", "EmbeddingShard_0")
     assert len(replicas) == 2
-    _kill(replicas[0])
+    kill_replica(replicas[0])
     time.sleep(5.0)  # requests keep flowing while the dead replica is noticed and replaced
     stop.set()
     thread.join(timeout=60)
@@ -107,8 +97,8 @@ def test_killing_one_replica_of_a_shard_loses_no_request(http, model):
 def test_shard_outage_gives_503_within_the_deadline_then_recovers(http, model):
     dense, sparse = SyntheticRequests(model.spec, seed=4).batch(4)
     _probabilities(_infer(http, "/v2", dense, sparse))
-    for replica in _shard_replicas("EmbeddingShard_1"):
-        _kill(replica)
+    for replica in named_replicas("dlrm", "EmbeddingShard_1"):
+        kill_replica(replica)
     started = time.monotonic()
     response = _infer(http, "/v2", dense, sparse)
     elapsed = time.monotonic() - started

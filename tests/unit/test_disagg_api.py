@@ -323,3 +323,90 @@ def _refs(node: Any) -> list[str]:
     if isinstance(node, list):
         return [ref for value in node for ref in _refs(value)]
     return []
+
+
+# --- optional API-key auth (serving.common.auth) -------------------------------------------------------------
+
+API_KEY = "oip-test-key-3b9e"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PROTECTED = [
+    ("post", "/models/ctr/infer"),
+    ("post", "/models/ctr/versions/1/infer"),
+    ("get", "/models/ctr"),
+    ("get", "/models/ctr/versions/1"),
+    ("get", "/models/ctr/ready"),
+    ("get", "/models/ctr/versions/1/ready"),
+    ("get", "/"),
+    ("get", ""),
+]
+
+
+@pytest.fixture
+def keyed_client(backend: FakeBackend) -> TestClient:
+    return TestClient(create_oip_api(backend, app_config(), api_key=API_KEY))
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer"}],
+    ids=["none", "wrong-key", "basic", "empty"],
+)
+@pytest.mark.parametrize(("method", "path"), PROTECTED)
+def test_without_the_key_protected_routes_are_401_in_oip_shape(
+    keyed_client: TestClient, backend: FakeBackend, method: str, path: str, headers: dict[str, str]
+) -> None:
+    response = keyed_client.request(method, path, headers=headers, json=body() if method == "post" else None)
+    assert response.status_code == 401
+    assert set(response.json()) == {"error"} and isinstance(response.json()["error"], str)
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert API_KEY not in response.text
+    assert backend.calls == []
+
+
+def test_wrong_key_gets_the_invalid_token_challenge(keyed_client: TestClient) -> None:
+    assert keyed_client.get("/models/ctr").headers["www-authenticate"] == "Bearer"
+    wrong = keyed_client.get("/models/ctr", headers={"Authorization": "Bearer wrong"})
+    assert wrong.headers["www-authenticate"] == 'Bearer error="invalid_token"'
+    assert wrong.json() == {"error": "invalid API key"}
+
+
+def test_with_the_key_routes_answer_as_usual(keyed_client: TestClient, client: TestClient) -> None:
+    for path in ("/models/ctr/infer", "/models/ctr/versions/1/infer"):
+        keyed = keyed_client.post(path, json=body(rows=3), headers=AUTH)
+        assert keyed.status_code == 200, keyed.text
+        assert keyed.json() == client.post(path, json=body(rows=3)).json()
+    for path in ("/", "/models/ctr", "/models/ctr/versions/1", "/models/ctr/ready", "/models/ctr/versions/1/ready"):
+        assert keyed_client.get(path, headers=AUTH).json() == client.get(path).json(), path
+    dense, sparse = inputs(rows=2)
+    request = encode_dlrm_request(dense, sparse).model_dump(exclude_none=True)
+    content, length = binary_body(request, {"dense_features": dense.numpy()})
+    binary = keyed_client.post(
+        "/models/ctr/infer", content=content, headers={**AUTH, "Inference-Header-Content-Length": length}
+    )
+    assert binary.status_code == 200, binary.text
+    assert keyed_client.get("/models/nope", headers=AUTH).status_code == 404
+
+
+def test_health_probes_need_no_key(keyed_client: TestClient, backend: FakeBackend) -> None:
+    assert keyed_client.get("/health/live").json() == {"live": True}
+    assert keyed_client.get("/health/ready").json() == {"ready": True}
+    backend.is_ready = False
+    assert keyed_client.get("/health/ready").status_code == 503
+    assert keyed_client.get("/openapi.json").status_code == 200
+
+
+def test_every_route_but_the_probes_and_docs_needs_the_key(keyed_client: TestClient) -> None:
+    open_paths = {"/health/live", "/health/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    for route in keyed_client.app.routes:
+        path = route.path.replace("{model_name}", "ctr").replace("{model_version}", "1")
+        for method in getattr(route, "methods", set()) - {"HEAD"}:
+            status = keyed_client.request(method, path).status_code
+            assert (status == 401) == (route.path not in open_paths), (method, route.path, status)
+
+
+def test_openapi_documents_the_bearer_scheme_only_when_a_key_is_set(keyed_client: TestClient, client: TestClient):
+    keyed = keyed_client.get("/openapi.json").json()
+    assert keyed["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert "security" in keyed["paths"]["/models/{model_name}/infer"]["post"]
+    assert "security" not in keyed["paths"]["/health/ready"]["get"]
+    assert "securitySchemes" not in client.get("/openapi.json").json()["components"]

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
-from serving.config import EngineConfig
+from serving.config import DiffusionAppConfig, DiffusionModelConfig, EngineConfig, EngineTuning
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRALoadFailed, LoRASpec
 from serving.engine.request import PendingLoRA
 from serving.lora.cache import LoRACache
@@ -259,3 +260,40 @@ def test_base_weights_untouched_after_mixed_run_with_failures(tiny_engine, lora_
     finally:
         loop.stop()
     assert _checksum(tiny_engine) == before
+
+
+def test_engine_tuning_replaces_only_the_fields_it_sets():
+    engine = EngineConfig(max_batch_rows=16, continuous_batching=True, lora_wait_fraction=0.4, remote_timeout_s=5.0)
+    assert EngineTuning().apply(engine) == engine
+    tuned = EngineTuning(max_batch_rows=3, continuous_batching=False).apply(engine)
+    assert tuned == engine.model_copy(update={"max_batch_rows": 3, "continuous_batching": False})
+    assert EngineTuning(lora_wait_fraction=0.0).apply(engine).lora_wait_fraction == 0.0  # a falsy value is set
+    assert engine.max_batch_rows == 16  # the input is not modified
+    for bad in ({"max_batch_rows": 0}, {"lora_wait_fraction": 1.5}, {"remote_timeout_s": 1.0}, {"rows": 3}):
+        with pytest.raises(ValidationError):
+            EngineTuning.model_validate(bad)
+
+
+def test_diffusion_replica_reconfigure_tunes_its_running_engine_loop():
+    from serving.deployments import DiffusionModel
+
+    config = DiffusionAppConfig(model=DiffusionModelConfig(preset="tiny", device="cpu"))
+    assert config.controlnets == []
+    replica = DiffusionModel.func_or_class(config, {})
+    loop = replica._backend.loop
+    try:
+        before = loop.config
+        assert before == config.engine
+        replica.reconfigure({"max_batch_rows": 3})
+        assert loop.config == before.model_copy(update={"max_batch_rows": 3})
+        replica.reconfigure({})  # Serve passes the whole user_config: an empty one changes nothing
+        assert loop.config.max_batch_rows == 3
+        for bad in ({"max_batch_rows": 0}, {"max_batch_size": 3}):
+            with pytest.raises(ValidationError):
+                replica.reconfigure(bad)
+            assert loop.config.max_batch_rows == 3  # a refused user_config leaves the engine as it was
+        # The loop keeps serving with the new config.
+        result = loop.submit(_params(num_inference_steps=2)).result(timeout=120)
+        assert len(result.images) == 1
+    finally:
+        replica._backend.close()

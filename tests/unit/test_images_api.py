@@ -206,3 +206,64 @@ def test_too_many_controlnets(client):
     item = {"name": "edges", "image": encode_b64(SQUARE)}
     error = _error(client.post("/v1/images/generations", json={"prompt": "x", "controlnets": [item] * 4}), 400)
     assert error["param"] == "controlnets"
+
+
+# --- optional API-key auth (serving.common.auth) -------------------------------------------------------------
+
+API_KEY = "sk-test-5f0c2d9a"
+BAD_AUTH = [{}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": f"Basic {API_KEY}"},
+            {"Authorization": "Bearer "}, {"Authorization": API_KEY}]
+PROTECTED = [("post", "/v1/images/generations"), ("get", "/v1/models")]
+
+
+@pytest.fixture(scope="module")
+def keyed_client(tiny_engine, lora_config):
+    backend = LocalBackend.for_engine(tiny_engine, lora_config)
+    try:
+        with TestClient(create_images_api(backend, lora_config, api_key=API_KEY)) as test_client:
+            yield test_client
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("headers", BAD_AUTH, ids=["none", "wrong-key", "basic", "empty", "no-scheme"])
+@pytest.mark.parametrize(("method", "path"), PROTECTED)
+def test_without_the_key_protected_routes_are_401_in_openai_shape(keyed_client, method, path, headers):
+    response = keyed_client.request(method, path, headers=headers,
+                                    json={"prompt": "x"} if method == "post" else None)
+    error = _error(response, 401)
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", "invalid_api_key", None)
+    assert response.headers["www-authenticate"].startswith("Bearer")
+    assert API_KEY not in response.text and "sk-wrong" not in response.text
+
+
+def test_with_the_key_routes_answer_as_usual_and_health_needs_none(keyed_client, client):
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    response = keyed_client.post("/v1/images/generations", headers=auth, json={"prompt": "a dot", "size": "32x32"})
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == 1
+    assert keyed_client.get("/v1/models", headers=auth).json() == client.get("/v1/models").json()
+    assert keyed_client.get("/health").json() == {"status": "ok"}
+    assert keyed_client.get("/openapi.json").status_code == 200
+    assert _error(keyed_client.get("/v1/nothing"), 404)["code"] is None  # unknown routes stay 404
+
+
+def test_every_route_but_health_and_docs_needs_the_key(keyed_client):
+    open_paths = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+    for route in keyed_client.app.routes:
+        for method in getattr(route, "methods", set()) - {"HEAD"}:
+            status = keyed_client.request(method, route.path).status_code
+            assert (status == 401) == (route.path not in open_paths), (method, route.path, status)
+
+
+def test_official_openai_client_sends_the_key(keyed_client):
+    import openai as openai_module
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{keyed_client.base_url}/v1", api_key=API_KEY, http_client=keyed_client)
+    assert client.models.list().data[0].id == "tiny"
+    wrong = OpenAI(base_url=f"{keyed_client.base_url}/v1", api_key="sk-wrong", http_client=keyed_client,
+                   max_retries=0)
+    with pytest.raises(openai_module.AuthenticationError) as refused:
+        wrong.models.list()
+    assert refused.value.code == "invalid_api_key"

@@ -1,0 +1,173 @@
+"""swiftserve's own metrics on Ray's Prometheus endpoints, after real traffic to the session cluster's apps.
+
+Every node's metrics agent serves the metrics of the processes on that node at
+``http://<NodeManagerAddress>:<MetricsExportPort>/metrics`` (both from ``ray.nodes()``); the replicas of the
+session cluster are spread over three nodes (head, CPU pool, GPU pool), so every alive node is scraped. Ray
+prefixes application metrics with ``ray_`` and exports what workers recorded every ``metrics_report_interval_ms``
+(10 s by default), keeping a gauge only for two such intervals after its last report: traffic therefore keeps
+flowing while the test polls, as on a live server, until every metric was seen non-zero or the deadline passes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from disagg.model import preset_spec
+from disagg.protocol import encode_dlrm_request
+from disagg.synthetic import SyntheticRequests
+from serving.common.metrics import (
+    ALL_METRICS,
+    BATCH_SIZE,
+    CONTROLNET_CALL_LATENCY,
+    EMBEDDING_FAILOVERS,
+    EMBEDDING_RPC_LATENCY,
+    LORA_CACHE_BYTES,
+    LORA_CACHE_HITS,
+    LORA_CACHE_MISSES,
+    LORA_WAIT_STEPS,
+    REQUEST_LATENCY,
+    STEP_LATENCY,
+    MetricSpec,
+)
+from tests.images import encode_b64, square
+from tests.integration.replicas import kill_replica, named_replicas
+from tests.lora_files import write_lora
+
+pytestmark = pytest.mark.integration
+
+RAY_PREFIX = "ray_"
+DEADLINE_S = 120.0  # two report intervals at Ray's default, plus traffic on a slow machine
+PROBE_LORA = "metrics-probe"  # used by no other test: its first request is a cache miss whatever ran before
+
+#: (metric, labels a non-zero sample must carry): what the traffic below must make every replica record.
+EXPECTED: list[tuple[MetricSpec, dict[str, str]]] = [
+    (REQUEST_LATENCY, {"application": "diffusion", "kind": "diffusion_generation", "status": "200"}),
+    (REQUEST_LATENCY, {"application": "dlrm", "kind": "dlrm_infer", "status": "200"}),
+    (STEP_LATENCY, {"application": "diffusion", "deployment": "DiffusionModel"}),
+    (BATCH_SIZE, {"application": "diffusion", "kind": "diffusion_step"}),
+    (BATCH_SIZE, {"application": "dlrm", "kind": "dlrm_batch"}),
+    (LORA_CACHE_HITS, {"application": "diffusion"}),
+    (LORA_CACHE_MISSES, {"application": "diffusion", "load": "new"}),
+    (LORA_CACHE_BYTES, {"application": "diffusion"}),
+    (LORA_WAIT_STEPS, {"application": "diffusion"}),
+    (CONTROLNET_CALL_LATENCY, {"application": "diffusion", "controlnet": "edges"}),
+    (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "0", "method": "Lookup", "status": "ok"}),
+    (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "1", "method": "Lookup", "status": "ok"}),
+]
+
+
+def _scrape() -> dict[str, list[Sample]]:
+    """The swiftserve samples of every alive node's metrics agent, by sample name without Ray's prefix."""
+    samples: dict[str, list[Sample]] = defaultdict(list)
+    for node in ray.nodes():
+        if not node["Alive"]:
+            continue
+        try:
+            text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
+                             timeout=10).text
+        except httpx.HTTPError:  # an agent restarting: the next scrape asks again
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name.removeprefix(RAY_PREFIX)
+                if name.startswith("swiftserve_"):
+                    samples[name].append(sample)
+    return samples
+
+
+def _value(samples: dict[str, list[Sample]], metric: MetricSpec, labels: dict[str, str]) -> float:
+    """A counter's total, a histogram's observation count or a gauge's largest value, over the samples that
+    carry ``labels`` (summed across replicas)."""
+    name = {"counter": f"{metric.name}_total", "histogram": f"{metric.name}_count", "gauge": metric.name}[metric.kind]
+    values = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
+    if metric.kind == "gauge":
+        return max(values, default=0.0)
+    return sum(values)
+
+
+@pytest.fixture(scope="module")
+def probe_lora(lora_dir: Path) -> Iterator[str]:
+    """A LoRA only this module uses; removed afterwards, so `/v1/models` lists what the other tests expect."""
+    path = write_lora(lora_dir / f"{PROBE_LORA}.safetensors", seed=7)
+    try:
+        yield PROBE_LORA
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def _dlrm_body(seed: int) -> dict:
+    dense, sparse = SyntheticRequests(preset_spec("tiny"), seed=seed, max_hotness=2).batch(4)
+    return encode_dlrm_request(dense, sparse).model_dump()
+
+
+def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:
+    """One generation with a ControlNet and a LoRA, and one DLRM inference on the disaggregated app."""
+    image = {"prompt": "a square", "size": "64x64", "num_inference_steps": 2, "seed": seed,
+             "controlnets": [{"name": "edges", "image": encode_b64(square())}],
+             "loras": [{"name": lora, "scale": 0.8}]}
+    response = http.post("/v1/images/generations", json=image)
+    assert response.status_code == 200, response.text
+    response = http.post("/v2/models/dlrm/infer", json=_dlrm_body(seed))
+    assert response.status_code == 200, response.text
+
+
+def test_every_swiftserve_metric_is_exported_non_zero_after_traffic(http, probe_lora):
+    assert {metric for metric, _ in EXPECTED} == set(ALL_METRICS) - {EMBEDDING_FAILOVERS}  # failovers: below
+    missing = list(EXPECTED)
+    deadline = time.monotonic() + DEADLINE_S
+    seed = 0
+    while missing:
+        _send_traffic(http, probe_lora, seed)  # the first is a LoRA miss, the next ones hits
+        seed += 1
+        samples = _scrape()
+        missing = [(metric, labels) for metric, labels in missing if _value(samples, metric, labels) <= 0]
+        if missing and time.monotonic() > deadline:
+            found = {name: [(s.labels, s.value) for s in group] for name, group in samples.items()}
+            pytest.fail(f"not exported non-zero within {DEADLINE_S:.0f} s: "
+                        f"{[(m.name, labels) for m, labels in missing]}; swiftserve samples: {found}")
+        time.sleep(1.0)
+
+
+def test_a_killed_shard_replica_is_counted_as_embedding_failovers(http):
+    shard = {"application": "dlrm", "shard": "0"}
+    deadline = time.monotonic() + DEADLINE_S
+    while len(named_replicas("dlrm", "EmbeddingShard_0")) < 2:  # replaced replicas of earlier tests are up
+        assert time.monotonic() < deadline, "shard 0 has not two replicas"
+        time.sleep(1.0)
+    time.sleep(3.0)  # the dense replica has both addresses (announced every discovery period)
+    before = _value(_scrape(), EMBEDDING_FAILOVERS, shard)
+
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        seed = 0
+        while not stop.is_set():
+            statuses.append(http.post("/v2/models/dlrm/infer", json=_dlrm_body(seed)).status_code)
+            seed += 1
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    try:
+        time.sleep(1.0)
+        kill_replica(named_replicas("dlrm", "EmbeddingShard_0")[0])
+        time.sleep(3.0)  # lookups keep reaching the dead replica's address until the directory drops it
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert statuses, "no request was sent"
+
+    deadline = time.monotonic() + DEADLINE_S
+    while (after := _value(_scrape(), EMBEDDING_FAILOVERS, shard)) <= before:
+        assert time.monotonic() < deadline, f"failovers stayed at {after} (statuses {sorted(set(statuses))})"
+        time.sleep(1.0)
