@@ -5,11 +5,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from disagg.model import PRESETS
+from disagg.model import PRESETS, preset_weights
 
 
 class DLRMModelConfig(BaseModel):
@@ -20,7 +21,16 @@ class DLRMModelConfig(BaseModel):
     preset: str = Field(
         "tiny", description=f"DLRM architecture preset, one of: {', '.join(sorted(PRESETS))}."
     )
-    seed: int = Field(0, ge=0, description="Seed of the deterministic weight initialisation.")
+    seed: int = Field(0, ge=0, description="Seed of the deterministic weight initialisation (when no trained "
+                      "weights are loaded).")
+    weights: str = Field(
+        "auto",
+        min_length=1,
+        description="Trained weights: `auto` = the preset's shipped weights where it has some (`tiny`: trained on "
+        "synthetic click logs, disagg/weights/tiny/), else the seeded initialisation; `seeded` = always the "
+        "seeded initialisation from `seed`; or the absolute path of a `.safetensors` file holding the preset's state "
+        "dict (readable wherever a replica runs).",
+    )
     device: str = Field(
         "auto",
         pattern=r"^(auto|cpu|cuda(:\d+)?)$",
@@ -38,6 +48,23 @@ class DLRMModelConfig(BaseModel):
         if preset not in PRESETS:
             raise ValueError(f"unknown DLRM preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
         return preset
+
+    @field_validator("weights")
+    @classmethod
+    def _weights_file(cls, weights: str) -> str:
+        if weights not in ("auto", "seeded") and not (weights.endswith(".safetensors") and Path(weights).is_absolute()):
+            raise ValueError(
+                f"weights must be `auto`, `seeded` or an absolute path ending in .safetensors, got {weights!r}"
+            )
+        return weights
+
+    def weights_path(self) -> Path | None:
+        """The safetensors file to load the model from, or None for the seeded initialisation from ``seed``."""
+        if self.weights == "seeded":
+            return None
+        if self.weights == "auto":
+            return preset_weights(self.preset)
+        return Path(self.weights)
 
 
 class DLRMLimits(BaseModel):

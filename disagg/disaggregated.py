@@ -56,7 +56,8 @@ class DisaggregatedDLRM(BatchedDLRM):
         self.spec = preset_spec(self.config.model.preset)
         self.device = resolve_device(self.config.model.device)
         set_torch_threads(self.config.model.torch_threads)
-        partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed)
+        partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed,
+                                            self.config.model.weights_path())
         partition.dense_part.to(self.device).eval()
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
@@ -71,8 +72,9 @@ class DisaggregatedDLRM(BatchedDLRM):
         await self._wait_for_every_shard(embedding.startup_timeout_s)
         self._discovery = asyncio.create_task(self._discover_forever())
         dense_bytes = sum(t.numel() * t.element_size() for t in partition.dense_part.parameters())
-        logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d device=%s dense bytes=%s over %d shards %s",
-                    self.config.model_name, self.config.model.preset, self.config.model.seed, self.device,
+        logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d weights=%s device=%s dense bytes=%s over %d "
+                    "shards %s", self.config.model_name, self.config.model.preset, self.config.model.seed,
+                    self.config.model.weights_path(), self.device,
                     f"{dense_bytes:,}", embedding.num_shards, placement())
 
     def ready(self) -> bool:

@@ -1,19 +1,25 @@
 """DLRM (Naumov et al. 2019): bottom MLP, sum-pooled embedding bags, dot interaction, top MLP.
 
-Weights are a pure function of ``(seed, module name)``, so any part of the model (one embedding shard, the dense
-half) can be built on the meta device and materialized alone with the values it has in the full model.
+Weights are a pure function of ``(seed, module name)``, or read by module name from a safetensors file of trained
+weights, so any part of the model (one embedding shard, the dense half) can be built on the meta device and
+materialized alone with the values it has in the full model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 #: Rows of the 26 categorical features of the Criteo Kaggle (Display Advertising Challenge) data set.
@@ -88,6 +94,19 @@ PRESETS: Mapping[str, DLRMSpec] = MappingProxyType(
 )
 
 
+#: Trained weights shipped with a preset (its ``state_dict`` as safetensors): ``tiny`` was trained on synthetic
+#: click logs with a known ground truth (``disagg.click_logs``; how: ``scripts/train_tiny_dlrm.py``).
+PRESET_WEIGHTS: Mapping[str, Path] = MappingProxyType(
+    {"tiny": Path(__file__).resolve().parent / "weights" / "tiny" / "model.safetensors"}
+)
+
+
+def preset_weights(name: str) -> Path | None:
+    """The trained weights shipped for preset ``name``, or None when it has none (seeded initialisation only)."""
+    preset_spec(name)
+    return PRESET_WEIGHTS.get(name)
+
+
 def preset_spec(name: str) -> DLRMSpec:
     """The architecture of preset ``name``; ValueError naming the known presets otherwise."""
     try:
@@ -97,9 +116,12 @@ def preset_spec(name: str) -> DLRMSpec:
         raise ValueError(f"unknown DLRM preset {name!r}; known presets: {known}") from None
 
 
-def build_preset(name: str, seed: int = 0, device: str | torch.device = "cpu") -> DLRM:
-    """Preset ``name`` with weights drawn deterministically from ``seed``; ``device="meta"`` allocates nothing."""
-    return DLRM(preset_spec(name), seed=seed, device=device)
+def build_preset(
+    name: str, seed: int = 0, device: str | torch.device = "cpu", weights: str | os.PathLike | None = None
+) -> DLRM:
+    """Preset ``name`` with weights drawn deterministically from ``seed``, or read from the safetensors file
+    ``weights`` (``preset_weights(name)`` for the shipped ones); ``device="meta"`` allocates nothing."""
+    return DLRM(preset_spec(name), seed=seed, device=device, weights=weights)
 
 
 def _mlp(in_features: int, widths: Sequence[int], *, relu_last: bool) -> nn.Sequential:
@@ -119,7 +141,14 @@ class DLRM(nn.Module):
     interaction's pair indices are plain CPU buffers even then, so a traced part keeps working values.
     """
 
-    def __init__(self, spec: DLRMSpec, *, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    def __init__(
+        self,
+        spec: DLRMSpec,
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        weights: str | os.PathLike | None = None,
+    ) -> None:
         super().__init__()
         self.spec = spec
         with torch.device("meta"):
@@ -132,7 +161,7 @@ class DLRM(nn.Module):
         self.register_buffer("_pair_rows", rows, persistent=False)
         self.register_buffer("_pair_cols", cols, persistent=False)
         if torch.device(device).type != "meta":
-            materialize_(self, seed=seed).to(device)
+            materialize_(self, seed=seed, weights=weights).to(device)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """``dense`` [B, num_dense] float32, ``sparse`` [B, num_tables, H] int64 -> probabilities [B, 1].
@@ -157,27 +186,63 @@ def _generator(seed: int, module_name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def materialize_(module: nn.Module, *, seed: int) -> nn.Module:
+def materialize_(module: nn.Module, *, seed: int, weights: str | os.PathLike | None = None) -> nn.Module:
     """Allocates ``module``'s meta parameters on the CPU and initialises every Linear and EmbeddingBag in place.
 
     ``module`` is a DLRM or a ``torch.fx.GraphModule`` cut from one: values depend only on ``seed`` and each
     layer's qualified name (``embeddings.3``, ``bottom_mlp.0``), so a part gets exactly the full model's values
-    (the reference DLRM initialisation). Parameters already on the CPU are overwritten without a second copy.
+    (the reference DLRM initialisation). With ``weights`` (a safetensors file holding a whole DLRM's
+    ``state_dict``), every layer is read from it by the same names instead, and only the layers ``module`` holds
+    are read. Parameters already on the CPU are overwritten without a second copy.
     """
-    for name, layer in module.named_modules():
-        if not isinstance(layer, nn.Linear | nn.EmbeddingBag):
-            continue
-        if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
-            layer.to_empty(device="cpu", recurse=False)
-        generator = _generator(seed, name)
-        if isinstance(layer, nn.Linear):
-            fan_out, fan_in = layer.weight.shape
-            layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
-            layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
-        else:
-            bound = math.sqrt(1.0 / layer.num_embeddings)
-            layer.weight.uniform_(-bound, bound, generator=generator)
+    with _open_weights(weights) as trained:
+        for name, layer in module.named_modules():
+            if isinstance(layer, nn.Linear | nn.EmbeddingBag):
+                if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
+                    layer.to_empty(device="cpu", recurse=False)
+                if trained is None:
+                    _initialise(layer, _generator(seed, name))
+                else:
+                    _load(layer, name, trained, weights)
     left = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
     if left:
         raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
     return module
+
+
+def _initialise(layer: nn.Linear | nn.EmbeddingBag, generator: torch.Generator) -> None:
+    """The reference DLRM initialisation, drawn from ``generator``."""
+    if isinstance(layer, nn.Linear):
+        fan_out, fan_in = layer.weight.shape
+        layer.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=generator)
+        layer.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=generator)
+    else:
+        bound = math.sqrt(1.0 / layer.num_embeddings)
+        layer.weight.uniform_(-bound, bound, generator=generator)
+
+
+@contextmanager
+def _open_weights(path: str | os.PathLike | None) -> Iterator[Any]:
+    """A safetensors handle on ``path`` reading tensors only when asked for, or None without a path."""
+    if path is None:
+        yield None
+        return
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"DLRM weights file not found: {path}")
+    with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:
+        yield handle
+
+
+def _load(layer: nn.Module, name: str, trained: Any, path: str | os.PathLike) -> None:
+    """Copies the tensors ``{name}.weight`` (and ``.bias``) of ``trained`` into ``layer``, checking key and shape."""
+    for parameter_name, parameter in layer.named_parameters(recurse=False):
+        key = f"{name}.{parameter_name}"
+        if key not in trained.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+            raise ValueError(f"DLRM weights {path} hold no tensor {key!r}")
+        tensor = trained.get_tensor(key)
+        if tensor.shape != parameter.shape or tensor.dtype != parameter.dtype:
+            raise ValueError(
+                f"DLRM weights {path}: {key!r} is {tuple(tensor.shape)} {tensor.dtype}, the model's is "
+                f"{tuple(parameter.shape)} {parameter.dtype} (weights of another architecture?)"
+            )
+        parameter.copy_(tensor)

@@ -28,13 +28,14 @@ class MonolithicDLRM(BatchedDLRM):
         self.metrics = Metrics.for_replica()
         self.device = resolve_device(self.config.model.device)
         set_torch_threads(self.config.model.torch_threads)
-        self.model = build_preset(self.config.model.preset, seed=self.config.model.seed).to(self.device).eval()
+        model = self.config.model
+        self.model = build_preset(model.preset, seed=model.seed, weights=model.weights_path()).to(self.device).eval()
         self.spec = self.model.spec
         self._apply_batching(self.config.batching)
         logger.info(
-            "MonolithicDLRM serving %r: preset=%s seed=%d device=%s params=%s max_batch_size=%d "
+            "MonolithicDLRM serving %r: preset=%s seed=%d weights=%s device=%s params=%s max_batch_size=%d "
             "batch_wait_timeout_s=%g %s",
-            self.config.model_name, self.config.model.preset, self.config.model.seed, self.device,
+            self.config.model_name, self.config.model.preset, self.config.model.seed, model.weights_path(), self.device,
             f"{sum(p.numel() for p in self.model.parameters()):,}", self.config.batching.max_batch_size,
             self.config.batching.batch_wait_timeout_s, placement(),
         )

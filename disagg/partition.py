@@ -16,11 +16,13 @@ Node roles in the traced graph:
   named after their nodes.
 
 ``build_embedding_shard`` and ``build_dense_part`` build one part of a DLRM alone: the model is built on the meta
-device, cut, and only the wanted part is materialized, with the full model's values for the same seed.
+device, cut, and only the wanted part is materialized, with the full model's values for the same seed (or the same
+trained weights file, of which only the part's tensors are read).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -151,26 +153,30 @@ def partition_embeddings(model: nn.Module) -> Partition:
     return Partition(embedding_part, dense_part, _placeholders(embedding_part), dense_inputs, cut_names)
 
 
-def build_embedding_shard(spec: DLRMSpec, seed: int, index: int, num_shards: int) -> EmbeddingShard:
+def build_embedding_shard(
+    spec: DLRMSpec, seed: int, index: int, num_shards: int, weights: str | os.PathLike | None = None
+) -> EmbeddingShard:
     """Shard ``index`` of ``num_shards`` of the DLRM's embedding part, holding only that shard's tables.
 
     The model is built on the meta device, cut, sharded and only the chosen shard is materialized, so a process
-    serving one shard never allocates the other tables; values equal the full model's for the same seed.
+    serving one shard never allocates the other tables; values equal the full model's for the same seed, or for
+    the same safetensors ``weights`` (only this shard's tables are read).
     """
     if not 0 <= index < num_shards:
         raise ValueError(f"shard index must be in [0, {num_shards}), got {index}")
     shard = partition_embeddings(DLRM(spec, device="meta")).shards(num_shards)[index]
-    materialize_(shard.module, seed=seed)
+    materialize_(shard.module, seed=seed, weights=weights)
     return shard
 
 
-def build_dense_part(spec: DLRMSpec, seed: int) -> Partition:
-    """The DLRM's partition with only ``dense_part`` materialized (MLP weights, no table).
+def build_dense_part(spec: DLRMSpec, seed: int, weights: str | os.PathLike | None = None) -> Partition:
+    """The DLRM's partition with only ``dense_part`` materialized (MLP weights, no table), from ``seed`` or the
+    safetensors ``weights``.
 
     The embedding part stays on the meta device; it is there for its interface (``cut_names``, ``shards``).
     """
     partition = partition_embeddings(DLRM(spec, device="meta"))
-    materialize_(partition.dense_part, seed=seed)
+    materialize_(partition.dense_part, seed=seed, weights=weights)
     return partition
 
 

@@ -58,7 +58,7 @@ class EmbeddingShardServer:
         config = DLRMAppConfig.model_validate(config)
         embedding = config.embedding
         shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
-                                        shard_index, embedding.num_shards)
+                                        shard_index, embedding.num_shards, config.model.weights_path())
         host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
         self._server = EmbeddingServer(
             shard, model=config.model.preset, num_shards=embedding.num_shards, host=host, port=0,
@@ -69,8 +69,9 @@ class EmbeddingShardServer:
         self._directory = directory
         self._ttl_s = 3 * embedding.discovery_period_s
         await self._announce()
-        logger.info("embedding shard %d/%d of %s (seed %d) serving %d tables (%s bytes) on %s, node %s",
+        logger.info("embedding shard %d/%d of %s (seed %d, weights %s) serving %d tables (%s bytes) on %s, node %s",
                     shard_index, embedding.num_shards, config.model.preset, config.model.seed,
+                    config.model.weights_path(),
                     len(shard.output_names), f"{shard.parameter_bytes:,}", self._server.address,
                     ray.get_runtime_context().get_node_id()[:8])
 

@@ -10,7 +10,7 @@ import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from disagg.model import build_preset
+from disagg.model import build_preset, preset_weights
 from disagg.protocol import encode_dlrm_request
 from disagg.synthetic import SyntheticRequests
 from tests.integration.conftest import DLRM_LOOKUP_TIMEOUT_S, POOLS
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def model():
-    return build_preset("tiny").eval()  # the preset and seed both DLRM apps serve
+    return build_preset("tiny", weights=preset_weights("tiny")).eval()  # what both DLRM apps serve
 
 
 def _infer(http, prefix: str, dense: torch.Tensor, sparse: torch.Tensor):
