@@ -9,7 +9,6 @@ import threading
 from pathlib import Path
 
 import pytest
-import ray
 import torch
 
 from disagg.batched import BatchedDLRM
@@ -70,18 +69,17 @@ def _params(**overrides) -> GenerationParams:
 # -- the module itself ------------------------------------------------------------------------------
 
 
-def test_every_metric_is_prefixed_and_accepted_by_ray_outside_a_cluster():
+def test_every_metric_is_prefixed_and_accepted_by_rays_metric_classes():
     names = [metric.name for metric in ALL_METRICS]
     assert len(set(names)) == len(names) and all(name.startswith("swiftserve_") for name in names)
     for metric in ALL_METRICS:
         if metric.kind == "histogram":
             assert metric.boundaries == tuple(sorted(metric.boundaries)) and metric.boundaries[0] > 0
-    # Ray's own metric classes check names, tag keys and boundaries; outside a cluster records go nowhere.
+    # Ray's own metric classes check names, tag keys and boundaries (outside a replica records go nowhere).
     ray_sink = RaySink()
     for metric in ALL_METRICS:
         ray_sink.record(metric, 1.0, {key: "x" for key in metric.tag_keys})
     assert ray_sink._failed == set()  # nothing was refused (a refused record is logged and dropped)
-    assert not ray.is_initialized()
 
 
 def test_in_memory_sink_refuses_what_ray_would_refuse(sink):
