@@ -44,6 +44,22 @@ def surface_facts(entries) -> list[dict[str, object]]:
     return facts
 
 
+def family_medians(entries, result) -> dict[str, dict]:
+    """Per family of models (same knobs: DLRM, diffusion), each searcher's median and mean trials to within the
+    tolerance over that family's models x seeds."""
+    families: dict[str, list[int]] = {}
+    for index, entry in enumerate(entries):
+        family = "diffusion" if "torch_threads" in entry.space.knob_names else "dlrm"
+        families.setdefault(family, []).append(index)
+    table = {}
+    for family, rows in families.items():
+        table[family] = {"models": len(rows), "space": int(np.median([entries[i].space.size for i in rows]))}
+        for name, report in result.searchers.items():
+            counts = report.trials_to_within[rows].ravel()
+            table[family][name] = (float(np.median(counts)), float(np.mean(counts)))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bank", default=str(RESULTS / "autoconfig_bank"))
@@ -66,6 +82,7 @@ def main() -> None:
         summary[name] = stats
     meta = summary["meta"]["within_median"]
     ratios = {name: summary[name]["within_median"] / meta for name in BASELINES}
+    families = family_medians(entries, result)
     facts = surface_facts(entries)
     lines = [
         f"# autoconfig replay on the measured profile bank ({len(entries)} models, {args.seeds} seeds, "
@@ -81,12 +98,18 @@ def main() -> None:
           f"{s['optimum_mean']:.1f} |" for name, s in summary.items()), "",
         "Trials to within 5%, median, baseline / meta: "
         + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()), "",
+        "Per family (models over the same knobs; the meta searcher learns only from its own family):", "",
+        "| family | models | " + " | ".join(f"{name}: median (mean)" for name in names) + " | meta, % of space |",
+        "|---|---|" + "---|" * len(names) + "---|",
+        *(f"| {family} | {f['models']} | " + " | ".join(f"{f[name][0]:.1f} ({f[name][1]:.1f})" for name in names)
+          + f" | {100 * f['meta'][0] / f['space']:.1f}% |" for family, f in families.items()), "",
         f"Command: `.venv/bin/python -m benchmarks.bench_autoconfig --seeds {args.seeds}` ({elapsed:.0f} s).",
     ]
     table = "\n".join(lines)
     console.print(table)
     plot = plot_progress(result, RESULTS / "bench_autoconfig.png", trials=40)
     payload = {"bank": args.bank, "seeds": args.seeds, "tolerance": args.tolerance, "models": facts,
+               "families": families,
                "machine": entries[0].machine if entries else {}, "searchers": summary,
                "within_ratio_vs_meta": ratios, "seconds": elapsed,
                "per_run": {name: {"trials_to_within": report.trials_to_within.tolist(),

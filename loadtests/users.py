@@ -111,6 +111,19 @@ class SwiftUser(HttpUser):
         return self.client.post(path, data=body, headers=self.headers, name=path, catch_response=True,
                                 timeout=self.settings.request_timeout)
 
+    def send(self, path: str, body: bytes) -> None:
+        """POST ``body`` and mark the request failed with the reason ``check`` gives, or succeeded."""
+        with self.post(path, body) as response:
+            problem = self.check(response)
+            if problem:
+                response.failure(problem)
+            else:
+                response.success()
+
+    def check(self, response: Any) -> str | None:
+        """Why ``response`` is not a good answer, or None."""
+        raise NotImplementedError
+
 
 class DiffusionUser(SwiftUser):
     """Image generations: small, few steps, seeded; add-ons by Zipf popularity."""
@@ -166,12 +179,7 @@ class DiffusionUser(SwiftUser):
 
     @task
     def generate(self) -> None:
-        with self.post(self.path, json.dumps(self.request_body()).encode()) as response:
-            problem = self.check(response)
-            if problem:
-                response.failure(problem)
-            else:
-                response.success()
+        self.send(self.path, json.dumps(self.request_body()).encode())
 
     def check(self, response: Any) -> str | None:
         """Why ``response`` is not ``n`` PNGs of the requested size, or None."""
@@ -210,13 +218,8 @@ class DLRMUser(SwiftUser):
 
     @task
     def infer(self) -> None:
-        with self.post(self.path, self.workload.body(self.sent)) as response:
-            self.sent += 1
-            problem = self.check(response)
-            if problem:
-                response.failure(problem)
-            else:
-                response.success()
+        self.sent += 1
+        self.send(self.path, self.workload.body(self.sent - 1))
 
     def check(self, response: Any) -> str | None:
         """Why ``response`` is not ``probabilities`` FP32 [rows, 1] in [0, 1], or None."""
