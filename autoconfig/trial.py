@@ -147,7 +147,7 @@ def _restarts_replicas(deployed: dict[str, Any], new: dict[str, Any]) -> bool:
     def fixed(app: dict[str, Any]) -> dict[str, Any]:
         deployments = {d["name"]: {k: v for k, v in d.items() if k not in _LIVE_OPTIONS}
                        for d in app.get("deployments", [])}
-        settings = {k: v for k, v in app.items() if k not in ("deployments", "logging_config")}
+        settings = {k: v for k, v in app.items() if k != "deployments" and k not in _LIVE_OPTIONS}
         return settings | {"deployments": deployments}
 
     return fixed(deployed) != fixed(new)
@@ -157,8 +157,8 @@ def _wait_for_target_replicas(client: Any, app: ServeApplicationSchema, timeout_
     """Block until the model deployment runs exactly its configured replicas with its configured ``user_config``
     (after an in-place update of a deployed trial app, RUNNING alone could still describe the old replicas);
     the start time of the newest of them."""
-    wanted = {deployment["name"]: deployment for deployment in app.model_dump(exclude_unset=True)["deployments"]}
-    target = wanted[APP_KNOBS[app.import_path].target(app.args or {})]
+    name = APP_KNOBS[app.import_path].target(app.args or {})
+    target = next(d for d in app.model_dump(exclude_unset=True)["deployments"] if d["name"] == name)
     deadline = time.monotonic() + timeout_s
     while True:
         details = client.get_serve_details()["applications"].get(app.name, {}).get("deployments", {})
