@@ -114,12 +114,8 @@ class ClickLogs:
         return torch.from_numpy(_sigmoid(_logit(self.truth, dense.numpy().astype(np.float64), sparse.numpy())))
 
     def _feature_stream(self, stream: int) -> SyntheticRequests:
-        """SyntheticRequests for ``seed`` (its seed fixes the feature distribution: count means, which ids are hot)
-        drawing its rows from an rng of its own for ``stream``. SyntheticRequests draws the distribution and then
-        every row from one rng, so the rows' rng is replaced after construction."""
-        features = SyntheticRequests(self.spec, seed=self.seed, **self._feature_options)
-        features._rng = np.random.default_rng([self.seed, stream, 0])
-        return features
+        """SyntheticRequests for ``seed`` (the feature distribution) drawing its rows for ``stream``."""
+        return SyntheticRequests(self.spec, seed=self.seed, stream=stream, **self._feature_options)
 
     def _draw_truth(self) -> GroundTruth:
         spec = self.spec

@@ -19,9 +19,14 @@ class SyntheticRequests:
       Ids follow a truncated power law over the table's rows (P(rank r) ~ r^-zipf_alpha); ranks map to ids by
       a seeded per-table bijection ``(rank * multiplier + offset) % rows``, so the hot ids differ per table and
       nothing of table size is materialised (tables up to 2**31 rows).
+
+    ``seed`` fixes the distribution (count means, which ids are hot) and, by default, the rows drawn from it;
+    ``stream`` draws the rows from a generator of their own instead, so streams share the distribution and
+    differ in their rows (e.g. training and held-out data).
     """
 
-    def __init__(self, spec: DLRMSpec, *, seed: int = 0, zipf_alpha: float = 1.05, max_hotness: int = 1) -> None:
+    def __init__(self, spec: DLRMSpec, *, seed: int = 0, zipf_alpha: float = 1.05, max_hotness: int = 1,
+                 stream: int | None = None) -> None:
         if zipf_alpha <= 0:
             raise ValueError(f"zipf_alpha must be > 0, got {zipf_alpha}")
         if max_hotness < 1:
@@ -33,6 +38,8 @@ class SyntheticRequests:
         self._count_means = self._rng.uniform(0.0, 3.0, spec.num_dense)
         self._multipliers = [self._coprime_multiplier(rows) for rows in spec.table_sizes]
         self._offsets = [int(self._rng.integers(rows)) for rows in spec.table_sizes]
+        if stream is not None:
+            self._rng = np.random.default_rng([seed, stream, 0])
 
     def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The next ``rows`` requests: dense float32 [rows, num_dense], sparse int64 [rows, num_tables, H]."""

@@ -48,6 +48,15 @@ def test_same_seed_same_batches_different_seed_different_batches() -> None:
     assert not torch.equal(SyntheticRequests(SPEC, seed=7).batch(64)[0], dense_other)
 
 
+def test_streams_share_the_distribution_and_differ_in_their_rows() -> None:
+    first, second = (SyntheticRequests(SPEC, seed=4, stream=stream) for stream in (0, 1))
+    assert first._offsets == second._offsets and np.array_equal(first._count_means, second._count_means)
+    a, b = first.batch(200), second.batch(200)
+    assert not torch.equal(a[0], b[0]) and not torch.equal(a[1], b[1])
+    again = SyntheticRequests(SPEC, seed=4, stream=1).batch(200)
+    assert torch.equal(again[0], b[0]) and torch.equal(again[1], b[1])
+
+
 def test_ids_follow_a_power_law_with_hot_ids_spread_over_the_table() -> None:
     ids = SyntheticRequests(SPEC, seed=3, zipf_alpha=1.05).batch(200_000)[1][:, 2, 0].numpy()
     counts = np.sort(np.bincount(ids, minlength=100_000))[::-1]
