@@ -122,7 +122,7 @@ class SearchSpace(BaseModel):
         path = Path(path)
         try:
             raw = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError) as exc:  # not UTF-8; nested too deeply
             raise SpaceError(f"{path}: {exc}") from exc
         return cls.parse(raw, source=str(path))
 

@@ -65,10 +65,12 @@ def _header_length(value: str | None, body_length: int) -> int:
         return body_length
     if not (value.isascii() and value.isdigit()):
         raise _bad(HEADER_LENGTH, f"must be a non-negative integer, got {value!r}")
-    length = int(value)
-    if length > body_length:
-        raise _bad(HEADER_LENGTH, f"JSON header of {length} bytes is longer than the {body_length}-byte body")
-    return length
+    digits = value.lstrip("0") or "0"
+    # more digits than the body length has: longer than the body, and int() refuses over 4300 digits (ValueError)
+    if len(digits) > len(str(body_length)) or int(digits) > body_length:
+        shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+        raise _bad(HEADER_LENGTH, f"JSON header of {shown} bytes is longer than the {body_length}-byte body")
+    return int(digits)
 
 
 def _binary_size(tensor: InferTensor, index: int) -> int | None:

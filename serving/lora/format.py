@@ -192,7 +192,7 @@ def _read_safetensors(path: Path, max_file_bytes: int) -> tuple[dict[str, torch.
         return tensors, None
     try:
         metadata = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json can decode
         raise LoRAFormatError(name, f"{ADAPTER_METADATA_KEY!r} metadata is not JSON: {exc}") from None
     if not isinstance(metadata, dict):
         raise LoRAFormatError(name, f"{ADAPTER_METADATA_KEY!r} metadata is not a JSON object")
@@ -356,11 +356,16 @@ def _parse_config(kwargs: Mapping[str, Any]) -> _LoRAConfig:
 
 
 def _is_rank(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+    return isinstance(value, int) and _is_number(value) and value > 0  # a float too: scales divide by it
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a JSON integer beyond the float range
+        return False
 
 
 def _owned(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
