@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.presets import PRESET_NAMES
+from serving.presets import PRESET_NAMES, WeightsChoice, preset_weights
 
 
 class _Config(BaseModel):
@@ -26,6 +26,10 @@ class _ModelSource(_Config):
 
     preset: str | None = Field("tiny", description=f"Built-in preset, one of {PRESET_NAMES}; null with `path`.")
     path: Path | None = Field(None, description="Local diffusers directory; loaded with local_files_only.")
+    weights: WeightsChoice = Field(
+        "auto", description="A preset's weights: `auto` = its shipped trained weights where it has some (`tiny`: "
+                            "trained on the shapes world, serving/weights/tiny/), else seeded; `seeded` = always "
+                            "drawn from `seed`.")
     seed: int = Field(0, ge=0, description="Seed of a preset's random weights.")
     device: str = Field("auto", description="torch device; `auto` = SWIFTSERVE_DEVICE, else CUDA if present, else CPU.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="Weights and compute dtype.")
@@ -113,9 +117,10 @@ class EngineTuning(_Config):
 class LoRAConfig(_Config):
     """Where LoRAs come from and how many stay in host memory."""
 
-    directory: Path | None = Field(
+    directory: Literal["bundled"] | Path | None = Field(
         None, description="Directory of `<name>.safetensors` LoRA files; new files are picked up live. "
-                          "null: no LoRAs.")
+                          "`bundled`: the LoRAs shipped with the model (the `loras/` folder of its trained preset "
+                          "or of its local directory). null: no LoRAs.")
     cache_bytes: int = Field(2 * 2**30, ge=0, description="Host-memory LRU budget for loaded LoRAs.")
     max_file_bytes: int = Field(1 * 2**30, ge=1, description="Larger LoRA files are refused unread.")
     load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
@@ -145,6 +150,24 @@ class DiffusionAppConfig(_Config):
         if len(names) != len(set(names)):
             raise ValueError("controlnets: names must be unique")
         return self
+
+    @model_validator(mode="after")
+    def _bundled_loras_exist(self) -> DiffusionAppConfig:
+        if self.lora.directory == "bundled" and self.bundled_lora_directory() is None:
+            raise ValueError("lora.directory: `bundled` needs a model with a `loras/` folder (the `tiny` preset "
+                             "with weights `auto`, or a local directory that has one)")
+        return self
+
+    def bundled_lora_directory(self) -> Path | None:
+        """The model's own ``loras/`` folder, where it has one."""
+        model = self.model
+        root = model.path if model.path is not None else (
+            preset_weights(model.preset) if model.preset is not None and model.weights == "auto" else None)
+        return root / "loras" if root is not None and (root / "loras").is_dir() else None
+
+    def lora_directory(self) -> Path | None:
+        """Where LoRA files are looked up (``bundled`` resolved); None: no LoRAs."""
+        return self.bundled_lora_directory() if self.lora.directory == "bundled" else self.lora.directory
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> DiffusionAppConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 from diffusers import (
@@ -115,26 +116,26 @@ def _build_tiny() -> DiffusionComponents:
     tokenizer = build_tokenizer()
     return DiffusionComponents(
         unet=UNet2DConditionModel(
-            sample_size=32,
+            sample_size=16,
             in_channels=4,
             out_channels=4,
-            block_out_channels=(32, 64),
+            block_out_channels=(32, 64, 128),
             layers_per_block=1,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
             cross_attention_dim=64,
             attention_head_dim=8,
-            norm_num_groups=16,
+            norm_num_groups=32,
         ),
         vae=AutoencoderKL(
             in_channels=3,
             out_channels=3,
-            down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-            up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"),
-            block_out_channels=(32, 64),
+            down_block_types=("DownEncoderBlock2D",) * 3,
+            up_block_types=("UpDecoderBlock2D",) * 3,
+            block_out_channels=(16, 32, 64),
             layers_per_block=1,
             latent_channels=4,
-            norm_num_groups=16,
+            norm_num_groups=8,
             sample_size=64,
         ),
         text_encoder=_text_encoder(
@@ -183,12 +184,29 @@ _PRESETS: dict[str, Callable[[], DiffusionComponents]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
+#: Trained weights shipped in the repository, one diffusers pipeline directory per preset that has them
+#: (written by ``scripts/train_tiny_diffusion.py``); its ``controlnet/`` and ``loras/`` hold the extras.
+WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"
+WeightsChoice = Literal["auto", "seeded"]
+WEIGHTS_CHOICES: tuple[str, ...] = get_args(WeightsChoice)
 
 
-def build_preset(name: str, seed: int = 0) -> DiffusionComponents:
-    """Build preset ``name`` with weights drawn from ``seed``; the global RNG state is left untouched."""
+def preset_weights(name: str) -> Path | None:
+    """The shipped trained pipeline directory of preset ``name``, or None when it has none."""
+    directory = WEIGHTS_ROOT / name
+    return directory if (directory / "model_index.json").is_file() else None
+
+
+def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded") -> DiffusionComponents:
+    """Build preset ``name``: ``seeded`` draws its weights from ``seed`` (the global RNG state is left
+    untouched); ``auto`` loads the preset's shipped trained weights where it has some, else seeds."""
     if name not in _PRESETS:
         raise ValueError(f"unknown diffusion preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
+    if weights not in WEIGHTS_CHOICES:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {weights!r}")
+    trained = preset_weights(name) if weights == "auto" else None
+    if trained is not None:
+        return load_local(trained)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components = _PRESETS[name]()
@@ -201,7 +219,7 @@ def load_local(path: str | Path) -> DiffusionComponents:
     if not (path / "model_index.json").is_file():
         raise ValueError(f"{path} is not a diffusers model directory (no model_index.json)")
     pipe = StableDiffusionPipeline.from_pretrained(
-        path, local_files_only=True, safety_checker=None, requires_safety_checker=False
+        path, local_files_only=True, safety_checker=None, requires_safety_checker=False, dtype=torch.float32
     )
     return DiffusionComponents(
         unet=pipe.unet,

@@ -19,3 +19,8 @@ def square(size: int = 64) -> np.ndarray:
     image = np.zeros((size, size, 3), np.uint8)
     image[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
     return image
+
+
+def decode_png(data: bytes) -> np.ndarray:
+    """PNG (or JPEG) bytes as an RGB uint8 array [H, W, 3]."""
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))

@@ -89,7 +89,8 @@ class ControlNetService:
     def __init__(self, config: ControlNetConfig) -> None:
         device = resolve_device(config.device)
         set_torch_threads(config.torch_threads)
-        model = build_controlnet_preset(config.preset, config.seed) if config.preset else load_controlnet(config.path)
+        model = (build_controlnet_preset(config.preset, config.seed, weights=config.weights) if config.preset
+                 else load_controlnet(config.path))
         self._runner = ControlNetRunner(model, device, DTYPES[config.dtype])
         self._images = ResolvedTensors()
         self._batched.set_max_batch_size(config.max_batch_size)

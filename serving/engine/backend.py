@@ -45,9 +45,10 @@ class LocalBackend:
     def lora_cache_for(engine: DiffusionEngine, config: DiffusionAppConfig,
                        metrics: Metrics = NO_METRICS) -> LoRACache | None:
         """The LoRA cache ``config`` asks for, validated against ``engine``'s modules (None: no LoRAs)."""
-        if config.lora.directory is None:
+        directory = config.lora_directory()
+        if directory is None:
             return None
-        return LoRACache(LoRARegistry(config.lora.directory), engine.lora_targets,
+        return LoRACache(LoRARegistry(directory), engine.lora_targets,
                          budget_bytes=config.lora.cache_bytes, max_file_bytes=config.lora.max_file_bytes,
                          max_workers=config.lora.load_workers, metrics=metrics)
 

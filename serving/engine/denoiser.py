@@ -42,7 +42,7 @@ _DEVICE_LORA_COPIES = 16
 def load_components(config: DiffusionModelConfig) -> DiffusionComponents:
     """Build a preset or load a local directory, as ``config`` says."""
     if config.preset is not None:
-        return build_preset(config.preset, seed=config.seed)
+        return build_preset(config.preset, seed=config.seed, weights=config.weights)
     assert config.path is not None
     return load_local(config.path)
 

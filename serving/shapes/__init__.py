@@ -28,6 +28,7 @@ from serving.shapes.world import (
     OUTLINED_WORLD,
     PALETTE,
     SHAPES,
+    STYLE_WORLDS,
     STYLES,
     Description,
     ShapeAttributes,
@@ -37,6 +38,7 @@ from serving.shapes.world import (
     caption,
     generate,
     parse_caption,
+    short_caption,
 )
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "PALETTE",
     "SHAPES",
     "STYLES",
+    "STYLE_WORLDS",
     "Description",
     "ShapeAttributes",
     "ShapeClassifier",
@@ -72,4 +75,5 @@ __all__ = [
     "outline_score",
     "parse_caption",
     "shape_mask",
+    "short_caption",
 ]

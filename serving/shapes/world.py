@@ -82,25 +82,35 @@ def caption(description: Description) -> str:
     """The caption of a description (geometry is not captioned)."""
     words = ["outlined"] if description.style == "outlined" else []
     words += [description.colour, description.shape, "on", "a", description.background, "background"]
+    return _with_article(words)
+
+
+def short_caption(description: Description) -> str:
+    """Colour and shape only ("a red circle"): the prompt a style LoRA is trained on and applied to."""
+    return _with_article([description.colour, description.shape])
+
+
+def _with_article(words: list[str]) -> str:
     article = "an" if words[0][0] in "aeiou" else "a"
     return " ".join([article, *words])
 
 
 _CAPTION = re.compile(
     rf"^an? (?:(?P<style>outlined|filled) )?(?P<colour>{'|'.join(COLOURS)}) (?P<shape>{'|'.join(SHAPES)})"
-    rf" on an? (?P<background>{'|'.join(BACKGROUNDS)}) background$"
+    rf"(?: on an? (?P<background>{'|'.join(BACKGROUNDS)}) background)?$"
 )
 
 
 def parse_caption(text: str) -> Description:
-    """Inverse of ``caption`` (case and surrounding whitespace ignored); ``ValueError`` off the grammar."""
+    """Inverse of ``caption`` and ``short_caption`` (a short caption means white background, filled);
+    case and surrounding whitespace ignored; ``ValueError`` off the grammar."""
     match = _CAPTION.match(" ".join(text.lower().split()).rstrip("."))
     if match is None:
         raise ValueError(f"not a shapes caption: {text!r}")
     return Description(
         shape=match["shape"],
         colour=match["colour"],
-        background=match["background"],
+        background=match["background"] or "white",
         style=match["style"] or "filled",
     )
 
@@ -263,6 +273,8 @@ class ShapesDataset(Sequence[ShapeSample]):
 BASE_WORLD = ShapesWorld(backgrounds=("white",), styles=("filled",))
 OUTLINED_WORLD = ShapesWorld(backgrounds=("white",), styles=("outlined",))
 DARK_WORLD = ShapesWorld(backgrounds=("dark",), styles=("filled",))
+#: The style LoRAs of the trained ``tiny`` preset: name -> the world its training images come from.
+STYLE_WORLDS: dict[str, ShapesWorld] = {"outlined": OUTLINED_WORLD, "dark": DARK_WORLD}
 
 
 def generate(n: int, seed: int = 0, world: ShapesWorld | None = None, **restrict: object) -> list[ShapeSample]:

@@ -9,6 +9,7 @@ replicas are placed on them by those resources, as on a real cluster. Variants a
 """
 
 import copy
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from serving.common.net import free_port
 from serving.common.serve_config import deploy_serve_config, load_serve_config
-from tests.lora_files import write_lora
+from serving.presets import preset_weights
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resources of the simulated pool nodes
@@ -30,9 +31,10 @@ DLRM_LOOKUP_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="session")
 def lora_dir(tmp_path_factory) -> Path:
-    """The diffusion app's LoRA directory: one real LoRA and one corrupt file."""
+    """The diffusion app's LoRA directory: the tiny preset's trained LoRAs and one corrupt file."""
     directory = tmp_path_factory.mktemp("serve-loras")
-    write_lora(directory / "outlined.safetensors", seed=1, text_encoder=True)
+    for path in (preset_weights("tiny") / "loras").glob("*.safetensors"):
+        shutil.copyfile(path, directory / path.name)
     (directory / "corrupt.safetensors").write_bytes(b"not a safetensors file")
     return directory
 

@@ -29,7 +29,7 @@ def test_two_base_replicas_hold_no_controlnet_and_one_replica_holds_it_once(http
         assert "ControlNetModel" not in report.model_bytes, report.model_bytes
 
     (controlnet,) = answers_from_replicas(APP, "ControlNet_edges", "memory_report", 1, key=lambda r: r.pid).values()
-    expected = build_controlnet_preset("tiny")
+    expected = build_controlnet_preset("tiny", weights="auto")  # what the deployment serves
     expected_bytes = sum(t.untyped_storage().nbytes() for t in (*expected.parameters(), *expected.buffers()))
     assert controlnet.model_bytes["ControlNetModel"] == expected_bytes
     assert controlnet.pid not in bases

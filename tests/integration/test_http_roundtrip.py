@@ -53,7 +53,7 @@ def test_lora_errors_cross_the_replica_boundary_intact(http, name, status):
 
 
 def test_models_and_health(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "edges", "corrupt", "outlined"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "edges", "corrupt", "dark", "outlined"]
     assert http.get("/health").json() == {"status": "ok"}
     assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
 
@@ -126,8 +126,8 @@ def test_controlnet_service_gives_the_in_process_image(http):
     served = np.asarray(Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"]))))
 
     cpu = torch.device("cpu")
-    local = DiffusionEngine("tiny", build_preset("tiny"), cpu, controlnets=LocalControlNets(
-        {"edges": ControlNetRunner(build_controlnet_preset("tiny"), cpu)}))
+    local = DiffusionEngine("tiny", build_preset("tiny", weights="auto"), cpu, controlnets=LocalControlNets(
+        {"edges": ControlNetRunner(build_controlnet_preset("tiny", weights="auto"), cpu)}))
     state = local.start(GenerationParams("a red square", 64, 64, 3, 7.5, 11,
                                          controlnets=(ControlNetSpec("edges", square, 1.2),)))
     while not state.done:

@@ -34,9 +34,11 @@ def no_network(monkeypatch):
 
 @pytest.fixture(scope="session")
 def tiny_engine() -> DiffusionEngine:
-    """The tiny preset on CPU with an in-process ControlNet ``edges``; modules are frozen, so sharing is safe."""
+    """The tiny preset (seeded weights, as `build_preset("tiny")` gives) on CPU with an in-process ControlNet
+    ``edges``; modules are frozen, so sharing is safe."""
     controlnets = LocalControlNets({"edges": ControlNetRunner(build_controlnet_preset("tiny"), torch.device("cpu"))})
-    return DiffusionEngine.from_config(DiffusionModelConfig(preset="tiny", device="cpu"), controlnets=controlnets)
+    return DiffusionEngine.from_config(DiffusionModelConfig(preset="tiny", weights="seeded", device="cpu"),
+                                       controlnets=controlnets)
 
 
 @pytest.fixture(scope="session")

@@ -327,8 +327,9 @@ def test_unknown_ambiguous_and_duplicate_modules(targets, tmp_path):
     save_file(ambiguous, str(tmp_path / "ambiguous.safetensors"))
     _refused(tmp_path / "ambiguous.safetensors", targets, "ambiguous")
 
-    duplicate = peft_keys_lora(tmp_path, targets, KOHYA_UNET[:1])
-    duplicate.update({key.replace("unet.down_blocks.1.", "unet.1."): value.clone()
+    # "2.attentions..." names down_blocks.2's module only (no up block 2 has attentions): the same module twice
+    duplicate = peft_keys_lora(tmp_path, targets, ["down_blocks.2.attentions.0.transformer_blocks.0.attn1.to_q"])
+    duplicate.update({key.replace("unet.down_blocks.2.", "unet.2."): value.clone()
                       for key, value in duplicate.items()})
     save_file(duplicate, str(tmp_path / "duplicate.safetensors"))
     _refused(tmp_path / "duplicate.safetensors", targets, "again")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from serving.presets import PRESET_NAMES, build_preset, load_local
+from serving.presets import PRESET_NAMES, build_preset, load_local, preset_weights
 
 
 def _state(components) -> dict[str, torch.Tensor]:
@@ -61,3 +61,12 @@ def test_local_directory_loads_without_hub(tmp_path):
 def test_local_directory_must_be_a_diffusers_model(tmp_path):
     with pytest.raises(ValueError, match=r"model_index\.json"):
         load_local(tmp_path)
+
+
+def test_weights_choice_auto_loads_shipped_weights_and_falls_back_to_the_seed():
+    assert preset_weights("tiny") is not None and preset_weights("sd15-shape") is None
+    trained = _state(build_preset("tiny", weights="auto"))
+    assert trained.keys() == _state(build_preset("tiny")).keys()
+    assert not torch.equal(trained["unet.conv_in.weight"], build_preset("tiny").unet.conv_in.weight)
+    with pytest.raises(ValueError, match="weights must be one of auto, seeded"):
+        build_preset("tiny", weights="trained")

@@ -169,7 +169,8 @@ def test_sample_captions_parse_back_to_their_attributes(clean):
 
 def test_parse_caption_tolerates_case_and_rejects_other_text():
     assert parse_caption("  A Filled RED circle on a  white background. ") == Description(shape="circle", colour="red")
-    for text in ("a red circle", "a mauve circle on a white background", "a red hexagon on a white background", ""):
+    for text in ("a red circle on a", "a mauve circle on a white background", "a red hexagon on a white background",
+                 ""):
         with pytest.raises(ValueError, match="not a shapes caption"):
             parse_caption(text)
     with pytest.raises(ValueError, match="unknown colour"):
