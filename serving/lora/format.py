@@ -288,8 +288,10 @@ class _ComponentLoader:
                               if key.startswith(prefix)}
             else:
                 # _load_lora_into_text_encoder: ranks of attention/MLP projections only, by exact module name
-                rank = {f"{name}.lora_B.weight": state_dict[f"{name}.lora_B.weight"].shape[1] for name in shapes
-                        if name.endswith(_TEXT_ENCODER_RANK_MODULES) and f"{name}.lora_B.weight" in state_dict}
+                # (a lora_B under 2-D gives no rank: refused below or by the factor-shape check, not an IndexError)
+                ups = {f"{name}.lora_B.weight": state_dict.get(f"{name}.lora_B.weight") for name in shapes
+                       if name.endswith(_TEXT_ENCODER_RANK_MODULES)}
+                rank = {key: up.shape[1] for key, up in ups.items() if up is not None and up.ndim > 1}
                 if alphas is not None:
                     alphas = {key.removeprefix(prefix): value for key, value in alphas.items()
                               if key.split(".")[0] == component}

@@ -426,3 +426,12 @@ def test_mixed_key_layout_is_refused_where_diffusers_would_drop_modules(targets,
     path = write_peft_lora(tmp_path / "mixed.safetensors", seed=0, unet=LoraConfig(
         r=4, lora_alpha=4, target_modules=["conv1", *UNET_ATTENTION], init_lora_weights=False))
     _refused(path, targets, "attn1.to_k.lora.down.weight.*mixes PEFT")
+
+
+def test_text_encoder_lora_b_below_two_dimensions_is_refused_not_an_index_error(targets, tmp_path):
+    """Found by the Hypothesis properties: diffusers reads a text-encoder rank as ``lora_B.shape[1]``."""
+    module = "text_encoder.text_model.encoder.layers.0.self_attn.q_proj"
+    flat = peft_keys_lora(tmp_path, targets, KOHYA_UNET[:1])
+    flat.update({f"{module}.lora_A.weight": torch.randn(4, 64), f"{module}.lora_B.weight": torch.randn(64)})
+    save_file(flat, str(tmp_path / "flat.safetensors"))
+    _refused(tmp_path / "flat.safetensors", targets, "no text_encoder LoRA module diffusers would take a rank from")
