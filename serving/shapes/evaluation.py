@@ -140,14 +140,15 @@ def evaluate_pipelines(directory: Path, n: int, log: Callable[[str], None]) -> d
     started = time.perf_counter()
     long, short = briefs(n), briefs(n, short=True)
     report: dict[str, Any] = {"briefs": n, "steps": EVALUATION_STEPS, "guidance": EVALUATION_GUIDANCE}
-    report["fidelity"] = {f"guidance_{g}": fidelity(run(pipe, long, g), long) for g in (7.5, 1.0)}
-    report["fidelity_short_prompts"] = fidelity(run(pipe, short), short)
+    guided, plain = run(pipe, long), run(pipe, short)  # each also the "without" side of a comparison below
+    report["fidelity"] = {f"guidance_{EVALUATION_GUIDANCE}": fidelity(guided, long),
+                          "guidance_1.0": fidelity(run(pipe, long, 1.0), long)}
+    report["fidelity_short_prompts"] = fidelity(plain, short)
     controls = [Image.fromarray(brief.control) for brief in long]
     with_control = run(control_pipe, long, image=controls)
     report["controlnet"] = {"iou_with": control_iou(with_control, long),
-                            "iou_without": control_iou(run(pipe, long), long),
+                            "iou_without": control_iou(guided, long),
                             "fidelity_with": fidelity(with_control, long)}
-    plain = run(pipe, short)
     report["lora"] = {"none": style(plain)}
     for name in STYLE_WORLDS:
         pipe.load_lora_weights(directory / "loras", weight_name=f"{name}.safetensors", adapter_name=name)

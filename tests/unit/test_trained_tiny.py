@@ -22,6 +22,7 @@ from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRASpec
 from serving.engine.cfg import LocalCFGWorker
 from serving.engine.request import PendingLoRA
+from serving.engine.types import ControlNetSpec
 from serving.lora.cache import LoRACache
 from serving.lora.format import load_lora_file
 from serving.lora.registry import LoRARegistry
@@ -57,8 +58,6 @@ def engine() -> DiffusionEngine:
 
 def _params(brief: evaluation.Brief, seed: int, *, guidance: float = EVALUATION_GUIDANCE, control: bool = False,
             loras: tuple[LoRASpec, ...] = ()) -> GenerationParams:
-    from serving.engine.types import ControlNetSpec
-
     return GenerationParams(
         prompt=brief.prompt, width=64, height=64, num_inference_steps=EVALUATION_STEPS, guidance_scale=guidance,
         seed=seed, loras=loras, controlnets=(ControlNetSpec("edges", brief.control),) if control else ())
