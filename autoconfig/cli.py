@@ -8,14 +8,17 @@
                              and performance surface.
 ``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
                              latency SLO, profiling real deployments chosen by a searcher; persists the study
-                             (resumable) and writes the chosen configuration as a Serve config.
+                             (resumable: Ctrl-C or SIGTERM stops it, keeping every finished trial) and writes the
+                             chosen configuration as a Serve config.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -95,7 +98,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
     try:
-        with Progress(console=console) as progress:
+        with _sigterm_as_interrupt(), Progress(console=console) as progress:
             bar = progress.add_task("profiling", total=args.budget, completed=min(done, args.budget))
 
             def profile(config):
@@ -110,6 +113,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                                        f"{record.sustainable_rps:.1f} rps, objective {record.objective:.2f}")
 
             outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
+    except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
+        console.print(f"[yellow]stopped:[/yellow] study {study.name!r} in {args.storage} keeps its "
+                      f"{len(study.history())} finished trial(s); run the same command to resume")
+        return 143 if isinstance(stop, _Terminated) else 130
     finally:
         delete_trial_app(TRIAL_APP_NAME)  # kept between trials unless --fresh-deploy
         if owns_cluster:  # on a shared cluster Serve keeps running
@@ -138,6 +145,24 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     console.print(f"[green]best:[/green] {outcome.best.config.as_dict()} (objective {outcome.best.value:.2f}); "
                   f"wrote {args.out} (deploy with `serve deploy {args.out}`)")
     return 0
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises ``KeyboardInterrupt`` (no ``except Exception`` in a trial catches it)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While trials run, SIGTERM stops ``tune`` as Ctrl-C does: the trial app is deleted, the study kept."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _machine() -> dict[str, object]:

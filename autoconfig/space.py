@@ -136,12 +136,12 @@ class SearchSpace(BaseModel):
 
     @classmethod
     def default(cls, kind: str) -> SearchSpace:
-        """The shipped space for ``kind`` (``dlrm`` or ``diffusion``)."""
-        path = SPACES_DIR / f"{kind}.yaml"
-        if not path.is_file():
-            known = ", ".join(sorted(p.stem for p in SPACES_DIR.glob("*.yaml")))
-            raise SpaceError(f"no default space for kind {kind!r}; known: {known}")
-        return cls.from_yaml(path)
+        """The shipped space for ``kind`` (``dlrm`` or ``diffusion``); any other name is refused before a path is
+        made of it."""
+        known = sorted(p.stem for p in SPACES_DIR.glob("*.yaml"))
+        if kind not in known:
+            raise SpaceError(f"no default space for kind {kind!r}; known: {', '.join(known)}")
+        return cls.from_yaml(SPACES_DIR / f"{kind}.yaml")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data that :meth:`parse` reads back."""

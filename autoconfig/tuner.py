@@ -1,7 +1,8 @@
 """The tuning loop: ask the searcher, profile the configuration, persist the trial, until the budget is spent.
 
 Resuming is the same call: the study's finished trials are the history, so a restarted ``tune`` continues
-where it stopped and never repeats a finished configuration.
+where it stopped and never repeats a finished configuration. A trial stopped before it was stored leaves nothing
+(its configuration may be profiled again); one stored but not yet passed to ``on_trial`` counts as finished.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ No ``from __future__ import annotations`` here: Ray (and ``serving.common.serve_
 """
 
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from disagg.config import DLRMAppConfig
 from disagg.disaggregated import DisaggregatedDLRM
@@ -19,8 +20,13 @@ def build_app(args: DLRMAppConfig) -> Application:
     servers, ``embedding.replicas_per_shard`` replicas each) + ``ShardDirectory``. ``monolithic``: ``MonolithicDLRM``.
     """
     config = DLRMAppConfig.model_validate(args)
-    # Room for one full batch running and the next one filling; fewer would cap the batch size.
-    ingress_options = {"max_ongoing_requests": 2 * config.batching.max_batch_size}
+    # Room for one full batch running and the next one filling; fewer would cap the batch size. Two more batches
+    # may wait in Serve's proxy; beyond that the proxy answers 503 with Retry-After at once (overload).
+    ingress_options = {
+        "max_ongoing_requests": 2 * config.batching.max_batch_size,
+        "max_queued_requests": 2 * config.batching.max_batch_size,
+        "backpressure_config": BackpressureConfig(status_code=503, retry_after_s=1),
+    }
     if config.serving == "monolithic":
         return MonolithicDLRM.options(**ingress_options).bind(config)
     embedding = config.embedding

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from disagg.embedding_server import ServerTLS, read_pem
 from disagg.model import PRESETS, preset_weights
 
 
@@ -97,6 +99,11 @@ class EmbeddingServiceConfig(BaseModel):
 
     Where shard replicas run is Serve's business: give the `EmbeddingShard_<i>` deployments
     `ray_actor_options.resources` (e.g. a custom resource that only CPU nodes have) in the Serve config.
+
+    Access (docs/DEPLOYMENT.md, "Exposing the embedding service"): TLS with `tls_*`; a shared token from
+    `SWIFTSERVE_EMBEDDING_TOKEN` in the environment of every replica. A `bind_host` that is neither loopback nor
+    private needs one of the two: the shard replica refuses to start otherwise. The TLS files are read when a replica
+    starts, wherever it runs; one that is missing or unreadable fails the replica with an error naming its field.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -107,7 +114,8 @@ class EmbeddingServiceConfig(BaseModel):
         "node",
         pattern=r"^(node|[0-9A-Za-z.:-]+)$",
         description="Address shard servers bind: `node` = the Ray node's IP address (the private address the "
-        "cluster already uses), or an explicit address such as `127.0.0.1`.",
+        "cluster already uses), or an explicit address such as `127.0.0.1`. One that is neither loopback nor private "
+        "(RFC 1918, ULA), such as `0.0.0.0` or a public IP, needs TLS or SWIFTSERVE_EMBEDDING_TOKEN.",
     )
     lookup_timeout_s: float = Field(
         2.0, gt=0.0, le=60.0, description="Deadline of one batch's embedding lookup, replica failovers included; "
@@ -126,6 +134,69 @@ class EmbeddingServiceConfig(BaseModel):
         "replica (shards load their tables meanwhile) before it starts anyway, not ready until they do."
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads of a shard replica.")
+    tls_cert_file: str | None = Field(
+        None, description="Absolute path of the PEM certificate chain shard servers present; set it with "
+        "`tls_key_file` and `tls_ca_file` to serve TLS (none of the three: plaintext). With `tls_client_auth`, dense "
+        "replicas present it as their client certificate too (its extended key usage must then allow both)."
+    )
+    tls_key_file: str | None = Field(None, description="Absolute path of the PEM private key of `tls_cert_file`.")
+    tls_ca_file: str | None = Field(
+        None, description="Absolute path of the PEM CA certificates dense replicas trust to have signed the shard "
+        "servers' certificates (with `tls_client_auth`, shard servers trust them for client certificates too)."
+    )
+    tls_client_auth: bool = Field(
+        False, description="Mutual TLS: shard servers refuse clients without a certificate signed by `tls_ca_file`."
+    )
+    tls_server_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?$",
+        description="Name dense replicas verify in shard servers' certificates instead of the IP they dial, so one "
+        "certificate (e.g. with subject alternative name `embedding.internal`) serves every node; default: the IP.",
+    )
+
+    @field_validator("tls_cert_file", "tls_key_file", "tls_ca_file")
+    @classmethod
+    def _absolute_path(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).is_absolute():
+            raise ValueError(f"must be an absolute path (readable wherever a replica runs), got {path!r}")
+        return path
+
+    @model_validator(mode="after")
+    def _tls_complete(self) -> EmbeddingServiceConfig:
+        files = {"tls_cert_file": self.tls_cert_file, "tls_key_file": self.tls_key_file,
+                 "tls_ca_file": self.tls_ca_file}
+        if None in files.values() and any(files.values()):
+            missing = ", ".join(name for name, path in files.items() if path is None)
+            raise ValueError(f"TLS needs tls_cert_file, tls_key_file and tls_ca_file together; missing: {missing}")
+        if self.tls_cert_file is None and (self.tls_client_auth or self.tls_server_name is not None):
+            raise ValueError("tls_client_auth and tls_server_name need TLS: set tls_cert_file, tls_key_file and "
+                             "tls_ca_file")
+        return self
+
+    @property
+    def tls(self) -> bool:
+        """Whether shard servers serve TLS."""
+        return self.tls_cert_file is not None
+
+    def server_tls(self) -> ServerTLS | None:
+        """The shard servers' TLS material read from the files now, or None for plaintext; ValueError naming the
+        field of a file that is missing, unreadable or holds no PEM."""
+        if not self.tls:
+            return None
+        return ServerTLS(self._read("tls_cert_file"), self._read("tls_key_file"),
+                         client_ca=self._read("tls_ca_file") if self.tls_client_auth else None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """What dense replicas connect to shard servers with (None: plaintext); ValueError as ``server_tls``."""
+        if not self.tls:
+            return None
+        if not self.tls_client_auth:
+            return grpc.ssl_channel_credentials(root_certificates=self._read("tls_ca_file"))
+        return grpc.ssl_channel_credentials(self._read("tls_ca_file"), self._read("tls_key_file"),
+                                            self._read("tls_cert_file"))
+
+    def _read(self, field: str) -> bytes:
+        return read_pem(getattr(self, field), f"embedding.{field}")
 
 
 class DLRMAppConfig(BaseModel):

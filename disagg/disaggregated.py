@@ -28,6 +28,7 @@ from disagg.embedding_client import (
 )
 from disagg.model import preset_spec
 from disagg.partition import build_dense_part, dense_stages
+from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.http import APIError
 from serving.common.logging import get_logger
@@ -61,8 +62,10 @@ class DisaggregatedDLRM(BatchedDLRM):
         partition.dense_part.to(self.device).eval()
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
+        credentials = embedding.channel_credentials()
         self._client = EmbeddingClient([
             ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes,
+                        credentials=credentials, server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
                         metrics=self.metrics)
             for shard in partition.shards(embedding.num_shards)
         ])

@@ -2,6 +2,11 @@
 
 ``ShardUnavailable`` means no replica of a shard answered in time (HTTP 503 for the caller);
 ``EmbeddingRequestError`` means the request itself was refused and retrying cannot help (HTTP 4xx).
+
+Servers serving TLS need ``credentials`` (``grpc.ssl_channel_credentials``: the CA to trust and, for mutual TLS,
+this client's certificate); servers demanding a token need ``token``, sent as the call metadata
+``authorization: Bearer <token>``. A replica refusing either (UNAVAILABLE after a failed handshake,
+UNAUTHENTICATED) counts as failed: the next replica is tried, and when none is left the shard is unavailable.
 """
 
 from __future__ import annotations
@@ -73,10 +78,12 @@ class ShardStats(LookupStats):
 
 
 class ShardClient:
-    """The replicas of one shard: round-robin, fail over on UNAVAILABLE/DEADLINE_EXCEEDED within the deadline.
+    """The replicas of one shard: round-robin, fail over within the deadline on any status that does not refuse
+    the request itself (UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...).
 
     A replica that failed is tried after the others for ``cooldown_s``. Each attempt gets at most half of the
     time left while two or more replicas remain to try, so a hanging replica leaves time for another.
+    ``server_name`` is the name to verify in the servers' TLS certificates instead of each address's host.
     """
 
     def __init__(
@@ -89,6 +96,9 @@ class ShardClient:
         max_tensor_elements: int = tensor_wire.DEFAULT_MAX_ELEMENTS,
         cooldown_s: float = 1.0,
         max_reconnect_backoff_ms: int = 1000,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
+        token: str = "",
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self.shard_index = shard_index
@@ -104,6 +114,10 @@ class ShardClient:
             ("grpc.min_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms)),
             ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
         ]
+        if server_name is not None:
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._credentials = credentials
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._addresses: tuple[str, ...] = ()
         self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub]] = {}
         self._cooling_until: dict[str, float] = {}
@@ -169,7 +183,7 @@ class ShardClient:
                 attempts += 1
                 try:
                     response = await getattr(self._stub(address), method)(
-                        request, timeout=remaining / min(2, len(tier) - position)
+                        request, timeout=remaining / min(2, len(tier) - position), metadata=self._metadata
                     )
                 except grpc.aio.AioRpcError as error:
                     if error.code() in _REQUEST_ERRORS:
@@ -207,7 +221,10 @@ class ShardClient:
 
     def _stub(self, address: str) -> pb_grpc.EmbeddingShardStub:
         if address not in self._stubs:
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel))
         return self._stubs[address][1]
 

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 #: Rows of the 26 categorical features of the Criteo Kaggle (Display Advertising Challenge) data set.
@@ -203,7 +203,7 @@ def materialize_(module: nn.Module, *, seed: int, weights: str | os.PathLike | N
                 if trained is None:
                     _initialise(layer, _generator(seed, name))
                 else:
-                    _load(layer, name, trained, weights)
+                    _load(layer, name, trained)
     left = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
     if left:
         raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
@@ -221,28 +221,63 @@ def _initialise(layer: nn.Linear | nn.EmbeddingBag, generator: torch.Generator) 
         layer.weight.uniform_(-bound, bound, generator=generator)
 
 
+#: Largest safetensors header of DLRM weights: a DLRM ``state_dict`` lists a few dozen tensors (``tiny``: 3.5 KB),
+#: while a header of a million entries takes seconds and about 1 GB to parse.
+MAX_WEIGHTS_HEADER_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class _TrainedWeights:
+    """An open safetensors file of a DLRM ``state_dict``, its keys listed once (``keys()`` builds a new list)."""
+
+    path: str | os.PathLike
+    handle: Any
+    keys: frozenset[str]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        if key not in self.keys:
+            raise ValueError(f"DLRM weights {self.path} hold no tensor {key!r}")
+        try:
+            return self.handle.get_tensor(key)
+        except SafetensorError as exc:  # a dtype torch has no equivalent of
+            raise ValueError(f"DLRM weights {self.path}: {key!r} cannot be read: {exc}") from None
+
+
 @contextmanager
-def _open_weights(path: str | os.PathLike | None) -> Iterator[Any]:
-    """A safetensors handle on ``path`` reading tensors only when asked for, or None without a path."""
+def _open_weights(path: str | os.PathLike | None) -> Iterator[_TrainedWeights | None]:
+    """The safetensors file ``path``, reading tensors only when asked for, or None without a path. A file that is
+    not valid safetensors (truncated, its header lying about offsets, shapes or dtypes) is a ValueError naming it."""
     if path is None:
         yield None
         return
     if not Path(path).is_file():
         raise FileNotFoundError(f"DLRM weights file not found: {path}")
-    with safe_open(os.fspath(path), framework="pt", device="cpu") as handle:
-        yield handle
+    _check_header_length(path)
+    try:
+        handle = safe_open(os.fspath(path), framework="pt", device="cpu")
+    except SafetensorError as exc:
+        raise ValueError(f"DLRM weights {path}: not a valid safetensors file: {exc}") from None
+    with handle:
+        yield _TrainedWeights(path, handle, frozenset(handle.keys()))
 
 
-def _load(layer: nn.Module, name: str, trained: Any, path: str | os.PathLike) -> None:
+def _check_header_length(path: str | os.PathLike) -> None:
+    """Refuse, unparsed, weights whose declared header is over ``MAX_WEIGHTS_HEADER_BYTES``."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")  # safetensors: a u64 header length, then the JSON header
+    if length > MAX_WEIGHTS_HEADER_BYTES:
+        raise ValueError(f"DLRM weights {path}: header is {length} bytes, over the {MAX_WEIGHTS_HEADER_BYTES}-byte "
+                         "limit (a DLRM's lists a few dozen tensors)")
+
+
+def _load(layer: nn.Module, name: str, trained: _TrainedWeights) -> None:
     """Copies the tensors ``{name}.weight`` (and ``.bias``) of ``trained`` into ``layer``, checking key and shape."""
     for parameter_name, parameter in layer.named_parameters(recurse=False):
         key = f"{name}.{parameter_name}"
-        if key not in trained.keys():  # noqa: SIM118 - a safetensors handle, not a dict
-            raise ValueError(f"DLRM weights {path} hold no tensor {key!r}")
-        tensor = trained.get_tensor(key)
+        tensor = trained.tensor(key)
         if tensor.shape != parameter.shape or tensor.dtype != parameter.dtype:
             raise ValueError(
-                f"DLRM weights {path}: {key!r} is {tuple(tensor.shape)} {tensor.dtype}, the model's is "
+                f"DLRM weights {trained.path}: {key!r} is {tuple(tensor.shape)} {tensor.dtype}, the model's is "
                 f"{tuple(parameter.shape)} {parameter.dtype} (weights of another architecture?)"
             )
         parameter.copy_(tensor)

@@ -33,12 +33,14 @@ SPARSE_INPUT = "sparse_features"
 PROBABILITIES_OUTPUT = "probabilities"
 SPARSE_DATATYPES: tuple[Datatype, ...] = ("INT64", "INT32")
 EMPTY_SLOT = -1
+#: Wire models take JSON types as the schema states them: no `true` for 1 in a shape.
+_WIRE_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 
 class InferTensor(BaseModel):
     """A named tensor: request input or response output."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _WIRE_CONFIG
 
     name: str = Field(min_length=1, description="Tensor name.")
     shape: list[Annotated[int, Field(ge=0)]] = Field(description="Dimensions, e.g. [batch, features].")
@@ -58,7 +60,7 @@ class InferTensor(BaseModel):
 class RequestedOutput(BaseModel):
     """An output the client asks for by name."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _WIRE_CONFIG
 
     name: str = Field(description="Output name.")
     parameters: dict[str, Any] | None = Field(
@@ -69,7 +71,7 @@ class RequestedOutput(BaseModel):
 class InferRequest(BaseModel):
     """Body of ``POST /v2/models/{name}[/versions/{version}]/infer``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _WIRE_CONFIG
 
     id: str | None = Field(None, description="Request identifier, echoed in the response.")
     parameters: dict[str, Any] | None = Field(
@@ -115,6 +117,31 @@ class ServerMetadata(BaseModel):
     name: str
     version: str
     extensions: list[str]
+
+
+class ServerLive(BaseModel):
+    """Response of ``GET /v2/health/live``."""
+
+    live: bool
+
+
+class ServerReady(BaseModel):
+    """Response of ``GET /v2/health/ready``: 200 when ready, else 503."""
+
+    ready: bool
+
+
+class ModelReady(BaseModel):
+    """Response of ``GET /v2/models/{name}[/versions/{version}]/ready``: 200 when ready, else 503."""
+
+    name: str
+    ready: bool
+
+
+class ErrorResponse(BaseModel):
+    """Any OIP error: ``{"error": "<message>"}``."""
+
+    error: str
 
 
 class DLRMInputs(NamedTuple):

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 
 from serving.common.auth import api_key_dependencies
 from serving.common.constants import SERVER_NAME
-from serving.common.http import APIError, install_error_handling
+from serving.common.http import APIError, error_responses, install_error_handling
 from serving.config import DiffusionAppConfig
 from serving.engine import ImageGenerationBackend
 from serving.protocol import (
@@ -48,19 +48,25 @@ def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfi
         title="swiftserve diffusion",
         description="OpenAI Images API compatible text-to-image serving.",
         version="1",
-        responses={400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
     )
     install_error_handling(app, render_openai_error, max_body_bytes=config.limits.max_body_bytes)
     protected = api_key_dependencies(api_key)
+    unauthorized = (401,) if api_key else ()
 
-    @app.post("/v1/images/generations", response_model=ImageGenerationResponse, dependencies=protected)
+    @app.post(
+        "/v1/images/generations",
+        response_model=ImageGenerationResponse,
+        dependencies=protected,
+        responses=error_responses(ErrorResponse, 400, *unauthorized, 404, 413, 422, 503),
+    )
     async def generate_images(request: ImageGenerationRequest) -> ImageGenerationResponse:
         started = time.perf_counter()
         params = request.to_params(await backend.model_info(), config)
         result = await backend.generate(params)
         return ImageGenerationResponse.from_result(result, total_s=time.perf_counter() - started)
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=protected)
+    @app.get("/v1/models", response_model=ModelList, dependencies=protected,
+             responses=error_responses(ErrorResponse, *unauthorized))
     async def list_models() -> ModelList:
         info = await backend.model_info()
         cards = [ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model")]

@@ -11,6 +11,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from serving.controlnet.conditioning import DEFAULT_MAX_SIDE
+from serving.lora.format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
 from serving.presets import PRESET_NAMES, WeightsChoice, preset_weights
 
 
@@ -81,6 +83,10 @@ class ImageLimits(_Config):
     max_conditioning_scale: float = Field(4.0, gt=0.0, description="Largest absolute ControlNet conditioning scale.")
     max_image_bytes: int = Field(8 * 2**20, ge=1, description="Largest decoded conditioning image file.")
     max_image_pixels: int = Field(2048 * 2048, ge=1, description="Largest conditioning image (width x height).")
+    max_image_side: int = Field(
+        DEFAULT_MAX_SIDE, ge=8,
+        description="Longest conditioning image side: an image within `max_image_pixels` but of an extreme aspect "
+                    "ratio (1 x 4M) takes five times the CPU and three times the memory to preprocess and resize.")
     max_lora_scale: float = Field(4.0, gt=0.0, description="Largest absolute LoRA scale.")
 
 
@@ -123,6 +129,14 @@ class LoRAConfig(_Config):
                           "or of its local directory). null: no LoRAs.")
     cache_bytes: int = Field(2 * 2**30, ge=0, description="Host-memory LRU budget for loaded LoRAs.")
     max_file_bytes: int = Field(1 * 2**30, ge=1, description="Larger LoRA files are refused unread.")
+    max_header_bytes: int = Field(
+        DEFAULT_MAX_HEADER_BYTES, ge=2,
+        description="Largest safetensors header (the JSON before the tensor data, training metadata included); "
+                    "a file with a larger one is refused before it is parsed.")
+    max_tensors: int = Field(
+        DEFAULT_MAX_TENSORS, ge=1,
+        description="Most tensors in one LoRA file (a kohya SDXL LoRA has about 3,500); a file listing more is "
+                    "refused after counting only this many.")
     load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
     merged_cache_bytes: int = Field(
         2**30, ge=0,

@@ -4,11 +4,18 @@
 --handles--> one ``ControlNetService`` deployment per ControlNet, shared by every model replica,
 and, with ``engine.cfg_parallel``, a ``CFGWorker`` computing the unconditional CFG rows.
 All scale independently.
+
+Overload: each ``DiffusionModel`` replica runs at most ``max_ongoing_requests`` requests (the engine batches
+them step by step) and the ingress queues at most ``max_queued_requests`` more for the model; beyond that a
+request is refused at once with 503 and ``Retry-After`` in the API's error shape. The ingress itself takes
+``max_ongoing_requests`` requests (mostly waiting on the model) and Serve's proxy queues ``max_queued_requests``
+more before answering 503 itself. Serve configs may change all four and ``backpressure_config``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +24,9 @@ import ray
 import torch
 from fastapi import FastAPI
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.config import BackpressureConfig
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from serving._private.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
@@ -112,7 +121,12 @@ class CFGWorkerDeployment:
         return self._engine.lora_on_device(self._loras.get(name).result())
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+#: Overload answer of both deployments' queues when a Serve config does not set its own ``backpressure_config``.
+OVERLOADED = BackpressureConfig(status_code=503, retry_after_s=1)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=8, max_queued_requests=2,
+                  backpressure_config=OVERLOADED)
 class DiffusionModel:
     """One diffusion engine and its LoRA cache; requests are batched step by step by the engine loop."""
 
@@ -153,7 +167,11 @@ class DiffusionModel:
 
 
 class DeploymentBackend:
-    """``ImageGenerationBackend`` over a handle to ``DiffusionModel``."""
+    """``ImageGenerationBackend`` over a handle to ``DiffusionModel``.
+
+    Overload (the model's handle queue is full) and a replica dying under a call are 503s with ``Retry-After``;
+    a dead replica's call is not retried (a generation may be what killed it).
+    """
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
@@ -161,25 +179,37 @@ class DeploymentBackend:
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
-            self._info = await self._handle.model_info.remote()
+            self._info = await self._call("model_info")
         return self._info
 
     async def list_loras(self) -> list[str]:
-        return await self._handle.list_loras.remote()
+        return await self._call("list_loras")
 
     async def list_controlnets(self) -> list[str]:
-        return await self._handle.list_controlnets.remote()
+        return await self._call("list_controlnets")
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
+        return await self._call("generate", params)
+
+    async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await self._handle.generate.remote(params)
+            return await getattr(self._handle, method).remote(*args)
+        except BackPressureError as exc:
+            retry_after = str(max(1, math.ceil(exc.retry_after_s or 1)))
+            raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
+                           headers={"Retry-After": retry_after}) from None
+        except RayActorError as exc:
+            logger.warning("model replica failed under a %s call: %s", method, exc)
+            raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",
+                           headers={"Retry-After": "1"}) from None
         except RayTaskError as exc:
             if isinstance(exc.cause, APIError):
                 raise exc.cause from None
             raise
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1})
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64, max_queued_requests=64,
+                  backpressure_config=OVERLOADED)
 @serve.ingress()
 class ImagesIngress:
     """The OpenAI Images HTTP API; forwards generations to ``DiffusionModel``."""

@@ -4,7 +4,8 @@
 ``sd15-shape`` the Stable Diffusion 1.5 architecture with random weights: realistic compute for benchmarks.
 
 Presets are constructed in memory from fixed configs and a seed, so two builds are bit-identical and
-nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``.
+nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``, their
+weights from ``.safetensors`` files only.
 """
 
 from __future__ import annotations
@@ -192,16 +193,22 @@ WEIGHTS_CHOICES: tuple[str, ...] = get_args(WeightsChoice)
 
 
 def preset_weights(name: str) -> Path | None:
-    """The shipped trained pipeline directory of preset ``name``, or None when it has none."""
+    """The shipped trained pipeline directory of preset ``name``, or None when it has none. Only a known preset
+    name is joined to ``WEIGHTS_ROOT`` (never ``..`` or an absolute path)."""
+    _check_preset(name)
     directory = WEIGHTS_ROOT / name
     return directory if (directory / "model_index.json").is_file() else None
+
+
+def _check_preset(name: str) -> None:
+    if name not in _PRESETS:
+        raise ValueError(f"unknown diffusion preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
 
 
 def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded") -> DiffusionComponents:
     """Build preset ``name``: ``seeded`` draws its weights from ``seed`` (the global RNG state is left
     untouched); ``auto`` loads the preset's shipped trained weights where it has some, else seeds."""
-    if name not in _PRESETS:
-        raise ValueError(f"unknown diffusion preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
+    _check_preset(name)
     if weights not in WEIGHTS_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {weights!r}")
     trained = preset_weights(name) if weights == "auto" else None
@@ -214,12 +221,14 @@ def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded")
 
 
 def load_local(path: str | Path) -> DiffusionComponents:
-    """Load a diffusers text-to-image directory from local disk only (never a hub)."""
+    """Load a diffusers text-to-image directory from local disk only (never a hub), its weights from
+    ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
     path = Path(path)
     if not (path / "model_index.json").is_file():
         raise ValueError(f"{path} is not a diffusers model directory (no model_index.json)")
     pipe = StableDiffusionPipeline.from_pretrained(
-        path, local_files_only=True, safety_checker=None, requires_safety_checker=False, dtype=torch.float32
+        path, local_files_only=True, use_safetensors=True, safety_checker=None, requires_safety_checker=False,
+        dtype=torch.float32,
     )
     return DiffusionComponents(
         unet=pipe.unet,

@@ -23,12 +23,14 @@ from serving.engine.types import ControlNetSpec
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 MAX_SEED = 2**63 - 1
+#: Request models take JSON types as the schema states them: no `true` for 1, no `"2"` for 2.
+_REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
 
 
 class LoRARequest(BaseModel):
     """A LoRA to apply: a name from GET /v1/models (kind `lora`) and its strength."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     name: str = Field(..., min_length=1, max_length=256, description="LoRA file stem in the LoRA directory.")
     scale: float = Field(1.0, allow_inf_nan=False, description="Strength; 0 disables, negative inverts.")
@@ -37,7 +39,7 @@ class LoRARequest(BaseModel):
 class ControlNetRequest(BaseModel):
     """A ControlNet to condition on: a name from GET /v1/models (kind `controlnet`) and its image."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG
 
     name: str = Field(..., min_length=1, max_length=256, description="ControlNet name.")
     image: str = Field(..., min_length=1, description="Base64 PNG or JPEG (a data: URL works); resized to `size`.")
@@ -46,9 +48,11 @@ class ControlNetRequest(BaseModel):
 
 
 class ImageGenerationRequest(BaseModel):
-    """Body of ``POST /v1/images/generations``. Unknown fields are refused, naming the field."""
+    """Body of ``POST /v1/images/generations``. Unknown fields and values of another JSON type are refused,
+    naming the field."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = _REQUEST_CONFIG | ConfigDict(
+        json_schema_extra={"examples": [{"prompt": "a red circle on a white background", "n": 1, "seed": 7}]})
 
     prompt: str = Field(..., min_length=1, description="What to draw.")
     model: str | None = Field(None, description="Model id from GET /v1/models; default: the served model.")
@@ -131,7 +135,8 @@ def _decode_controlnets(requests: list[ControlNetRequest], limits: ImageLimits) 
             raise _invalid(f"controlnets[{index}].conditioning_scale",
                            f"absolute value at most {limits.max_conditioning_scale}")
         try:
-            image = decode_image(request.image, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels)
+            image = decode_image(request.image, max_bytes=limits.max_image_bytes, max_pixels=limits.max_image_pixels,
+                                 max_side=limits.max_image_side)
         except ConditioningImageError as exc:
             raise _invalid(f"controlnets[{index}].image", str(exc)) from None
         specs.append(ControlNetSpec(request.name, preprocess(image, request.preprocess), request.conditioning_scale))

@@ -1,7 +1,10 @@
-"""Writing LoRA files for tests, the way diffusers' own tests make them (PEFT adapters, non-zero init)."""
+"""Writing LoRA files for tests, the way diffusers' own tests make them (PEFT adapters, non-zero init), and
+hand-built safetensors files whose headers say anything."""
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
@@ -33,3 +36,10 @@ def write_lora(path: Path, *, seed: int, rank: int = 4, alpha: float | None = No
     StableDiffusionPipeline.save_lora_weights(path.parent, unet_lora_layers=unet_layers,
                                               text_encoder_lora_layers=text_layers, weight_name=path.name)
     return path
+
+
+def safetensors_bytes(header: dict | bytes, data: bytes = b"", *, header_length: int | None = None) -> bytes:
+    """A safetensors file built by hand: ``header`` (a dict is written as JSON) and ``data`` after it, the header's
+    length declared as ``header_length`` when given (a lie), else its true length."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if header_length is None else header_length) + raw + data

@@ -26,5 +26,10 @@ CUDA_MEMORY_FRACTION: float | None = (
 #: Surrounding whitespace (a trailing newline from a secret file) is dropped: HTTP cannot carry it.
 API_KEY: str = os.environ.get("SWIFTSERVE_API_KEY", "").strip()
 
+#: Shared secret between dense replicas and embedding shards: when set, shard servers demand the gRPC call metadata
+#: ``authorization: Bearer <token>`` on lookups and clients send it (see ``disagg.embedding_server``); empty or
+#: unset means no token. Surrounding whitespace is dropped; use printable ASCII (``openssl rand -hex 32``).
+EMBEDDING_TOKEN: str = os.environ.get("SWIFTSERVE_EMBEDDING_TOKEN", "").strip()
+
 #: Name under which responses identify the server (OIP v2 server metadata, OpenAI ``owned_by``).
 SERVER_NAME = "swiftserve"

@@ -1,17 +1,22 @@
 """HTTP plumbing shared by the OpenAI-style and the OIP v2 APIs.
 
-Each API renders errors in its own wire shape; what counts as an error, which status it gets and
-which request field it names is decided here once, so both APIs behave the same way.
+Each API renders errors in its own wire shape; what counts as an error, which status it gets, which
+request field it names and how the OpenAPI schemas document it is decided here once, so both APIs
+behave the same way.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -84,8 +89,84 @@ def validation_error_to_api_error(errors: Sequence[dict[str, Any]]) -> APIError:
     return APIError(400, f"{param}: {message}{suffix}", param=param, code="invalid_value")
 
 
+#: What each error status means, as the OpenAPI schemas document it.
+_ERROR_DESCRIPTIONS = {
+    400: "Invalid request: malformed JSON (or nested too deeply), a missing, unknown or invalid field, or a value "
+         "beyond a configured limit; the error names the field at fault.",
+    401: "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+    404: "The named model (or model version, LoRA, ControlNet) does not exist.",
+    413: "Request too large: a body over the configured `max_body_bytes`, or more rows than allowed.",
+    422: "Well formed, but a named resource cannot be used (a LoRA file that fails to load).",
+    503: "Temporarily unable to serve (overloaded, or a dependency is unavailable); retry after `Retry-After` seconds.",
+}
+_ERROR_HEADERS = {
+    401: {"WWW-Authenticate": {"description": "`Bearer`, with `error=\"invalid_token\"` for a wrong key.",
+                               "required": True, "schema": {"type": "string"}}},
+    503: {"Retry-After": {"description": "Seconds to wait before retrying.", "required": True,
+                          "schema": {"type": "integer", "minimum": 0}}},
+}
+
+
+def error_responses(model: type[BaseModel], *statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` of a route for the error ``statuses`` it can answer, in the API's error ``model``."""
+    responses: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        responses[status] = {"model": model, "description": _ERROR_DESCRIPTIONS[status]}
+        if status in _ERROR_HEADERS:
+            responses[status]["headers"] = _ERROR_HEADERS[status]
+    return responses
+
+
+def edit_openapi(app: FastAPI, edit: Callable[[dict[str, Any]], None]) -> None:
+    """Applies ``edit`` to ``app``'s OpenAPI schema once, when it is first generated."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            edit(generate())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _drop_validation_error_responses(schema: dict[str, Any]) -> None:
+    """FastAPI documents a 422 ``HTTPValidationError`` on every route with parameters; here those are 400s."""
+    generated = {"$ref": "#/components/schemas/HTTPValidationError"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.get("responses", {})
+            if responses.get("422", {}).get("content", {}).get("application/json", {}).get("schema") == generated:
+                del responses["422"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+
+
+class _JSONRequest(Request):
+    """Parses JSON bodies with pydantic's parser: nesting past its depth limit, or bytes that are not UTF-8, are
+    a JSON decode error (so a 400 naming the body) instead of whatever ``json.loads`` would raise."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            try:
+                self._json = pydantic_core.from_json(await self.body())
+            except ValueError as error:
+                raise json.JSONDecodeError(str(error), "", 0) from None
+        return self._json
+
+
+class _JSONRoute(APIRoute):
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handle = super().get_route_handler()
+
+        async def handle_json(request: Request) -> Response:
+            return await handle(_JSONRequest(request.scope, request.receive))
+
+        return handle_json
+
+
 def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_bytes: int) -> None:
-    """Route every failure of ``app`` through ``render`` and cap request bodies at ``max_body_bytes``."""
+    """Route every failure of ``app`` through ``render``, cap request bodies at ``max_body_bytes`` and parse JSON
+    bodies of routes added afterwards with pydantic's parser; the OpenAPI schema shows validation errors as 400s."""
 
     async def on_api_error(_: Request, exc: APIError) -> Response:
         return render(exc)
@@ -105,6 +186,8 @@ def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_byte
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, render=render)
+    app.router.route_class = _JSONRoute
+    edit_openapi(app, _drop_validation_error_responses)
 
 
 class BodySizeLimitMiddleware:

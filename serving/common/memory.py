@@ -1,13 +1,14 @@
 """What a process holds in memory: its RSS and the weight bytes of each model object alive in it.
 
 Used by deployments to answer "which weights live where" (e.g. that base replicas hold no ControlNet),
-and by benchmarks to report per-replica memory.
+and by benchmarks and soak tests to follow every Serve process's memory and file descriptors.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import re
 import types
 from collections import Counter
 from collections.abc import Iterable
@@ -72,3 +73,17 @@ def process_memory(*roots: object) -> ProcessMemory:
             model_bytes[type(model).__name__] += storage.nbytes()
     memory = psutil.Process().memory_full_info()
     return ProcessMemory(pid=os.getpid(), rss_bytes=memory.rss, uss_bytes=memory.uss, model_bytes=dict(model_bytes))
+
+
+#: Ray titles a Serve process ``ray::ServeReplica:<app>:<deployment>[.<method>]``, ``ray::ProxyActor``, ...
+_SERVE_PROCESS = re.compile(r"ray::(ServeReplica:[\w-]+:[\w-]+|ProxyActor|ServeController)")
+
+
+def serve_processes() -> dict[str, psutil.Process]:
+    """Every Serve process on this machine (replicas, proxy, controller), as ``<title>#<pid>``."""
+    found = {}
+    for process in psutil.process_iter(["cmdline"]):
+        match = _SERVE_PROCESS.match(" ".join(process.info["cmdline"] or []))
+        if match:
+            found[f"{match.group(1)}#{process.pid}"] = process
+    return found

@@ -48,8 +48,10 @@ def build_controlnet_preset(name: str, seed: int = 0, *, weights: WeightsChoice 
 
 
 def load_controlnet(path: str | Path) -> ControlNetModel:
-    """A diffusers ControlNet directory from local disk only (never a hub)."""
+    """A diffusers ControlNet directory from local disk only (never a hub), its weights from ``.safetensors``
+    only (a pickled ``.bin`` is refused unopened)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a diffusers ControlNet directory (no config.json)")
-    return ControlNetModel.from_pretrained(path, local_files_only=True).eval().requires_grad_(False)
+    controlnet = ControlNetModel.from_pretrained(path, local_files_only=True, use_safetensors=True)
+    return controlnet.eval().requires_grad_(False)

@@ -50,6 +50,7 @@ class LocalBackend:
             return None
         return LoRACache(LoRARegistry(directory), engine.lora_targets,
                          budget_bytes=config.lora.cache_bytes, max_file_bytes=config.lora.max_file_bytes,
+                         max_header_bytes=config.lora.max_header_bytes, max_tensors=config.lora.max_tensors,
                          max_workers=config.lora.load_workers, metrics=metrics)
 
     @classmethod

@@ -20,7 +20,7 @@ import torch
 
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, LoRALookup, Metrics
-from serving.lora.format import LoRATargets, load_lora_file
+from serving.lora.format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS, LoRATargets, load_lora_file
 from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
 from serving.lora.weights import LoRAWeights
 
@@ -51,6 +51,8 @@ class LoRACache:
         *,
         budget_bytes: int,
         max_file_bytes: int,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_tensors: int = DEFAULT_MAX_TENSORS,
         max_workers: int = 2,
         dtype: torch.dtype = torch.float32,
         loader: Callable[[Path], LoRAWeights] | None = None,
@@ -60,7 +62,8 @@ class LoRACache:
         self._metrics = metrics
         self.budget_bytes = budget_bytes
         self._loader = loader or functools.partial(
-            load_lora_file, targets=targets, max_file_bytes=max_file_bytes, dtype=dtype
+            load_lora_file, targets=targets, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes,
+            max_tensors=max_tensors, dtype=dtype,
         )
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lora-load")
         self._lock = threading.Lock()

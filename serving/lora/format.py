@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import stat
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from json.decoder import scanstring
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,12 +43,24 @@ _PEFT_DEFAULT_ALPHA = 8
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<factor>[AB])\.weight$")
 #: rank/alpha pattern keys are regular expressions to PEFT; only literal module paths are accepted here.
 _LITERAL_PATTERN = re.compile(r"^\^?[A-Za-z0-9_.]{1,512}$")
+#: Weight dtypes that convert to the engine's: not integers, nor packed float4 (torch cannot convert it), nor
+#: exponent-only float8_e8m0fnu (a scale format).
+_WEIGHT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                            torch.float8_e5m2})
 _UNSUPPORTED_MARKERS = (
     ("dora_scale", "DoRA"),
     ("lora_magnitude_vector", "DoRA"),
     ("lokr_", "LoKr"),
     ("hada_", "LoHa"),
 )
+
+#: Defaults of ``LoRAConfig.max_header_bytes`` / ``max_tensors``: a kohya SDXL LoRA with both text encoders has
+#: about 3,500 tensors and a header well under 1 MiB (its training metadata included).
+DEFAULT_MAX_HEADER_BYTES = 8 * 2**20
+DEFAULT_MAX_TENSORS = 16384
+_HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian u64 header size, then the JSON header
+_JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_JSON_DECODER = json.JSONDecoder()
 
 Component = Literal["unet", "text_encoder"]
 
@@ -136,11 +151,16 @@ def _pattern_key(patterns: Mapping[str, Any], module: str) -> str:
 
 
 def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
+                   max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, max_tensors: int = DEFAULT_MAX_TENSORS,
                    dtype: torch.dtype = torch.float32) -> LoRAWeights:
-    """Read, normalise and validate one LoRA file against ``targets``; ``LoRAFormatError`` if it does not fit."""
+    """Read, normalise and validate one LoRA file against ``targets``; ``LoRAFormatError`` if it does not fit.
+
+    A file over ``max_file_bytes`` is refused unread; one whose header is over ``max_header_bytes`` or lists more
+    than ``max_tensors`` tensors is refused before safetensors parses it.
+    """
     path = Path(path)
     name = path.name
-    tensors, metadata = _read_safetensors(path, max_file_bytes)
+    tensors, metadata = _read_safetensors(path, max_file_bytes, max_header_bytes, max_tensors)
     for key in tensors:
         for marker, kind in _UNSUPPORTED_MARKERS:
             if marker in key:
@@ -168,24 +188,18 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     return LoRAWeights.build(path.stem, unet, text_encoder)
 
 
-def _read_safetensors(path: Path, max_file_bytes: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+def _read_safetensors(path: Path, max_file_bytes: int, max_header_bytes: int,
+                      max_tensors: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The file's tensors and diffusers' adapter metadata (None when absent). Only ``.safetensors`` is opened."""
     name = path.name
     if path.suffix != ".safetensors":
         raise LoRAFormatError(name, "only .safetensors LoRA files are accepted (pickle formats can run code)")
-    try:
-        info = path.stat()
-    except OSError as exc:
-        raise LoRAFormatError(name, f"cannot read the file: {exc.strerror}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise LoRAFormatError(name, "not a regular file")
-    if info.st_size > max_file_bytes:
-        raise LoRAFormatError(name, f"file is {info.st_size} bytes, over the {max_file_bytes}-byte limit")
+    _check_tensor_count(name, _read_header(path, max_file_bytes, max_header_bytes), max_tensors)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             header = handle.metadata() or {}
             tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
-    except Exception as exc:  # SafetensorError, OSError, ... : a corrupt or truncated file
+    except Exception as exc:  # SafetensorError, OSError, ... : a corrupt or truncated file, lying offsets or shapes
         raise LoRAFormatError(name, f"not a valid safetensors file: {exc}") from None
     raw = header.get(ADAPTER_METADATA_KEY)
     if not raw:
@@ -197,6 +211,78 @@ def _read_safetensors(path: Path, max_file_bytes: int) -> tuple[dict[str, torch.
     if not isinstance(metadata, dict):
         raise LoRAFormatError(name, f"{ADAPTER_METADATA_KEY!r} metadata is not a JSON object")
     return tensors, metadata
+
+
+def _read_header(path: Path, max_file_bytes: int, max_header_bytes: int) -> bytes:
+    """The JSON header of a regular file within ``max_file_bytes`` (else refused unread) whose declared header
+    length fits both the file and ``max_header_bytes``."""
+    name = path.name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # O_NONBLOCK: a FIFO cannot hang the loader
+    except OSError as exc:
+        raise LoRAFormatError(name, f"cannot read the file: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LoRAFormatError(name, "not a regular file")
+        if info.st_size > max_file_bytes:
+            raise LoRAFormatError(name, f"file is {info.st_size} bytes, over the {max_file_bytes}-byte limit")
+        prefix = file.read(_HEADER_LENGTH.size)
+        if len(prefix) < _HEADER_LENGTH.size:
+            raise LoRAFormatError(name, f"not a valid safetensors file: {info.st_size} bytes, shorter than a header")
+        (length,) = _HEADER_LENGTH.unpack(prefix)
+        if length > info.st_size - _HEADER_LENGTH.size:
+            raise LoRAFormatError(name, f"not a valid safetensors file: header length {length} runs past the end "
+                                        f"of the {info.st_size}-byte file")
+        if length > max_header_bytes:
+            raise LoRAFormatError(name, f"header is {length} bytes, over the {max_header_bytes}-byte limit")
+        return file.read(length)
+
+
+def _check_tensor_count(name: str, header: bytes, max_tensors: int) -> None:
+    """Refuse a JSON header listing more than ``max_tensors`` tensors, counting no further than that: a header
+    of a million entries costs what ``max_tensors`` entries do. The rest of the header is safetensors' to check."""
+    count = 0
+    try:
+        for key in _top_level_keys(header.decode("utf-8")):
+            count += key != "__metadata__"
+            if count > max_tensors:
+                break
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError; nested too deeply
+        raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
+    if count > max_tensors:
+        raise LoRAFormatError(name, f"the header lists more than {max_tensors} tensors (the limit)")
+
+
+def _top_level_keys(text: str) -> Iterator[str]:
+    """The keys of the JSON object ``text``, one at a time (each value parsed and dropped); ValueError if it is not
+    one. Parsing stops where the caller stops asking."""
+    char, pos = _next_char(text, 0)
+    if char != "{":
+        raise ValueError("it does not start with '{'")
+    char, pos = _next_char(text, pos)
+    if char == "}":
+        return
+    while char == '"':
+        key, pos = scanstring(text, pos)
+        char, pos = _next_char(text, pos)
+        if char != ":":
+            break
+        _, pos = _JSON_DECODER.raw_decode(text, _JSON_WHITESPACE.match(text, pos).end())
+        yield key
+        char, pos = _next_char(text, pos)
+        if char == "}":
+            return
+        if char != ",":
+            break
+        char, pos = _next_char(text, pos)
+    raise ValueError(f"malformed object at character {pos - 1}")
+
+
+def _next_char(text: str, pos: int) -> tuple[str, int]:
+    """The first non-whitespace character at or after ``pos`` ('' at the end) and the position after it."""
+    pos = _JSON_WHITESPACE.match(text, pos).end()
+    return text[pos:pos + 1], pos + 1
 
 
 class _ComponentLoader:
@@ -245,8 +331,9 @@ class _ComponentLoader:
             match = _LORA_KEY.match(key)
             if match is None:
                 raise self.error(component, key, _unparsed_key_reason(key))
-            if not tensor.is_floating_point():
-                raise self.error(component, key, f"dtype {tensor.dtype} is not floating point")
+            if tensor.dtype not in _WEIGHT_DTYPES:
+                raise self.error(component, key, f"dtype {tensor.dtype} is not a LoRA weight dtype (float64, "
+                                                 "float32, float16, bfloat16, float8_e4m3fn, float8_e5m2)")
             module = self._resolve_module(component, match["module"], shapes)
             if sources.setdefault(module, match["module"]) != match["module"]:
                 raise self.error(component, key, f"targets {module!r} again (also {sources[module]!r})")

@@ -6,6 +6,7 @@ from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.context import _get_global_client
 
 
 def answers_from_replicas(app: str, deployment: str, method: str, replicas: int,
@@ -25,6 +26,13 @@ def named_replicas(app: str, deployment: str) -> list[dict]:
     """The named actors of ``deployment``'s replicas in ``app`` (Serve names them ``...app#deployment#id``)."""
     return [actor for actor in ray.util.list_named_actors(all_namespaces=True)
             if f"{app}#{deployment}#" in actor["name"]]
+
+
+def running_replicas(app: str, deployment: str) -> list[dict]:
+    """Like ``named_replicas``, but only replicas Serve reports RUNNING (not a killed one not yet cleaned up)."""
+    details = _get_global_client().get_serve_details()["applications"][app]["deployments"][deployment]
+    return [{"name": replica["actor_name"], "namespace": "serve"}
+            for replica in details["replicas"] if replica["state"] == "RUNNING"]
 
 
 def kill_replica(replica: dict) -> None:

@@ -1,6 +1,8 @@
 """Real autoconfig trials on the session's Ray cluster: the tiny DLRM deployed beside the session's apps, measured
 over HTTP and deleted again; failing trials are recorded, not raised, and leave nothing behind."""
 
+import time
+
 import httpx
 import pytest
 from ray import serve
@@ -8,10 +10,11 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.stress import ClientSettings, SearchSettings
-from autoconfig.trial import delete_trial_app, run_trial
+from autoconfig.trial import TrialEvent, delete_trial_app, run_trial
 from autoconfig.workloads import dlrm_workload
 from serving.common.serve_config import load_serve_config
 from tests.integration.conftest import REPO
+from tests.integration.replicas import kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -32,13 +35,13 @@ def template(base_url: str) -> ServeDeploySchema:
     return ServeDeploySchema.model_validate(raw)
 
 
-def _trial(template: ServeDeploySchema, configuration: dict, events: list | None = None, **kwargs):
+def _trial(template: ServeDeploySchema, configuration: dict, events: list | None = None, on_event=None, **kwargs):
     return run_trial(
         template, "dlrm", configuration, dlrm_workload(), SLO_MS, warmup_s=1.0,
         search=SearchSettings(start_rps=5, probe_s=1.0, max_probes=4, rel_tolerance=0.5),
         client=ClientSettings(timeout_s=5.0, max_in_flight=32),
         trial_app_name=TRIAL_APP, route_prefix=TRIAL_PREFIX,
-        on_event=events.append if events is not None else None, **kwargs,
+        on_event=on_event or (events.append if events is not None else None), **kwargs,
     )  # fmt: skip
 
 
@@ -131,4 +134,29 @@ def test_a_kept_trial_app_is_updated_in_place_and_restarted_only_for_resources(t
         assert len(_model_replicas()) == 1 and _model_replicas().isdisjoint(replicas)  # new CPUs: new replica
     finally:
         delete_trial_app(TRIAL_APP)
+    _assert_trial_app_gone(base_url)
+
+
+def test_a_trial_whose_replica_is_killed_mid_measurement_ends_in_bounded_time_and_the_next_trial_works(
+        template, base_url):
+    """The replica under measurement dies as the rate search starts: the trial still returns a record (the dead
+    replica's failures count against the rate, nothing hangs); Serve's replacement serves the next trial."""
+    killed: list[str] = []
+
+    def kill_on_search_start(event: TrialEvent) -> None:
+        if event.phase == "probe" and event.probe is None and not killed:
+            (replica,) = named_replicas(TRIAL_APP, "MonolithicDLRM")
+            kill_replica(replica)
+            killed.append(replica["name"])
+
+    started = time.monotonic()
+    record = _trial(template, CONFIGURATION, on_event=kill_on_search_start)
+    assert killed, "the search never started"
+    assert record.status in ("ok", "slo_violated"), record.error
+    assert record.search is not None and record.search.probes
+    assert time.monotonic() - started < 180
+    _assert_trial_app_gone(base_url)
+
+    again = _trial(template, CONFIGURATION)
+    assert again.status == "ok", again
     _assert_trial_app_gone(base_url)

@@ -1,12 +1,15 @@
-"""A ControlNet replica killed mid-request: that request gets 503, Serve replaces the replica, service resumes."""
+"""Replicas killed mid-request (a ControlNet's, the base model's): their requests get 503 with Retry-After or
+complete, within a bound; Serve replaces the replica and service resumes without any restart of ours."""
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
 from tests.images import encode_b64, square
+from tests.integration.replicas import kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 
@@ -47,3 +50,38 @@ def test_killed_controlnet_replica_fails_or_retries_its_request_then_recovers(ht
         assert time.monotonic() < deadline, response.text
         time.sleep(1.0)
     assert _controlnet_replica() != replica
+
+
+def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(http):
+    """Every request running on the killed `DiffusionModel` replica gets 503 + Retry-After at once (not retried:
+    it may be what killed the replica); Serve starts a replacement and the same request then gives the same image."""
+    probe = {"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "seed": 7}
+    before = http.post("/v1/images/generations", json=probe)
+    assert before.status_code == 200, before.text
+    long = {"prompt": "a red circle", "size": "256x256", "num_inference_steps": 100, "seed": 1}
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(_timed_post, http, long) for _ in range(4)]
+        time.sleep(2.0)  # all four are denoising together: minutes of work at this size
+        (replica,) = named_replicas("diffusion", "DiffusionModel")
+        assert not any(future.done() for future in running), "requests finished before the kill"
+        killed_at = time.monotonic()
+        kill_replica(replica)
+        answered = [future.result(timeout=120) for future in running]
+    for response, finished_at in answered:
+        assert response.status_code == 503, response.text
+        assert response.headers.get("retry-after") == "1"
+        assert response.json()["error"]["code"] == "replica_failed"
+        assert finished_at - killed_at < 30.0, "a request outlived its replica by more than 30 s"
+
+    deadline = time.monotonic() + 180
+    while (after := http.post("/v1/images/generations", json=probe)).status_code != 200:
+        assert after.status_code == 503, after.text
+        assert time.monotonic() < deadline, "no replacement replica answered"
+        time.sleep(1.0)
+    assert named_replicas("diffusion", "DiffusionModel") != [replica]
+    assert after.json()["data"] == before.json()["data"]  # same seed, same image: nothing shared was damaged
+
+
+def _timed_post(http, body: dict):
+    response = http.post("/v1/images/generations", json=body)
+    return response, time.monotonic()

@@ -1,6 +1,7 @@
 """Unit tests never start Ray and never leave the machine: outbound connections are refused."""
 
 import ipaddress
+import logging
 import socket
 
 import pytest
@@ -45,3 +46,18 @@ def tiny_engine() -> DiffusionEngine:
 def fast_config() -> DiffusionAppConfig:
     """Two denoising steps by default, so HTTP round trips stay fast."""
     return DiffusionAppConfig(defaults=GenerationDefaults(num_inference_steps=2))
+
+
+@pytest.fixture
+def all_logs(caplog: pytest.LogCaptureFixture):
+    """Every record at DEBUG, including swiftserve's own loggers (which do not propagate to the root)."""
+    ours = logging.getLogger("swiftserve")
+    level = ours.level
+    ours.addHandler(caplog.handler)
+    ours.setLevel(logging.DEBUG)
+    caplog.set_level(logging.DEBUG)
+    try:
+        yield caplog
+    finally:
+        ours.removeHandler(caplog.handler)
+        ours.setLevel(level)

@@ -1,6 +1,5 @@
 """The shared bearer-token check (serving.common.auth) on a minimal app, its logging, and SWIFTSERVE_API_KEY."""
 
-import logging
 import runpy
 from pathlib import Path
 
@@ -65,20 +64,6 @@ def test_a_non_ascii_key_is_compared_as_utf8_bytes() -> None:
     assert client.get("/secret", headers={"Authorization": b"Bearer " + key.encode()}).status_code == 200
     assert client.get("/secret", headers={"Authorization": b"Bearer cle-unicode"}).status_code == 401
 
-
-@pytest.fixture
-def all_logs(caplog: pytest.LogCaptureFixture):
-    """Every record at DEBUG, including swiftserve's own loggers (which do not propagate to the root)."""
-    ours = logging.getLogger("swiftserve")
-    level = ours.level
-    ours.addHandler(caplog.handler)
-    ours.setLevel(logging.DEBUG)
-    caplog.set_level(logging.DEBUG)
-    try:
-        yield caplog
-    finally:
-        ours.removeHandler(caplog.handler)
-        ours.setLevel(level)
 
 
 def test_neither_the_key_nor_a_presented_token_is_logged(

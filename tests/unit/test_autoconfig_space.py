@@ -74,6 +74,12 @@ def test_unreadable_file_and_unknown_kind(tmp_path):
         SearchSpace.default("bert")
 
 
+@pytest.mark.parametrize("kind", ["../spaces/dlrm", "spaces/../dlrm", "/etc/passwd", "dlrm.yaml", ""])
+def test_a_kind_that_is_not_a_shipped_space_name_is_refused_even_if_it_resolves_to_one(kind):
+    with pytest.raises(SpaceError, match="no default space"):
+        SearchSpace.default(kind)
+
+
 def test_enumeration_is_complete_sorted_and_indexed():
     space = SearchSpace.parse(small_space())
     configs = space.configurations()

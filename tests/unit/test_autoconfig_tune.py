@@ -1,6 +1,7 @@
-"""Tuning loop over Optuna storage (no Ray): budget, persistence, resume without repeats, refusals."""
+"""Tuning loop over Optuna storage (no Ray): budget, persistence, resume without repeats, refusals.
 
-from pathlib import Path
+Kills at many points (SIGKILL, SIGTERM, Ctrl-C of the CLI): test_autoconfig_durability.py.
+"""
 
 import pytest
 
@@ -97,44 +98,3 @@ def test_profile_refuses_a_bad_model_name_before_any_trial(tmp_path, capsys):
     assert main(argv) == 2
     assert "name" in capsys.readouterr().out and not list(tmp_path.glob("*.json"))
 
-
-_KILLED_TUNE = """
-import sys, time
-from autoconfig.searchers import RandomSearcher
-from autoconfig.study import TuningStudy
-from autoconfig.tuner import tune
-from tests.unit.test_autoconfig_tune import SPACE, fake_profile
-
-profile = fake_profile([])
-
-def slow(config):
-    time.sleep(0.05)
-    return profile(config)
-
-def report(number, config, record):
-    print(number, flush=True)
-    time.sleep(0.05)  # the parent kills the process somewhere in here or in the next trial
-
-tune(TuningStudy.open(sys.argv[1], "killed", SPACE), RandomSearcher(SPACE, seed=3), slow, budget=20, on_trial=report)
-"""
-
-
-def test_a_tune_killed_with_sigkill_keeps_every_finished_trial_and_resumes(tmp_path):
-    import signal
-    import subprocess
-    import sys
-
-    repo = Path(__file__).resolve().parents[2]
-    url = sqlite_url(tmp_path / "s.db")
-    process = subprocess.Popen([sys.executable, "-c", _KILLED_TUNE, url], cwd=repo, stdout=subprocess.PIPE, text=True)
-    reported = [process.stdout.readline() for _ in range(4)]
-    process.send_signal(signal.SIGKILL)
-    process.wait(timeout=30)
-    assert reported[-1].strip() == "4"
-    study = TuningStudy.open(url, "killed", SPACE)
-    finished = study.history()
-    assert len(finished) >= 4  # every trial reported as finished is in the storage, whole
-    assert all(record["status"] in ("ok", "slo_violated") for record in study.records())
-    more: list[Configuration] = []
-    tune(study, RandomSearcher(SPACE, seed=4), fake_profile(more), budget=SPACE.size)
-    assert len(set([o.config for o in finished] + more)) == SPACE.size  # resumed without a repeat

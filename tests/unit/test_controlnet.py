@@ -150,7 +150,9 @@ def test_decode_accepts_png_jpeg_and_data_urls():
     ("data", "message"),
     [
         ("not base64!!", "base64"),
-        (base64.b64encode(b"GIF89a garbage").decode(), "decoded"),
+        (base64.b64encode(b"GIF89a garbage").decode(), "format"),
+        (base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode(), "IHDR"),
+        (base64.b64encode(b"\xff\xd8\xff\xe0\0\x10JFIF").decode(), "truncated"),
         (encode_b64(np.zeros((8, 8, 3), np.uint8), "BMP"), "format"),
         (encode_b64(np.zeros((100, 100, 3), np.uint8)), "pixels"),
         ("A" * 10_000, "larger"),

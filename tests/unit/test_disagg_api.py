@@ -1,6 +1,7 @@
 """OIP v2 HTTP API over a fake backend (no model, no Ray): JSON and binary bodies, limits, errors."""
 
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -241,6 +242,7 @@ def test_malformed_json_is_400_naming_the_body(client: TestClient) -> None:
         ("datatype", "FLOAT", "inputs[0].datatype: "),
         ("data", {"values": []}, "inputs[0].data: "),
         ("colour", "red", "inputs[0].colour: unknown field"),
+        ("shape", [True, 13], "inputs[0].shape[0]: "),  # JSON types as the schema states them
     ],
 )
 def test_schema_violations_are_400_naming_the_field(
@@ -295,6 +297,58 @@ def test_oversized_body_is_413(client: TestClient, backend: FakeBackend) -> None
     assert backend.calls == []
 
 
+def test_oversized_chunked_body_is_413(client: TestClient, backend: FakeBackend) -> None:
+    chunks = iter([b'{"inputs": [], "id": "', b"x" * MAX_BODY_BYTES, b'"}'])  # no Content-Length: read up to the cap
+    response = client.post("/models/ctr/infer", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    assert response.json() == {"error": f"request body exceeds {MAX_BODY_BYTES} bytes"}
+    assert backend.calls == []
+
+
+DEPTH = 100_000
+NESTED = "[" * DEPTH + "]" * DEPTH
+
+
+def nested_bodies() -> dict[str, tuple[bytes, dict[str, str]]]:
+    """Bodies nesting 100,000 levels deep, where a value of each kind goes (and as a binary request's header)."""
+    valid = json.dumps(body())
+    json_bodies = {
+        "arrays": NESTED,
+        "objects": '{"a":' * DEPTH + "1" + "}" * DEPTH,
+        "unclosed": "[" * DEPTH,
+        "in a string field": valid.replace('"req-7"', NESTED),
+        "in parameters": valid.replace('"id"', f'"parameters": {{"x": {NESTED}}}, "id"'),
+        "in tensor data": valid.replace('"data": [', f'"data": [{NESTED}, ', 1),
+    }
+    bodies = {name: (text.encode(), {}) for name, text in json_bodies.items()}
+    header = json_bodies["in tensor data"].encode()
+    bodies["binary request header"] = (header + b"\0" * 8, {"Inference-Header-Content-Length": str(len(header))})
+    return bodies
+
+
+@pytest.mark.parametrize("path", ["/models/ctr/infer", "/models/ctr/versions/1/infer"])
+@pytest.mark.parametrize(("content", "headers"), nested_bodies().values(), ids=nested_bodies().keys())
+def test_deeply_nested_json_is_400_naming_the_body_and_fast(
+    backend: FakeBackend, path: str, content: bytes, headers: dict[str, str]
+) -> None:
+    client = TestClient(create_oip_api(backend, DLRMAppConfig(model_name="ctr")))  # room for the 200 kB bodies
+    started = time.perf_counter()
+    response = client.post(path, content=content, headers={"content-type": "application/json", **headers})
+    assert time.perf_counter() - started < 1.0
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("request body is not valid JSON: recursion limit exceeded")
+    assert backend.calls == []
+    assert client.post(path, json=body()).status_code == 200
+
+
+def test_nested_data_within_the_parsers_depth_is_400_naming_the_data(client: TestClient) -> None:
+    request = body()
+    request["inputs"][0]["data"] = json.loads("[" * 150 + "1" + "]" * 150)
+    response = client.post("/models/ctr/infer", json=request)
+    assert response.status_code == 400
+    assert response.json()["error"].startswith("inputs[0].data: ")
+
+
 def test_backend_failure_is_500_without_internal_details() -> None:
     client = TestClient(create_oip_api(FailingBackend(), app_config()), raise_server_exceptions=False)
     response = client.post("/models/ctr/infer", json=body())
@@ -315,6 +369,50 @@ def test_openapi_documents_the_infer_request_schema(client: TestClient, path: st
     assert "FP32" in json.dumps(schemas["InferTensor"]) and "binary_data_size" in json.dumps(schemas["InferTensor"])
     refs = {ref.split("/")[-1] for ref in _refs(schema)}
     assert refs <= set(schemas), refs - set(schemas)
+
+
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "with-key"])
+def test_openapi_documents_each_routes_statuses_in_oip_error_shape(
+    client: TestClient, keyed_client: TestClient, keyed: bool
+) -> None:
+    schema = (keyed_client if keyed else client).get("/openapi.json").json()
+    unauthorized = {"401"} if keyed else set()
+    operations = {
+        (method, path): operation for path, methods in schema["paths"].items() for method, operation in methods.items()
+    }
+    metadata, readiness = {"200", "404"} | unauthorized, {"200", "404", "503"} | unauthorized
+    infer = {"200", "400", "404", "413", "503"} | unauthorized
+    assert {route: set(operation["responses"]) for route, operation in operations.items()} == {
+        ("get", "/"): {"200"} | unauthorized,
+        ("get", "/health/live"): {"200"},
+        ("get", "/health/ready"): {"200", "503"},
+        ("get", "/models/{model_name}"): metadata,
+        ("get", "/models/{model_name}/versions/{model_version}"): metadata,
+        ("get", "/models/{model_name}/ready"): readiness,
+        ("get", "/models/{model_name}/versions/{model_version}/ready"): readiness,
+        ("post", "/models/{model_name}/infer"): infer,
+        ("post", "/models/{model_name}/versions/{model_version}/infer"): infer,
+    }
+    responses = operations["post", "/models/{model_name}/versions/{model_version}/infer"]["responses"]
+    assert set(responses["200"]["content"]) == {"application/json", "application/octet-stream"}
+    for status in infer - {"200"}:
+        assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    assert responses["503"]["headers"]["Retry-After"]["required"] is True
+    ready = operations["get", "/models/{model_name}/ready"]["responses"]["503"]
+    assert ready["content"]["application/json"]["schema"]["$ref"].endswith("/ModelReady")
+    parameters = operations["get", "/models/{model_name}/versions/{model_version}"]["parameters"]
+    assert {p["name"]: p["schema"]["enum"] for p in parameters} == {"model_name": ["ctr"], "model_version": ["1"]}
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+
+
+def test_openapi_infer_examples_work(client: TestClient) -> None:
+    operation = client.get("/openapi.json").json()["paths"]["/models/{model_name}/infer"]["post"]
+    examples = operation["requestBody"]["content"]["application/json"]["examples"]
+    responses = {name: client.post("/models/ctr/infer", json=example["value"]) for name, example in examples.items()}
+    assert {name: (response.status_code, response.headers["content-type"]) for name, response in responses.items()} == {
+        "one_row": (200, "application/json"),
+        "binary_outputs": (200, "application/octet-stream"),
+    }
 
 
 def _refs(node: Any) -> list[str]:

@@ -273,7 +273,7 @@ def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm(
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         line = next((line for line in process.stderr if "serving" in line), "")
-        match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+): outputs ", line)
+        match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+) \(plaintext\): outputs ", line)
         assert match, f"no serving line, process exited with {process.poll()}"
         expected_shard = partition.build_embedding_shard(preset_spec("tiny"), 3, 1, 2)
         sparse = torch.arange(4 * 26 * 2, dtype=torch.int64).reshape(4, 26, 2) % 4 - 1  # [B, tables, H], -1 pads

@@ -2,6 +2,7 @@
 
 import base64
 import io
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -75,12 +76,69 @@ def test_health_and_openapi(client):
     assert {"/v1/images/generations", "/v1/models", "/health"} <= set(paths)
 
 
+@pytest.mark.parametrize("keyed", [False, True], ids=["open", "with-key"])
+def test_openapi_documents_each_routes_statuses_in_openai_error_shape(client, keyed_client, keyed):
+    schema = (keyed_client if keyed else client).get("/openapi.json").json()
+    unauthorized = {"401"} if keyed else set()
+    responses = {(method, path): operation["responses"]
+                 for path, operations in schema["paths"].items() for method, operation in operations.items()}
+    assert {route: set(statuses) for route, statuses in responses.items()} == {
+        ("post", "/v1/images/generations"): {"200", "400", "404", "413", "422", "503"} | unauthorized,
+        ("get", "/v1/models"): {"200"} | unauthorized,
+        ("get", "/health"): {"200"},
+    }
+    generation = responses["post", "/v1/images/generations"]
+    for status in {"400", "404", "413", "422", "503"} | unauthorized:
+        assert generation[status]["content"]["application/json"]["schema"] == {
+            "$ref": "#/components/schemas/ErrorResponse"}
+    assert generation["503"]["headers"]["Retry-After"]["required"] is True
+    if keyed:
+        assert "WWW-Authenticate" in generation["401"]["headers"]
+        assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+
+
+def test_openapi_request_example_generates(client):
+    [example] = client.get("/openapi.json").json()["components"]["schemas"]["ImageGenerationRequest"]["examples"]
+    response = client.post("/v1/images/generations", json=example)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["data"]) == example["n"]
+
+
 def test_malformed_json_is_400_naming_the_body(client):
     response = client.post("/v1/images/generations", content=b'{"prompt": "a red',
                            headers={"content-type": "application/json"})
     error = _error(response, 400)
     assert error["param"] == "body" and "JSON" in error["message"]
     assert error["type"] == "invalid_request_error"
+
+
+DEPTH = 100_000
+NESTED_BODIES = {
+    "arrays": "[" * DEPTH + "]" * DEPTH,
+    "objects": '{"a":' * DEPTH + "1" + "}" * DEPTH,
+    "unclosed": "[" * DEPTH,
+    "in a string field": '{"prompt": ' + "[" * DEPTH + "]" * DEPTH + "}",
+    "in a nested string field": '{"prompt": "x", "loras": [{"name": ' + '{"a":' * DEPTH + "1" + "}" * DEPTH + "}]}",
+}
+
+
+@pytest.mark.parametrize("body", NESTED_BODIES.values(), ids=NESTED_BODIES.keys())
+def test_deeply_nested_json_is_400_naming_the_body_and_fast(client, body):
+    started = time.perf_counter()
+    response = client.post("/v1/images/generations", content=body, headers={"content-type": "application/json"})
+    assert time.perf_counter() - started < 1.0
+    error = _error(response, 400)
+    assert (error["param"], error["code"]) == ("body", "invalid_json")
+    assert error["message"].startswith("request body is not valid JSON: recursion limit exceeded")
+    assert client.post("/v1/images/generations", json={"prompt": "still serving"}).status_code == 200
+
+
+def test_body_that_is_not_utf8_is_400_naming_the_body(client):
+    response = client.post("/v1/images/generations", content=b'{"prompt": "\xff\xfe"}',
+                           headers={"content-type": "application/json"})
+    error = _error(response, 400)
+    assert (error["param"], error["code"]) == ("body", "invalid_json")
 
 
 @pytest.mark.parametrize(
@@ -92,6 +150,11 @@ def test_malformed_json_is_400_naming_the_body(client):
         ({"prompt": "x", "size": "huge"}, "size"),
         ({"prompt": "x", "n": 99}, "n"),
         ({"prompt": "x", "controlnet": []}, "controlnet"),
+        # JSON types as the schema states them: no booleans or strings for numbers
+        ({"prompt": "x", "seed": False}, "seed"),
+        ({"prompt": "x", "n": True}, "n"),
+        ({"prompt": "x", "num_inference_steps": "2"}, "num_inference_steps"),
+        ({"prompt": "x", "loras": [{"name": "outlined", "scale": True}]}, "loras[0].scale"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(client, body, param):

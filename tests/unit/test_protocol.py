@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 from pydantic import ValidationError
 
@@ -5,6 +6,7 @@ from serving.common.http import APIError
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits
 from serving.engine import ModelInfo
 from serving.protocol import MAX_SEED, ImageGenerationRequest
+from tests.images import encode_b64
 
 INFO = ModelInfo(name="tiny", default_size=64, size_multiple=8)
 CONFIG = DiffusionAppConfig(
@@ -81,3 +83,14 @@ def test_schema_violations_point_at_the_field(body, field):
     with pytest.raises(ValidationError) as caught:
         ImageGenerationRequest.model_validate(body)
     assert caught.value.errors()[0]["loc"][0] == field
+
+
+def test_the_configured_image_side_limit_applies_to_conditioning_images():
+    image = encode_b64(np.zeros((8, 300, 3), dtype=np.uint8))  # 2,400 pixels: far inside the pixel cap
+    body = {"controlnets": [{"name": "edges", "image": image}]}
+    strict = CONFIG.model_copy(update={"limits": CONFIG.limits.model_copy(update={"max_image_side": 256})})
+    with pytest.raises(APIError) as refused:
+        ImageGenerationRequest.model_validate({"prompt": "a red circle", **body}).to_params(INFO, strict)
+    assert refused.value.status_code == 400 and refused.value.param == "controlnets[0].image"
+    assert "256" in refused.value.message
+    assert _params(**body).controlnets[0].image.shape[:2] == (8, 300)  # the default side cap (8192) admits it

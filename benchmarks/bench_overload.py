@@ -1,0 +1,264 @@
+"""Overload and soak: both applications of ``deploy/serve_config.yaml`` (what ``make serve`` runs) driven past
+their capacity for minutes, against the same apps at capacity, in one run.
+
+1. At capacity (the baseline): per app, a closed loop of as many clients as the app runs at once (the diffusion
+   model's ``max_ongoing_requests``; the DLRM ingress's), for ``--capacity-s`` seconds: throughput and latency.
+2. Overload soak: per app, open-loop Poisson arrivals at ``--overload`` times the throughput measured in 1, for
+   ``--minutes``. Excess requests must come back 503 with ``Retry-After`` at once, admitted ones keep about the
+   baseline latency, and every Serve process's RSS (replicas, proxy, controller) is sampled every ``--sample-s``
+   seconds: it must stay flat.
+
+Prints, per app, admitted p50/p99 under overload over p50/p99 at capacity (the ratio), refusal latency, and each
+process's RSS at the start and end of the soak with its slope; writes
+``benchmarks/results/bench_overload.{json,md,png}`` (the PNG: RSS curves over the soak).
+
+    .venv/bin/python -m benchmarks.bench_overload [--minutes 10] [--overload 3] [--apps diffusion]
+
+On a 2-core machine the Python load generator, the proxy and the apps share the cores: the DLRM app answers in
+milliseconds, so there the client, not the app, is what saturates (the committed run drives the diffusion app).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import ray
+from ray import serve
+
+from autoconfig.workloads import Workload, diffusion_workload, dlrm_workload
+from benchmarks.common import RESULTS, machine, write_results
+from serving.common.memory import serve_processes
+from serving.common.net import free_port
+from serving.common.serve_config import deploy_serve_config, load_serve_config
+
+REPO = Path(__file__).resolve().parents[1]
+@dataclass
+class Outcomes:
+    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After."""
+
+    statuses: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    retry_after: list[str | None] = field(default_factory=list)
+
+    def add(self, status: int, seconds: float, retry_after: str | None) -> None:
+        self.statuses.append(status)
+        self.seconds.append(seconds)
+        self.retry_after.append(retry_after)
+
+    def summary(self, duration_s: float) -> dict[str, float | int | None]:
+        statuses, seconds = np.array(self.statuses), np.array(self.seconds)
+        ok, refused = seconds[statuses == 200], seconds[statuses == 503]
+        with_header = sum(1 for s, r in zip(self.statuses, self.retry_after, strict=True) if s == 503 and r)
+        return {
+            "sent": len(statuses), "ok": len(ok), "refused_503": len(refused),
+            "other": int(np.sum((statuses != 200) & (statuses != 503))),
+            "refused_with_retry_after": with_header, "ok_per_s": len(ok) / duration_s,
+            "ok_p50_ms": _ms(ok, 50), "ok_p99_ms": _ms(ok, 99), "refused_p50_ms": _ms(refused, 50),
+            "refused_p99_ms": _ms(refused, 99),
+        }
+
+
+def _ms(seconds: np.ndarray, percentile: float) -> float | None:
+    return 1e3 * float(np.percentile(seconds, percentile)) if len(seconds) else None
+
+
+async def _send(client: httpx.AsyncClient, workload: Workload, index: int, scheduled: float, out: Outcomes) -> None:
+    try:
+        response = await client.request(workload.method, workload.path, content=workload.body(index),
+                                        headers=dict(workload.headers))
+        out.add(response.status_code, time.monotonic() - scheduled, response.headers.get("retry-after"))
+    except httpx.HTTPError:
+        out.add(-1, time.monotonic() - scheduled, None)
+
+
+async def closed_loop(base_url: str, workload: Workload, clients: int, duration_s: float) -> Outcomes:
+    """``clients`` callers, each sending its next request when the last is answered."""
+    out, end = Outcomes(), time.monotonic() + duration_s
+    limits = httpx.Limits(max_connections=clients + 8)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+
+        async def caller(offset: int) -> None:
+            index = offset
+            while time.monotonic() < end:
+                await _send(client, workload, index, time.monotonic(), out)
+                index += clients
+
+        await asyncio.gather(*(caller(offset) for offset in range(clients)))
+    return out
+
+
+async def open_loop(base_url: str, workload: Workload, rate: float, duration_s: float, seed: int,
+                    on_tick=None) -> Outcomes:
+    """Poisson arrivals at ``rate``/s for ``duration_s``, whatever the answers; ``on_tick()`` runs every second."""
+    out, rng = Outcomes(), np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 1))
+    offsets = offsets[offsets < duration_s]
+    limits = httpx.Limits(max_connections=512)
+    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        start, tasks, next_tick = time.monotonic(), [], 0.0
+        for index, offset in enumerate(offsets):
+            while (now := time.monotonic() - start) < offset:
+                if on_tick is not None and now >= next_tick:
+                    on_tick()
+                    next_tick = now + 1.0
+                await asyncio.sleep(min(offset - now, 0.05))
+            tasks.append(asyncio.create_task(_send(client, workload, index, start + offset, out)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+class RSSSampler:
+    """RSS of the Serve processes alive at the start, every ``period_s`` seconds."""
+
+    def __init__(self, period_s: float) -> None:
+        self.period_s = period_s
+        self.processes = serve_processes()
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self._start = time.monotonic()
+        self._next = 0.0
+
+    def tick(self) -> None:
+        now = time.monotonic() - self._start
+        if now < self._next:
+            return
+        self._next = now + self.period_s
+        rss = {}
+        for name, process in self.processes.items():
+            try:
+                rss[name] = process.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        self.samples.append((now, rss))
+
+    def curves(self) -> dict[str, dict[str, float]]:
+        """Per process: first, last, max RSS (MiB) and the least-squares slope (MiB per minute)."""
+        result = {}
+        for name in self.processes:
+            points = [(t, rss[name]) for t, rss in self.samples if name in rss]
+            if len(points) < 2:
+                continue
+            t, rss = np.array(points, dtype=float).T
+            slope = float(np.polyfit(t / 60.0, rss / 2**20, 1)[0])
+            result[name] = {"first_mib": rss[0] / 2**20, "last_mib": rss[-1] / 2**20, "max_mib": rss.max() / 2**20,
+                            "slope_mib_per_min": slope}
+        return result
+
+
+def capacity(config, app: str, deployment: str, default: int) -> int:
+    """``max_ongoing_requests`` of ``deployment`` in ``app`` (the Serve config's, else the code's default)."""
+    application = next(entry for entry in config.applications if entry.name == app)
+    for entry in application.deployments:
+        if entry.name == deployment and isinstance(entry.max_ongoing_requests, int):
+            return entry.max_ongoing_requests
+    return default
+
+
+def plot(sampler: RSSSampler, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(9, 5))
+    for name in sampler.processes:
+        points = [(t / 60.0, rss[name] / 2**20) for t, rss in sampler.samples if name in rss]
+        if points:
+            axis.plot(*zip(*points, strict=True), label=name.split("#")[0])
+    axis.set(xlabel="minutes of overload", ylabel="RSS (MiB)", title="Serve processes' RSS during the overload soak")
+    axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0, help="length of the overload soak")
+    parser.add_argument("--overload", type=float, default=3.0, help="offered rate over the measured capacity")
+    parser.add_argument("--capacity-s", type=float, default=60.0, help="length of each at-capacity baseline")
+    parser.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps of each diffusion request")
+    parser.add_argument("--apps", default="diffusion,dlrm",
+                        help="comma-separated apps to drive; on a small machine the client itself cannot offer the "
+                        "DLRM app more than it serves (measure it from another machine)")
+    parser.add_argument("--cpus", type=int, default=2)
+    args = parser.parse_args()
+
+    config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
+    config.http_options.port = free_port()
+    base = f"http://127.0.0.1:{config.http_options.port}"
+    apps = {
+        "diffusion": (base, diffusion_workload(size="64x64", steps=args.steps),
+                      capacity(config, "diffusion", "DiffusionModel", 8)),
+        "dlrm": (f"{base}/v2", dlrm_workload(rows_per_request=16), 128),
+    }
+    apps = {name: apps[name] for name in args.apps.split(",")}
+    ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=512 * 2**20)
+    try:
+        deploy_serve_config(config, timeout_s=600)
+        results = {name: {} for name in apps}
+        for name, (url, workload, clients) in apps.items():
+            asyncio.run(closed_loop(url, workload, clients, 10.0))  # warm-up
+            outcomes = asyncio.run(closed_loop(url, workload, clients, args.capacity_s))
+            results[name]["capacity"] = outcomes.summary(args.capacity_s) | {"clients": clients}
+            print(name, "at capacity", results[name]["capacity"], flush=True)
+        sampler = RSSSampler(args.sample_s)
+        sampler.tick()
+        duration = 60.0 * args.minutes
+
+        async def soak() -> list[Outcomes]:
+            return await asyncio.gather(*(
+                open_loop(url, workload, args.overload * results[name]["capacity"]["ok_per_s"], duration, seed,
+                          on_tick=sampler.tick if seed == 0 else None)
+                for seed, (name, (url, workload, _)) in enumerate(apps.items())
+            ))
+
+        for name, outcomes in zip(apps, asyncio.run(soak()), strict=True):
+            offered = args.overload * results[name]["capacity"]["ok_per_s"]
+            results[name]["overload"] = outcomes.summary(duration) | {"offered_per_s": offered}
+            print(name, "overloaded", results[name]["overload"], flush=True)
+        sampler.tick()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    memory = sampler.curves()
+    plot(sampler, RESULTS / "bench_overload.png")
+    lines = [f"# Overload soak: `make serve`'s apps at {args.overload:g}x capacity for {args.minutes:g} min "
+             f"({machine()['device']}, {args.cpus} CPUs)", "",
+             "| app | offered/s | ok/s | refused 503 (with Retry-After) | other | refusal p99 ms | "
+             "admitted p50 ms (capacity -> overload, ratio) | admitted p99 ms (capacity -> overload, ratio) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, result in results.items():
+        cap, over = result["capacity"], result["overload"]
+        lines.append(
+            f"| {name} | {over['offered_per_s']:.1f} | {over['ok_per_s']:.1f} | {over['refused_503']} "
+            f"({over['refused_with_retry_after']}) | {over['other']} | {_fmt(over['refused_p99_ms'])} | "
+            f"{_fmt(cap['ok_p50_ms'])} -> {_fmt(over['ok_p50_ms'])} ({_ratio(over['ok_p50_ms'], cap['ok_p50_ms'])}) | "
+            f"{_fmt(cap['ok_p99_ms'])} -> {_fmt(over['ok_p99_ms'])} ({_ratio(over['ok_p99_ms'], cap['ok_p99_ms'])}) |")
+    lines += ["", "| process | RSS first MiB | last MiB | max MiB | slope MiB/min |", "|---|---|---|---|---|"]
+    for name, curve in sorted(memory.items()):
+        lines.append(f"| {name.split('#')[0]} | {curve['first_mib']:.0f} | {curve['last_mib']:.0f} | "
+                     f"{curve['max_mib']:.0f} | {curve['slope_mib_per_min']:+.2f} |")
+    table = "\n".join(lines)
+    print(table)
+    write_results("bench_overload", {"machine": machine(), "args": vars(args), "apps": results,
+                                     "rss": memory, "samples": sampler.samples}, table)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _ratio(value: float | None, baseline: float | None) -> str:
+    return "-" if value is None or not baseline else f"{value / baseline:.2f}x"
+
+
+if __name__ == "__main__":
+    main()

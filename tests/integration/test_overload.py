@@ -1,0 +1,58 @@
+"""More load than capacity: the diffusion app admits what its queues hold, refuses the rest at once with 503 and
+``Retry-After`` in the OpenAI error shape, and the requests it admitted complete and are unharmed."""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from serving.common.serve_config import load_serve_config
+from tests.integration.conftest import REPO
+
+pytestmark = pytest.mark.integration
+
+FLOOD = 48
+
+
+def _model_capacity() -> int:
+    """Requests the diffusion app holds for its one model replica: running plus queued (deploy/serve_config.yaml)."""
+    config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
+    diffusion = next(app for app in config.applications if app.name == "diffusion")
+    model = next(deployment for deployment in diffusion.deployments if deployment.name == "DiffusionModel")
+    assert model.num_replicas == 1
+    return model.max_ongoing_requests + model.max_queued_requests
+
+
+def _timed_post(base_url: str, body: dict) -> tuple[httpx.Response, float]:
+    with httpx.Client(base_url=base_url, timeout=300) as client:  # one connection per client, all at once
+        started = time.monotonic()
+        response = client.post("/v1/images/generations", json=body)
+        return response, time.monotonic() - started
+
+
+def test_a_flood_beyond_capacity_is_refused_fast_and_the_admitted_requests_complete(base_url, http):
+    probe = {"prompt": "a green triangle", "size": "64x64", "num_inference_steps": 4, "seed": 3}
+    before = http.post("/v1/images/generations", json=probe)
+    assert before.status_code == 200, before.text
+
+    body = {"prompt": "a red circle", "size": "128x128", "num_inference_steps": 60, "seed": 1}
+    with ThreadPoolExecutor(FLOOD) as pool:
+        answers = list(pool.map(lambda _: _timed_post(base_url, body), range(FLOOD)))
+    admitted = [seconds for response, seconds in answers if response.status_code == 200]
+    refused = [(response, seconds) for response, seconds in answers if response.status_code != 200]
+
+    capacity = _model_capacity()
+    assert 1 <= len(admitted) <= capacity, (len(admitted), capacity)
+    assert len(refused) >= FLOOD - capacity
+    for response, _ in refused:
+        assert response.status_code == 503, response.text
+        assert response.headers.get("retry-after") == "1"
+        error = response.json()["error"]
+        assert error["code"] == "overloaded" and error["message"]
+    # a refusal does not wait for capacity: every one came back before the fastest admitted request finished
+    assert max(seconds for _, seconds in refused) < min(admitted)
+
+    after = http.post("/v1/images/generations", json=probe)
+    assert after.status_code == 200, after.text
+    assert after.json()["data"] == before.json()["data"]  # the flood left the model and its queues unharmed
