@@ -125,7 +125,7 @@ class CFGWorkerDeployment:
 OVERLOADED = BackpressureConfig(status_code=503, retry_after_s=1)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=8, max_queued_requests=2,
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=8, max_queued_requests=8,
                   backpressure_config=OVERLOADED)
 class DiffusionModel:
     """One diffusion engine and its LoRA cache; requests are batched step by step by the engine loop."""
