@@ -1,6 +1,7 @@
 """More load than capacity: the diffusion app admits what its queues hold, refuses the rest at once with 503 and
 ``Retry-After`` in the OpenAI error shape, and the requests it admitted complete and are unharmed."""
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,8 +25,10 @@ def _model_capacity() -> int:
     return model.max_ongoing_requests + model.max_queued_requests
 
 
-def _timed_post(base_url: str, body: dict) -> tuple[httpx.Response, float]:
-    with httpx.Client(base_url=base_url, timeout=300) as client:  # one connection per client, all at once
+def _timed_post(base_url: str, body: dict, start: threading.Barrier) -> tuple[httpx.Response, float]:
+    with httpx.Client(base_url=base_url, timeout=300) as client:  # one connection per client
+        assert client.get("/health").status_code == 200  # the connection is open before the flood starts
+        start.wait()  # every request leaves at once: none can finish (and free a slot) before the last arrives
         started = time.monotonic()
         response = client.post("/v1/images/generations", json=body)
         return response, time.monotonic() - started
@@ -37,8 +40,9 @@ def test_a_flood_beyond_capacity_is_refused_fast_and_the_admitted_requests_compl
     assert before.status_code == 200, before.text
 
     body = {"prompt": "a red circle", "size": "128x128", "num_inference_steps": 60, "seed": 1}
+    start = threading.Barrier(FLOOD)
     with ThreadPoolExecutor(FLOOD) as pool:
-        answers = list(pool.map(lambda _: _timed_post(base_url, body), range(FLOOD)))
+        answers = list(pool.map(lambda _: _timed_post(base_url, body, start), range(FLOOD)))
     admitted = [seconds for response, seconds in answers if response.status_code == 200]
     refused = [(response, seconds) for response, seconds in answers if response.status_code != 200]
 
