@@ -43,15 +43,14 @@ from autoconfig.bank import ModelDescription
 from disagg.config import DLRMAppConfig, DLRMModelConfig
 from disagg.model import build_preset as build_dlrm
 from disagg.model import preset_weights as dlrm_preset_weights
-from serving.api import create_images_api
 from serving.config import ControlNetConfig, DiffusionModelConfig, LoRAConfig
 from serving.controlnet.conditioning import MAX_JPEG_SCANS, MAX_SEGMENTS, ConditioningImageError, decode_image
 from serving.controlnet.models import build_controlnet_preset, controlnet_preset_weights, load_controlnet
-from serving.engine import LocalBackend
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, load_lora_file
 from serving.presets import WEIGHTS_ROOT, build_preset, load_local, preset_weights
 from tests.images import encode_b64, grey_png, png_chunk, progressive_jpeg, square
 from tests.lora_files import safetensors_bytes, write_lora
+from tests.unit.conftest import images_client
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_WEIGHTS = (REPO / "serving" / "weights" / "tiny", REPO / "disagg" / "weights" / "tiny")
@@ -542,12 +541,8 @@ def hostile_root(tmp_path_factory) -> Path:
 def client(tiny_engine, fast_config, hostile_root):
     config = fast_config.model_copy(update={
         "lora": LoRAConfig(directory=hostile_root / "loras", max_file_bytes=API_MAX_FILE_BYTES)})
-    backend = LocalBackend.for_engine(tiny_engine, config)
-    try:
-        with TestClient(create_images_api(backend, config)) as test_client:
-            yield test_client
-    finally:
-        backend.close()
+    with images_client(tiny_engine, config) as test_client:
+        yield test_client
 
 
 def _refusal(client: TestClient, body: dict, status: int) -> dict:

@@ -5,14 +5,12 @@ import io
 import time
 
 import pytest
-from fastapi.testclient import TestClient
 from PIL import Image
 
-from serving.api import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
-from serving.engine import LocalBackend
 from tests.images import encode_b64, square
 from tests.lora_files import write_lora
+from tests.unit.conftest import images_client
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +24,8 @@ def lora_config(tmp_path_factory, fast_config) -> DiffusionAppConfig:
 
 @pytest.fixture(scope="module")
 def client(tiny_engine, lora_config):
-    backend = LocalBackend.for_engine(tiny_engine, lora_config)
-    try:
-        with TestClient(create_images_api(backend, lora_config)) as test_client:
-            yield test_client
-    finally:
-        backend.close()
+    with images_client(tiny_engine, lora_config) as test_client:
+        yield test_client
 
 
 def _error(response, status: int) -> dict:
@@ -171,15 +165,13 @@ def test_unknown_model_is_404(client):
 def test_oversized_body_is_413_and_server_keeps_serving(tiny_engine):
     config = DiffusionAppConfig(defaults=GenerationDefaults(num_inference_steps=1),
                                 limits=ImageLimits(max_body_bytes=2048))
-    backend = LocalBackend.for_engine(tiny_engine, config)
-    with TestClient(create_images_api(backend, config)) as small:
+    with images_client(tiny_engine, config) as small:
         error = _error(small.post("/v1/images/generations", json={"prompt": "x" * 4096}), 413)
         assert error["param"] == "body"
         chunked = small.post("/v1/images/generations", content=iter([b'{"prompt": "', b"x" * 4096, b'"}']),
                              headers={"content-type": "application/json"})
         assert _error(chunked, 413)["code"] == "body_too_large"
         assert small.post("/v1/images/generations", json={"prompt": "a dot"}).status_code == 200
-    backend.close()
 
 
 def test_unknown_route_is_404_in_openai_shape(client):
@@ -281,12 +273,8 @@ PROTECTED = [("post", "/v1/images/generations"), ("get", "/v1/models")]
 
 @pytest.fixture(scope="module")
 def keyed_client(tiny_engine, lora_config):
-    backend = LocalBackend.for_engine(tiny_engine, lora_config)
-    try:
-        with TestClient(create_images_api(backend, lora_config, api_key=API_KEY)) as test_client:
-            yield test_client
-    finally:
-        backend.close()
+    with images_client(tiny_engine, lora_config, api_key=API_KEY) as test_client:
+        yield test_client
 
 
 @pytest.mark.parametrize("headers", BAD_AUTH, ids=["none", "wrong-key", "basic", "empty", "no-scheme"])
