@@ -106,6 +106,12 @@ class EngineConfig(_Config):
         0.4, ge=0.0, le=1.0,
         description="A request whose LoRA is still loading runs without it until this fraction of its steps, "
                     "then waits for it (Katz: 20 of 50 steps).")
+    admission_wait_fraction: float | None = Field(
+        0.25, ge=0.0,
+        description="A request predicted to wait more than this fraction of its own steps before its first "
+                    "(the model is past capacity) is refused at once with 503 `overloaded` and the predicted wait "
+                    "as `Retry-After`, so admitted requests keep their latency. null: admit every request the "
+                    "Serve queues let through.")
 
 
 class EngineTuning(_Config):
@@ -114,6 +120,7 @@ class EngineTuning(_Config):
     max_batch_rows: int | None = Field(None, ge=1, description="Most UNet rows per step.")
     continuous_batching: bool | None = Field(None, description="Admit requests at every step boundary.")
     lora_wait_fraction: float | None = Field(None, ge=0.0, le=1.0, description="See `EngineConfig`.")
+    admission_wait_fraction: float | None = Field(None, ge=0.0, description="See `EngineConfig`.")
 
     def apply(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` with the fields set here replaced."""

@@ -5,9 +5,10 @@
 and, with ``engine.cfg_parallel``, a ``CFGWorker`` computing the unconditional CFG rows.
 All scale independently.
 
-Overload: each ``DiffusionModel`` replica runs at most ``max_ongoing_requests`` requests (the engine batches
-them step by step) and the ingress queues at most ``max_queued_requests`` more for the model; beyond that a
-request is refused at once with 503 and ``Retry-After`` in the API's error shape. The ingress itself takes
+Overload: each ``DiffusionModel`` replica holds at most ``max_ongoing_requests`` requests and its engine refuses
+at once those that would wait too long for their first step (``engine.admission_wait_fraction``); the ingress
+queues at most ``max_queued_requests`` more for the model. Beyond that a request is refused at once with 503
+and ``Retry-After`` in the API's error shape. The ingress itself takes
 ``max_ongoing_requests`` requests (mostly waiting on the model) and Serve's proxy queues ``max_queued_requests``
 more before answering 503 itself. Serve configs may change all four and ``backpressure_config``.
 """
@@ -125,7 +126,7 @@ class CFGWorkerDeployment:
 OVERLOADED = BackpressureConfig(status_code=503, retry_after_s=1)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=8, max_queued_requests=8,
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=8,
                   backpressure_config=OVERLOADED)
 class DiffusionModel:
     """One diffusion engine and its LoRA cache; requests are batched step by step by the engine loop."""

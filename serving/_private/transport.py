@@ -3,18 +3,28 @@
 Arrays travel as numpy (Ray's object store hands them over without pickling copies). Large inputs
 that many calls share, such as a request's conditioning image, are ``ray.put`` once by the sender
 (``SharedTensors``) and resolved once per receiving replica (``ResolvedTensors``).
+
+Neither side outlives the requests it serves: the sender's reference lives exactly as long as the
+tensor it was made from (the request's own copy), and the receiver drops a resolved tensor once no
+call has used it for ``idle_s`` or when its byte budget is full. ``put`` and ``get`` default to
+Ray's object store; tests pass their own.
 """
 
 from __future__ import annotations
 
+import time
 import warnings
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import ray
 import torch
 
-_ENTRIES = 256
+_RESOLVED_BYTES = 256 * 2**20  # a receiver's resolved tensors at most
+_RESOLVED_IDLE_S = 30.0  # a resolved tensor no call used for this long is dropped
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -28,37 +38,65 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
 
 
 class SharedTensors:
-    """Sender side: one object-store reference per tensor object, kept for its most recent users."""
+    """Sender side: one object-store reference per live tensor, dropped when the tensor is freed."""
 
-    def __init__(self, entries: int = _ENTRIES) -> None:
-        self._entries = entries
-        self._refs: OrderedDict[int, tuple[torch.Tensor, ray.ObjectRef]] = OrderedDict()
+    def __init__(self, put: Callable[[np.ndarray], Any] = ray.put) -> None:
+        self._put = put
+        self._refs: dict[int, tuple[weakref.ref, Any]] = {}
 
-    def ref(self, tensor: torch.Tensor) -> ray.ObjectRef:
-        entry = self._refs.get(id(tensor))
-        if entry is None or entry[0] is not tensor:  # holding the tensor keeps its id from being reused
-            entry = (tensor, ray.put(to_numpy(tensor)))
-            self._refs[id(tensor)] = entry
-            while len(self._refs) > self._entries:
-                self._refs.popitem(last=False)
-        self._refs.move_to_end(id(tensor))
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def ref(self, tensor: torch.Tensor) -> Any:
+        key = id(tensor)
+        entry = self._refs.get(key)
+        if entry is None or entry[0]() is not tensor:
+            entry = (weakref.ref(tensor, lambda _, key=key: self._forget(key)), self._put(to_numpy(tensor)))
+            self._refs[key] = entry
         return entry[1]
+
+    def _forget(self, key: int) -> None:
+        entry = self._refs.get(key)
+        if entry is not None and entry[0]() is None:  # not a newer tensor that took the same id
+            del self._refs[key]
 
 
 class ResolvedTensors:
-    """Receiver side: each reference fetched once, recently used ones kept as tensors."""
+    """Receiver side: each reference fetched once, kept while calls keep using it, within a byte budget."""
 
-    def __init__(self, entries: int = _ENTRIES) -> None:
-        self._entries = entries
-        self._tensors: OrderedDict[str, torch.Tensor] = OrderedDict()
+    def __init__(self, get: Callable[[Any], np.ndarray] = ray.get, *, max_bytes: int = _RESOLVED_BYTES,
+                 idle_s: float = _RESOLVED_IDLE_S, clock: Callable[[], float] = time.monotonic) -> None:
+        self._get = get
+        self._max_bytes = max_bytes
+        self._idle_s = idle_s
+        self._clock = clock
+        self._tensors: OrderedDict[str, tuple[torch.Tensor, float]] = OrderedDict()  # least recently used first
+        self._bytes = 0
 
-    def get(self, ref: ray.ObjectRef) -> torch.Tensor:
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def get(self, ref: Any) -> torch.Tensor:
+        now = self._clock()
+        self._drop_idle(now)
         key = ref.hex()
-        tensor = self._tensors.get(key)
-        if tensor is None:
-            tensor = from_numpy(ray.get(ref))
-            self._tensors[key] = tensor
-            while len(self._tensors) > self._entries:
-                self._tensors.popitem(last=False)
-        self._tensors.move_to_end(key)
+        entry = self._tensors.pop(key, None)
+        tensor = entry[0] if entry is not None else from_numpy(self._get(ref))
+        if entry is None:
+            self._bytes += tensor.nbytes
+        self._tensors[key] = (tensor, now)
+        while self._bytes > self._max_bytes and len(self._tensors) > 1:
+            self._evict_oldest()
         return tensor
+
+    def _drop_idle(self, now: float) -> None:
+        while self._tensors and now - next(iter(self._tensors.values()))[1] > self._idle_s:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        _, (tensor, _) = self._tensors.popitem(last=False)
+        self._bytes -= tensor.nbytes

@@ -1,5 +1,6 @@
 """The diffusion engine: request types, denoising primitives, the batching loop, the local backend."""
 
+from serving.engine.admission import EngineOverloaded
 from serving.engine.backend import LocalBackend
 from serving.engine.denoiser import DiffusionEngine, encode_png, load_components
 from serving.engine.loop import EngineLoop, LoRALoadFailed
@@ -16,6 +17,7 @@ from serving.engine.types import (
 __all__ = [
     "DiffusionEngine",
     "EngineLoop",
+    "EngineOverloaded",
     "GenerationParams",
     "GenerationResult",
     "ImageGenerationBackend",

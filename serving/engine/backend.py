@@ -6,11 +6,13 @@ This is the boundary where engine and LoRA errors become API errors (status, mes
 from __future__ import annotations
 
 import asyncio
+import math
 
 from serving.common.http import APIError
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
+from serving.engine.admission import EngineOverloaded
 from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
 from serving.engine.denoiser import DiffusionEngine
 from serving.engine.loop import EngineLoop, LoRALoadFailed, StepCallback
@@ -90,6 +92,9 @@ class LocalBackend:
                            code="controlnet_not_found") from None
         except ValueError as exc:
             raise APIError(400, str(exc), code="invalid_value") from None
+        except EngineOverloaded as exc:
+            raise APIError(503, str(exc), code="overloaded",
+                           headers={"Retry-After": str(max(1, math.ceil(exc.wait_s)))}) from None
         try:
             return await asyncio.wrap_future(future)
         except ControlNetUnavailable as exc:

@@ -4,7 +4,8 @@ At every step boundary the loop admits new requests, applies LoRAs whose loads f
 one UNet step for the oldest runnable request together with every other runnable request of the
 same image size (up to ``max_batch_rows`` rows). Finished requests leave at once. A request whose
 LoRA is still loading keeps denoising without it until its deadline step, then waits there while
-the others go on.
+the others go on. A request that would wait too long for its first step is refused at submission
+(``serving.engine.admission``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import EngineConfig
 from serving.controlnet.client import ControlNetUnavailable
+from serving.engine.admission import EngineOverloaded, Work, wait_steps
 from serving.engine.denoiser import DiffusionEngine, encode_png
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport
@@ -65,14 +67,17 @@ class EngineLoop:
         self._metrics = metrics
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
+        self._step_s: float | None = None  # moving average of one step's wall time
         self._wakeup = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="diffusion-engine-loop", daemon=True)
         self._thread.start()
 
     def submit(self, params: GenerationParams) -> Future[GenerationResult]:
-        """Queue a request. LoRA name errors (invalid, unknown) raise here, before any work starts."""
+        """Queue a request. LoRA name errors (invalid, unknown) and ``EngineOverloaded`` raise here, before any
+        work starts."""
         self.engine.validate(params)
+        self._check_admission(params)
         loras = [self._request_lora(spec.name, spec.scale) for spec in params.loras]
         submission = _Submission(params, loras, Future())
         for pending in loras:
@@ -83,6 +88,19 @@ class EngineLoop:
             self._queue.append(submission)
             self._wakeup.notify()
         return submission.future
+
+    def _check_admission(self, params: GenerationParams) -> None:
+        fraction = self.config.admission_wait_fraction
+        if fraction is None:
+            return
+        with self._wakeup:
+            queued = [Work(s.params.rows, s.params.num_inference_steps) for s in self._queue]
+        running = [Work(active.state.rows, active.state.steps_left) for active in list(self._active)]
+        waited = wait_steps(running, queued, Work(params.rows, params.num_inference_steps),
+                            self.config.max_batch_rows, self.config.continuous_batching)
+        allowed = fraction * params.num_inference_steps
+        if waited > allowed:
+            raise EngineOverloaded(waited, allowed, waited * (self._step_s or 0.0))
 
     def stop(self) -> None:
         with self._wakeup:
@@ -209,7 +227,9 @@ class EngineLoop:
             for active in batch:
                 self._finish(active, error=exc)
             return
-        self._metrics.diffusion_step(time.perf_counter() - started, rows=sum(active.state.rows for active in batch))
+        took = time.perf_counter() - started
+        self._step_s = took if self._step_s is None else 0.9 * self._step_s + 0.1 * took
+        self._metrics.diffusion_step(took, rows=sum(active.state.rows for active in batch))
         for active in batch:
             if self._on_step is not None:
                 self._on_step(active.state)

@@ -59,8 +59,11 @@ class RequestState:
 
     @property
     def rows(self) -> int:
-        """UNet rows per step: one per image, twice that with classifier-free guidance."""
-        return self.params.n * (2 if self.params.uses_cfg else 1)
+        return self.params.rows
+
+    @property
+    def steps_left(self) -> int:
+        return len(self.timesteps) - self.step_index
 
     @property
     def size(self) -> tuple[int, int]:

@@ -205,7 +205,8 @@ def test_short_request_overtakes_long_one_with_continuous_batching(tiny_engine, 
             if state.params.num_inference_steps == 30 and state.step_index == 2:
                 started.set()
 
-        loop = _loop(tiny_engine, lora_dir, on_step=on_step, continuous_batching=continuous)
+        loop = _loop(tiny_engine, lora_dir, on_step=on_step, continuous_batching=continuous,
+                     admission_wait_fraction=None)  # the short request waits for the long one
         try:
             long = loop.submit(_params(num_inference_steps=30, seed=1))
             started.wait(timeout=30)

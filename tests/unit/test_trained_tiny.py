@@ -247,7 +247,8 @@ def test_lora_applied_asynchronously_still_moves_the_style(engine, style_briefs,
 
     cache = LoRACache(LoRARegistry(WEIGHTS / "loras"), engine.lora_targets, budget_bytes=2**30,
                       max_file_bytes=2**30, loader=slow_loader)
-    loop = EngineLoop(engine, EngineConfig(lora_wait_fraction=0.5), cache, on_step=on_step)
+    loop = EngineLoop(engine, EngineConfig(lora_wait_fraction=0.5, admission_wait_fraction=None), cache,
+                      on_step=on_step)  # every brief at once: more than one batch
     try:
         futures = [loop.submit(_params(brief, seed, loras=(LoRASpec("dark", 1.0),)))
                    for seed, brief in enumerate(style_briefs)]
