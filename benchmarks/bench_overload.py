@@ -2,7 +2,8 @@
 their capacity for minutes, against the same apps at capacity, in one run.
 
 1. At capacity (the baseline): per app, a closed loop of as many clients as the app runs at once (the diffusion
-   model's ``max_ongoing_requests``; the DLRM ingress's), for ``--capacity-s`` seconds: throughput and latency.
+   engine's batch: ``max_batch_rows`` / 2 guided images; the DLRM ingress's ``max_ongoing_requests``), for
+   ``--capacity-s`` seconds: throughput and latency.
 2. Overload soak: per app, open-loop Poisson arrivals at ``--overload`` times the throughput measured in 1, for
    ``--minutes``. Excess requests must come back 503 with ``Retry-After`` at once, admitted ones keep about the
    baseline latency, and every Serve process's RSS (replicas, proxy, controller) is sampled every ``--sample-s``
@@ -37,6 +38,7 @@ from benchmarks.common import RESULTS, machine, write_results
 from serving.common.memory import serve_processes
 from serving.common.net import free_port
 from serving.common.serve_config import deploy_serve_config, load_serve_config
+from serving.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 @dataclass
@@ -151,13 +153,10 @@ class RSSSampler:
         return result
 
 
-def capacity(config, app: str, deployment: str, default: int) -> int:
-    """``max_ongoing_requests`` of ``deployment`` in ``app`` (the Serve config's, else the code's default)."""
+def batch_requests(config, app: str) -> int:
+    """Guided one-image requests (two UNet rows each) in one denoising step of ``app``'s engine."""
     application = next(entry for entry in config.applications if entry.name == app)
-    for entry in application.deployments:
-        if entry.name == deployment and isinstance(entry.max_ongoing_requests, int):
-            return entry.max_ongoing_requests
-    return default
+    return EngineConfig.model_validate(application.args.get("engine", {})).max_batch_rows // 2
 
 
 def plot(sampler: RSSSampler, path) -> None:
@@ -195,7 +194,7 @@ def main() -> None:
     base = f"http://127.0.0.1:{config.http_options.port}"
     apps = {
         "diffusion": (base, diffusion_workload(size="64x64", steps=args.steps),
-                      capacity(config, "diffusion", "DiffusionModel", 8)),
+                      batch_requests(config, "diffusion")),
         "dlrm": (f"{base}/v2", dlrm_workload(rows_per_request=16), 128),
     }
     apps = {name: apps[name] for name in args.apps.split(",")}

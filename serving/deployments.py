@@ -154,8 +154,13 @@ class DiffusionModel:
     async def list_controlnets(self) -> list[str]:
         return await self._backend.list_controlnets()
 
-    async def generate(self, params: GenerationParams) -> GenerationResult:
-        return await self._backend.generate(params)
+    async def generate(self, params: GenerationParams) -> GenerationResult | APIError:
+        """The result, or the ``APIError`` to answer, as a value: Serve logs an exception a replica method raises
+        as a failed request with its traceback, which a client's bad request or an overload refusal is not."""
+        try:
+            return await self._backend.generate(params)
+        except APIError as error:
+            return error
 
     async def memory_report(self) -> ProcessMemory:
         """RSS of this replica and the weight bytes of the models it holds."""
@@ -194,7 +199,7 @@ class DeploymentBackend:
 
     async def _call(self, method: str, *args: Any) -> Any:
         try:
-            return await getattr(self._handle, method).remote(*args)
+            result = await getattr(self._handle, method).remote(*args)
         except BackPressureError as exc:
             retry_after = str(max(1, math.ceil(exc.retry_after_s or 1)))
             raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
@@ -207,6 +212,9 @@ class DeploymentBackend:
             if isinstance(exc.cause, APIError):
                 raise exc.cause from None
             raise
+        if isinstance(result, APIError):  # the model's answer to a request it refused
+            raise result
+        return result
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64, max_queued_requests=64,

@@ -5,10 +5,12 @@ The config is the one `make serve` uses, deployed through the same Serve control
 (2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the custom resource
 `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
 replicas are placed on them by those resources, as on a real cluster. Variants added for the tests:
-`diffusion-cfg` (/cfg) and `dlrm-mono` (/mono/v2, the same DLRM served monolithically).
+`diffusion-cfg` (/cfg), `dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure`
+(/secure/v2, the same DLRM with its shards on every interface behind mutual TLS and a shared token).
 """
 
 import copy
+import secrets
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,10 +25,13 @@ from ray.serve.schema import ServeDeploySchema
 from serving.common.net import free_port
 from serving.common.serve_config import deploy_serve_config, load_serve_config
 from serving.presets import preset_weights
+from tests.pki import PKI, SERVER_NAME, make_pki
 
 REPO = Path(__file__).resolve().parents[2]
 POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resources of the simulated pool nodes
 DLRM_LOOKUP_TIMEOUT_S = 2.0
+#: The shared token of `dlrm-secure`'s embedding service, fresh each session; only that app's processes get it.
+SECURE_TOKEN = f"it-{secrets.token_hex(16)}"
 
 
 @pytest.fixture(scope="session")
@@ -37,6 +42,12 @@ def lora_dir(tmp_path_factory) -> Path:
         shutil.copyfile(path, directory / path.name)
     (directory / "corrupt.safetensors").write_bytes(b"not a safetensors file")
     return directory
+
+
+@pytest.fixture(scope="session")
+def embedding_pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
+    """Certificates of `dlrm-secure`'s embedding service (absolute paths every replica on this machine reads)."""
+    return make_pki(tmp_path_factory.mktemp("embedding-pki"))
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +74,7 @@ def pool_nodes(cluster: Cluster) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def base_url(cluster: Cluster, lora_dir: Path) -> Iterator[str]:
+def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[str]:
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.host = "127.0.0.1"
     config.http_options.port = free_port()
@@ -71,6 +82,7 @@ def base_url(cluster: Cluster, lora_dir: Path) -> Iterator[str]:
     diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
     diffusion.args.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
     config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(config))
+    config = _with_secured_dlrm_variant(config, embedding_pki)
     try:
         deploy_serve_config(config, timeout_s=600)
         yield f"http://127.0.0.1:{config.http_options.port}"
@@ -111,6 +123,26 @@ def _with_dlrm_pools_and_monolithic_variant(config: ServeDeploySchema) -> ServeD
     mono["args"]["serving"] = "monolithic"
     mono["deployments"] = [{"name": "MonolithicDLRM", "ray_actor_options": {"num_cpus": 0.05}}]
     raw["applications"].append(mono)
+    return ServeDeploySchema.model_validate(raw)
+
+
+def _with_secured_dlrm_variant(config: ServeDeploySchema, pki: PKI) -> ServeDeploySchema:
+    """Adds `dlrm-secure` at /secure/v2: the `dlrm` app with one replica per shard bound to 0.0.0.0 (an exposed
+    address: the shards refuse it without TLS or a token), serving mutual TLS with a certificate naming only
+    `embedding.internal` and demanding `SECURE_TOKEN`, which only this app's processes get, by its runtime_env.
+    No pool resources: each deployment takes a sliver of the head's CPUs."""
+    raw = config.model_dump(exclude_unset=True)
+    dlrm = next(app for app in raw["applications"] if app["name"] == "dlrm")
+    secure = copy.deepcopy(dlrm)
+    secure.update(name="dlrm-secure", route_prefix="/secure/v2",
+                  runtime_env={"env_vars": {"SWIFTSERVE_EMBEDDING_TOKEN": SECURE_TOKEN}})
+    secure["args"].setdefault("embedding", {}).update(
+        replicas_per_shard=1, bind_host="0.0.0.0", tls_cert_file=str(pki.named_cert),
+        tls_key_file=str(pki.named_key), tls_ca_file=str(pki.ca), tls_server_name=SERVER_NAME, tls_client_auth=True,
+    )
+    secure["deployments"] = [{"name": deployment["name"], "ray_actor_options": {"num_cpus": 0.01}}
+                             for deployment in dlrm["deployments"]]
+    raw["applications"].append(secure)
     return ServeDeploySchema.model_validate(raw)
 
 

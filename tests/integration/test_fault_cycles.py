@@ -148,8 +148,10 @@ def test_fault_cycles_leak_no_memory_or_file_descriptors_in_surviving_processes(
     started, base_kills = time.monotonic(), 0
     for number in range(CYCLES):
         base_kills += _cycle(http, number + 1, dlrm_body)
-        if (number + 1) % 10 == 0:
-            print(f"cycle {number + 1}/{CYCLES}: {time.monotonic() - started:.0f} s", flush=True)
+        if (number + 1) % 10 == 0:  # the RSS curve: a leak climbs every cycle, allocator growth levels off
+            rss = {name.split(":", 1)[-1].split("#")[0]: round(mib) for name, (_, mib) in _footprint().items()
+                   if name in long_lived}
+            print(f"cycle {number + 1}/{CYCLES}: {time.monotonic() - started:.0f} s, RSS MiB {rss}", flush=True)
     after = _footprint()
 
     survivors = sorted(long_lived & before.keys() & after.keys())

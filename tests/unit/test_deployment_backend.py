@@ -25,6 +25,17 @@ class _RaisingMethod:
         return fail()
 
 
+class _ReturningMethod:
+    def __init__(self, value: object) -> None:
+        self._value = value
+
+    def remote(self, *args):
+        async def answer():
+            return self._value
+
+        return answer()
+
+
 class _Handle:
     def __init__(self, error: BaseException) -> None:
         self.generate = _RaisingMethod(error)
@@ -71,3 +82,14 @@ def test_an_api_error_raised_in_the_replica_reaches_the_client_unchanged():
 def test_any_other_task_error_is_not_dressed_up_as_a_client_error():
     error, _ = _generate(RayTaskError("generate", "traceback", ValueError("boom")))
     assert isinstance(error, RayTaskError) and not isinstance(error, APIError)
+
+
+def test_an_api_error_the_replica_returns_is_raised_to_the_client_and_a_result_passes_through():
+    refusal = APIError(503, "the model is at capacity", code="overloaded", headers={"Retry-After": "2"})
+    handle = _Handle(RuntimeError("unused"))
+    handle.generate = _ReturningMethod(refusal)
+    with pytest.raises(APIError) as raised:
+        asyncio.run(DeploymentBackend(handle).generate(PARAMS))
+    assert raised.value is refusal
+    handle.generate = _ReturningMethod("a result")
+    assert asyncio.run(DeploymentBackend(handle).generate(PARAMS)) == "a result"

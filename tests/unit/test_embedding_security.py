@@ -5,20 +5,13 @@ rows and its tables are untouched)."""
 from __future__ import annotations
 
 import asyncio
-import datetime
 import hashlib
-import ipaddress
 import runpy
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pydantic import ValidationError
 
@@ -32,6 +25,7 @@ from disagg.partition import build_embedding_shard
 from disagg.shard_service import EmbeddingShardServer
 from serving.common import constants
 from tests.embedding_shards import serving, toy_inputs, toy_shard
+from tests.pki import PKI, make_pki, trusting
 
 TOKEN = "3mb-t0ken-never-logged"
 LOOKUP = f"/{SERVICE_NAME}/Lookup"
@@ -41,86 +35,13 @@ INFO = f"/{SERVICE_NAME}/Info"
 # --- throwaway PKI ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PKI:
-    """PEM files: ``ca`` signed ``cert`` (SAN localhost, 127.0.0.1) and ``named_cert`` (SAN embedding.internal
-    only); ``other_ca`` signed ``other_cert``. Leaf certificates allow server and client use."""
-
-    ca: Path
-    cert: Path
-    key: Path
-    named_cert: Path
-    named_key: Path
-    other_ca: Path
-    other_cert: Path
-    other_key: Path
-
-
-def _name(common_name: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-
-
-def _certificate(subject: str, key, issuer: x509.Name, issuer_key, *, ca: bool, names=()) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(subject))
-        .issuer_name(issuer)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )
-    if not ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _write(directory: Path, name: str, certificate: x509.Certificate, key=None) -> tuple[Path, Path | None]:
-    cert_path = directory / f"{name}.pem"
-    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    if key is None:
-        return cert_path, None
-    key_path = directory / f"{name}.key"
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
-
-
-def _authority(directory: Path, name: str):
-    key = ec.generate_private_key(ec.SECP256R1())
-    certificate = _certificate(name, key, _name(name), key, ca=True)
-    return _write(directory, name, certificate)[0], certificate.subject, key
-
-
-def _leaf(directory: Path, name: str, issuer: x509.Name, issuer_key, names) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    return _write(directory, name, _certificate(name, key, issuer, issuer_key, ca=False, names=names), key)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
-    directory = tmp_path_factory.mktemp("pki")
-    ca, ca_name, ca_key = _authority(directory, "ca")
-    other_ca, other_name, other_key = _authority(directory, "other-ca")
-    loopback = [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    cert, key = _leaf(directory, "server", ca_name, ca_key, loopback)
-    named_cert, named_key = _leaf(directory, "named", ca_name, ca_key, [x509.DNSName("embedding.internal")])
-    stranger_cert, stranger_key = _leaf(directory, "stranger", other_name, other_key, loopback)
-    return PKI(ca, cert, key, named_cert, named_key, other_ca, stranger_cert, stranger_key)
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def server_tls(pki: PKI, *, mutual: bool = False) -> ServerTLS:
     return ServerTLS(pki.cert.read_bytes(), pki.key.read_bytes(), pki.ca.read_bytes() if mutual else None)
-
-
-def trusting(ca: Path, cert: Path | None = None, key: Path | None = None) -> grpc.ChannelCredentials:
-    client_key = None if key is None else key.read_bytes()
-    return grpc.ssl_channel_credentials(ca.read_bytes(), client_key, None if cert is None else cert.read_bytes())
 
 
 def tls_config(pki: PKI, **settings) -> EmbeddingServiceConfig:
