@@ -1,6 +1,7 @@
 """Admission by predicted wait: the schedule replay, and the loop refusing what would wait too long."""
 
 import asyncio
+import itertools
 import threading
 
 import pytest
@@ -21,12 +22,9 @@ def _stepwise_wait(running, queued, new, max_batch_rows, continuous):
     while True:
         if continuous or not line:
             line, waiting = line + waiting, []
-        batch, rows = [], 0
-        for entry in line:
-            if batch and rows + entry[0] > max_batch_rows:
-                break
-            batch.append(entry)
-            rows += entry[0]
+        totals = itertools.accumulate(entry[0] for entry in line)  # the oldest that fit, the first always
+        batch = [entry for index, (entry, total) in enumerate(zip(line, totals, strict=True))
+                 if index == 0 or total <= max_batch_rows]
         if any(entry[2] for entry in batch):
             return step
         for entry in batch:
