@@ -9,14 +9,18 @@ their capacity for minutes, against the same apps at capacity, in one run.
    baseline latency, and every Serve process's RSS (replicas, proxy, controller) is sampled every ``--sample-s``
    seconds: it must stay flat.
 
-Prints, per app, admitted p50/p99 under overload over p50/p99 at capacity (the ratio), refusal latency, and each
-process's RSS at the start and end of the soak with its slope; writes
-``benchmarks/results/bench_overload.{json,md,png}`` (the PNG: RSS curves over the soak).
+Prints, per app, admitted p50/p99 under overload over p50/p99 at capacity (the ratio), refusal latency, how late
+the client sent (a late client, not the app, would be what saturated), and each process's RSS at the start and end
+of the soak with its slope; writes
+``benchmarks/results/bench_overload_<apps>.{json,md,png}`` (the PNG: RSS curves over the soak).
 
-    .venv/bin/python -m benchmarks.bench_overload [--minutes 10] [--overload 3] [--apps diffusion]
+    .venv/bin/python -m benchmarks.bench_overload [--minutes 10] [--overload 3] [--apps diffusion] [--dlrm-rows 512]
 
-On a 2-core machine the Python load generator, the proxy and the apps share the cores: the DLRM app answers in
-milliseconds, so there the client, not the app, is what saturates (the committed run drives the diffusion app).
+On a small machine the load generator, Serve's proxy and the apps share the cores. So that the app saturates
+first, the client is aiohttp (see ``_session``) and DLRM requests carry ``--dlrm-rows`` rows: at 16 rows the app
+answers in milliseconds and the client would be the bottleneck. The committed runs drive one app each
+(``--apps diffusion``, ``--apps dlrm``): soaked together, the apps share the cores and neither gets 3x its own
+capacity.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
+import aiohttp
 import numpy as np
 import psutil
 import ray
@@ -35,19 +39,27 @@ from ray import serve
 
 from autoconfig.workloads import Workload, diffusion_workload, dlrm_workload
 from benchmarks.common import RESULTS, machine, write_results
+from disagg.app import ingress_options
+from disagg.config import DLRMAppConfig
 from serving.common.memory import serve_processes
 from serving.common.net import free_port
 from serving.common.serve_config import deploy_serve_config, load_serve_config
 from serving.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]
+#: An open-loop request leaving later than this after its scheduled time means the client could not keep up.
+LATE_CLIENT_MS = 100
+
+
 @dataclass
 class Outcomes:
-    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After."""
+    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After; and, open loop,
+    seconds each request left after its scheduled time."""
 
     statuses: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     retry_after: list[str | None] = field(default_factory=list)
+    send_lag: list[float] = field(default_factory=list)
 
     def add(self, status: int, seconds: float, retry_after: str | None) -> None:
         self.statuses.append(status)
@@ -63,7 +75,7 @@ class Outcomes:
             "other": int(np.sum((statuses != 200) & (statuses != 503))),
             "refused_with_retry_after": with_header, "ok_per_s": len(ok) / duration_s,
             "ok_p50_ms": _ms(ok, 50), "ok_p99_ms": _ms(ok, 99), "refused_p50_ms": _ms(refused, 50),
-            "refused_p99_ms": _ms(refused, 99),
+            "refused_p99_ms": _ms(refused, 99), "send_lag_p99_ms": _ms(np.array(self.send_lag), 99),
         }
 
 
@@ -71,25 +83,34 @@ def _ms(seconds: np.ndarray, percentile: float) -> float | None:
     return 1e3 * float(np.percentile(seconds, percentile)) if len(seconds) else None
 
 
-async def _send(client: httpx.AsyncClient, workload: Workload, index: int, scheduled: float, out: Outcomes) -> None:
+async def _send(session: aiohttp.ClientSession, url: str, workload: Workload, index: int, scheduled: float,
+                out: Outcomes) -> None:
     try:
-        response = await client.request(workload.method, workload.path, content=workload.body(index),
-                                        headers=dict(workload.headers))
-        out.add(response.status_code, time.monotonic() - scheduled, response.headers.get("retry-after"))
-    except httpx.HTTPError:
+        async with session.request(workload.method, url, data=workload.body(index),
+                                   headers=dict(workload.headers)) as response:
+            await response.read()
+            out.add(response.status, time.monotonic() - scheduled, response.headers.get("retry-after"))
+    except (aiohttp.ClientError, asyncio.TimeoutError):
         out.add(-1, time.monotonic() - scheduled, None)
+
+
+def _session(connections: int) -> aiohttp.ClientSession:
+    """The load generator's HTTP client. aiohttp, not httpx: on this machine httpx's pool costs so much CPU per
+    request at hundreds of connections (191 vs 5,042 requests/s at 256 open, same server) that it, not the app,
+    saturated first."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=300))
 
 
 async def closed_loop(base_url: str, workload: Workload, clients: int, duration_s: float) -> Outcomes:
     """``clients`` callers, each sending its next request when the last is answered."""
-    out, end = Outcomes(), time.monotonic() + duration_s
-    limits = httpx.Limits(max_connections=clients + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+    out, end, url = Outcomes(), time.monotonic() + duration_s, base_url + workload.path
+    async with _session(clients + 8) as session:
 
         async def caller(offset: int) -> None:
             index = offset
             while time.monotonic() < end:
-                await _send(client, workload, index, time.monotonic(), out)
+                await _send(session, url, workload, index, time.monotonic(), out)
                 index += clients
 
         await asyncio.gather(*(caller(offset) for offset in range(clients)))
@@ -98,12 +119,15 @@ async def closed_loop(base_url: str, workload: Workload, clients: int, duration_
 
 async def open_loop(base_url: str, workload: Workload, rate: float, duration_s: float, seed: int,
                     on_tick=None) -> Outcomes:
-    """Poisson arrivals at ``rate``/s for ``duration_s``, whatever the answers; ``on_tick()`` runs every second."""
-    out, rng = Outcomes(), np.random.default_rng(seed)
+    """Poisson arrivals at ``rate``/s for ``duration_s``, whatever the answers; ``on_tick()`` runs every second.
+
+    Latency counts from each request's scheduled time, so a client that falls behind its schedule shows it as
+    latency; how late each request left is kept too (``Outcomes.send_lag``): a late client is not an overloaded app.
+    """
+    out, rng, url = Outcomes(), np.random.default_rng(seed), base_url + workload.path
     offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 1))
     offsets = offsets[offsets < duration_s]
-    limits = httpx.Limits(max_connections=512)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+    async with _session(1024) as session:
         start, tasks, next_tick = time.monotonic(), [], 0.0
         for index, offset in enumerate(offsets):
             while (now := time.monotonic() - start) < offset:
@@ -111,7 +135,8 @@ async def open_loop(base_url: str, workload: Workload, rate: float, duration_s: 
                     on_tick()
                     next_tick = now + 1.0
                 await asyncio.sleep(min(offset - now, 0.05))
-            tasks.append(asyncio.create_task(_send(client, workload, index, start + offset, out)))
+            out.send_lag.append(now - offset)
+            tasks.append(asyncio.create_task(_send(session, url, workload, index, start + offset, out)))
         await asyncio.gather(*tasks)
     return out
 
@@ -159,6 +184,15 @@ def batch_requests(config, app: str) -> int:
     return EngineConfig.model_validate(application.args.get("engine", {})).max_batch_rows // 2
 
 
+def dlrm_ingress_requests(config) -> int:
+    """Requests the DLRM ingress holds at once (two batches, unless the Serve config says otherwise)."""
+    application = next(entry for entry in config.applications if entry.name == "dlrm")
+    configured = next((entry.max_ongoing_requests for entry in application.deployments or []
+                       if entry.name in ("DisaggregatedDLRM", "MonolithicDLRM")
+                       and "max_ongoing_requests" in entry.model_fields_set), None)
+    return configured or ingress_options(DLRMAppConfig.model_validate(application.args))["max_ongoing_requests"]
+
+
 def plot(sampler: RSSSampler, path) -> None:
     import matplotlib
 
@@ -184,8 +218,9 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=10.0, help="RSS sampling period")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps of each diffusion request")
     parser.add_argument("--apps", default="diffusion,dlrm",
-                        help="comma-separated apps to drive; on a small machine the client itself cannot offer the "
-                        "DLRM app more than it serves (measure it from another machine)")
+                        help="comma-separated apps to drive")
+    parser.add_argument("--dlrm-rows", type=int, default=512,
+                        help="rows of each DLRM request: enough that the app, not the client, saturates first")
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()
 
@@ -195,7 +230,7 @@ def main() -> None:
     apps = {
         "diffusion": (base, diffusion_workload(size="64x64", steps=args.steps),
                       batch_requests(config, "diffusion")),
-        "dlrm": (f"{base}/v2", dlrm_workload(rows_per_request=16), 128),
+        "dlrm": (f"{base}/v2", dlrm_workload(rows_per_request=args.dlrm_rows), dlrm_ingress_requests(config)),
     }
     apps = {name: apps[name] for name in args.apps.split(",")}
     ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=512 * 2**20)
@@ -222,33 +257,39 @@ def main() -> None:
             offered = args.overload * results[name]["capacity"]["ok_per_s"]
             results[name]["overload"] = outcomes.summary(duration) | {"offered_per_s": offered}
             print(name, "overloaded", results[name]["overload"], flush=True)
+            if (results[name]["overload"]["send_lag_p99_ms"] or 0) > LATE_CLIENT_MS:
+                print(f"WARNING: the client sent {name}'s requests late (p99 > {LATE_CLIENT_MS} ms after their "
+                      "schedule): it, not the app, was saturated", flush=True)
         sampler.tick()
     finally:
         serve.shutdown()
         ray.shutdown()
 
     memory = sampler.curves()
-    plot(sampler, RESULTS / "bench_overload.png")
+    stem = "bench_overload_" + "_".join(apps)
+    plot(sampler, RESULTS / f"{stem}.png")
     lines = [f"# Overload soak: `make serve`'s apps at {args.overload:g}x capacity for {args.minutes:g} min "
              f"({machine()['device']}, {args.cpus} CPUs)", "",
              "| app | offered/s | ok/s | refused 503 (with Retry-After) | other | refusal p99 ms | "
-             "admitted p50 ms (capacity -> overload, ratio) | admitted p99 ms (capacity -> overload, ratio) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "admitted p50 ms (capacity -> overload, ratio) | admitted p99 ms (capacity -> overload, ratio) | "
+             "client send lag p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         cap, over = result["capacity"], result["overload"]
         lines.append(
             f"| {name} | {over['offered_per_s']:.1f} | {over['ok_per_s']:.1f} | {over['refused_503']} "
             f"({over['refused_with_retry_after']}) | {over['other']} | {_fmt(over['refused_p99_ms'])} | "
             f"{_fmt(cap['ok_p50_ms'])} -> {_fmt(over['ok_p50_ms'])} ({_ratio(over['ok_p50_ms'], cap['ok_p50_ms'])}) | "
-            f"{_fmt(cap['ok_p99_ms'])} -> {_fmt(over['ok_p99_ms'])} ({_ratio(over['ok_p99_ms'], cap['ok_p99_ms'])}) |")
+            f"{_fmt(cap['ok_p99_ms'])} -> {_fmt(over['ok_p99_ms'])} ({_ratio(over['ok_p99_ms'], cap['ok_p99_ms'])}) | "
+            f"{_fmt(over['send_lag_p99_ms'])} |")
     lines += ["", "| process | RSS first MiB | last MiB | max MiB | slope MiB/min |", "|---|---|---|---|---|"]
     for name, curve in sorted(memory.items()):
         lines.append(f"| {name.split('#')[0]} | {curve['first_mib']:.0f} | {curve['last_mib']:.0f} | "
                      f"{curve['max_mib']:.0f} | {curve['slope_mib_per_min']:+.2f} |")
     table = "\n".join(lines)
     print(table)
-    write_results("bench_overload", {"machine": machine(), "args": vars(args), "apps": results,
-                                     "rss": memory, "samples": sampler.samples}, table)
+    write_results(stem, {"machine": machine(), "args": vars(args), "apps": results, "rss": memory,
+                         "samples": sampler.samples}, table)
 
 
 def _fmt(value: float | None) -> str:

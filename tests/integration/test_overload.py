@@ -1,14 +1,20 @@
 """More load than capacity: the diffusion app admits what its engine can start soon, refuses the rest at once with
-503 and ``Retry-After`` in the OpenAI error shape, and the requests it admitted complete and are unharmed."""
+503 and ``Retry-After`` in the OpenAI error shape, and the requests it admitted complete and are unharmed; the DLRM
+app holds its bounded queue (two batches in the replica, one in Serve's proxy) and refuses the rest at once."""
 
+import asyncio
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import aiohttp
 import httpx
 import pytest
 
+from autoconfig.workloads import dlrm_workload
+from disagg.app import ingress_options
+from disagg.config import DLRMAppConfig
 from serving.common.serve_config import load_serve_config
 from tests.integration.conftest import REPO
 
@@ -66,3 +72,50 @@ def test_a_flood_beyond_capacity_is_refused_fast_and_the_admitted_requests_compl
     after = http.post("/v1/images/generations", json=probe)
     assert after.status_code == 200, after.text
     assert after.json()["data"] == before.json()["data"]  # the flood left the model and its queues unharmed
+
+
+DLRM_FLOOD = 600
+DLRM_ROWS = 512  # 151 KB of JSON: the replica takes longer over a request than the flood over sending it
+
+
+async def _dlrm_flood(url: str, bodies: list[bytes]) -> list[tuple[int, str | None, float]]:
+    """Every body posted at once; per answer: status, Retry-After, seconds."""
+    connector = aiohttp.TCPConnector(limit=len(bodies))
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+        async def post(body: bytes) -> tuple[int, str | None, float]:
+            started = time.monotonic()
+            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+                await response.read()
+                return response.status, response.headers.get("Retry-After"), time.monotonic() - started
+
+        return await asyncio.gather(*(post(body) for body in bodies))
+
+
+def test_a_dlrm_flood_fills_the_bounded_queue_and_the_rest_is_refused_at_once(base_url, http):
+    config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
+    dlrm = next(app for app in config.applications if app.name == "dlrm")
+    bound = ingress_options(DLRMAppConfig.model_validate(dlrm.args))
+    held = bound["max_ongoing_requests"] + bound["max_queued_requests"]  # one dense replica, one proxy
+    assert held < DLRM_FLOOD // 2
+
+    workload = dlrm_workload(rows_per_request=DLRM_ROWS, pool_size=8)
+    probe = workload.body(0)
+    before = http.post(f"/v2{workload.path}", content=probe, headers=dict(workload.headers))
+    assert before.status_code == 200, before.text
+
+    answers = asyncio.run(_dlrm_flood(f"{base_url}/v2{workload.path}", [workload.body(i) for i in range(DLRM_FLOOD)]))
+    admitted = [seconds for status, _, seconds in answers if status == 200]
+    refused = [(retry_after, seconds) for status, retry_after, seconds in answers if status == 503]
+    assert len(admitted) + len(refused) == DLRM_FLOOD, sorted({status for status, _, _ in answers})
+    # An unbounded queue would admit all; ours holds `held`, plus what finishes while the flood arrives. Nothing is
+    # refused before the proxy's queue is full, and a queued request waits for a slot: it is not refused later.
+    assert len(refused) >= DLRM_FLOOD // 4, (len(admitted), len(refused), held)
+    assert len(admitted) >= bound["max_queued_requests"], (len(admitted), len(refused), held)
+    assert all(retry_after is not None and int(retry_after) >= 1 for retry_after, _ in refused)
+    # a refusal does not wait for capacity: it comes back before the median admitted request
+    assert statistics.median(seconds for _, seconds in refused) < statistics.median(admitted)
+
+    after = http.post(f"/v2{workload.path}", content=probe, headers=dict(workload.headers))
+    assert after.status_code == 200, after.text
+    assert after.json()["outputs"] == before.json()["outputs"]  # the flood left the model and its queues unharmed

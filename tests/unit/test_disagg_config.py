@@ -51,6 +51,8 @@ def test_build_app_validates_plain_dict_args_and_sizes_the_monolithic_deployment
     assert deployment.name == "MonolithicDLRM"
     assert deployment.ray_actor_options == {"num_cpus": 0.5}
     assert deployment.max_ongoing_requests == 16  # one batch running, the next one filling
+    assert deployment._deployment_config.max_queued_requests == 8  # one more batch waits in the proxy
+    assert deployment._deployment_config.request_router_config.max_backoff_s == 0.05  # a freed slot is seen soon
     [config] = deployment.init_args
     assert config == DLRMAppConfig(model_name="ctr", serving="monolithic", batching=BatchingConfig(max_batch_size=8))
     with pytest.raises(ValidationError, match="model_name"):
