@@ -26,8 +26,9 @@ def ingress_options(config: DLRMAppConfig) -> dict[str, Any]:
 
     While the replica is full, Serve's router retries a waiting request with exponential backoff, and nothing
     wakes it when a batch finishes: with its default ceiling (0.5 s, a batch's time here) the replica sat idle
-    between batches and, 3x overloaded, served 13 requests/s of the 62 it serves at capacity. Retrying at most
-    every 50 ms: 43/s (``benchmarks/bench_overload.py``, docs/RELIABILITY.md).
+    between batches and, 3x overloaded, served 13 requests/s of the 62 it served at capacity. Retrying at most
+    every 50 ms, with this queue: 40/s of 57 over a 5-minute soak (``benchmarks/bench_overload.py``,
+    docs/RELIABILITY.md).
     """
     return {
         "max_ongoing_requests": 2 * config.batching.max_batch_size,

@@ -12,7 +12,7 @@ import aiohttp
 import httpx
 import pytest
 
-from autoconfig.workloads import dlrm_workload
+from autoconfig.workloads import Workload, dlrm_workload
 from disagg.app import ingress_options
 from disagg.config import DLRMAppConfig
 from serving.common.serve_config import load_serve_config
@@ -78,18 +78,19 @@ DLRM_FLOOD = 600
 DLRM_ROWS = 512  # 151 KB of JSON: the replica takes longer over a request than the flood over sending it
 
 
-async def _dlrm_flood(url: str, bodies: list[bytes]) -> list[tuple[int, str | None, float]]:
-    """Every body posted at once; per answer: status, Retry-After, seconds."""
-    connector = aiohttp.TCPConnector(limit=len(bodies))
+async def _dlrm_flood(base_url: str, workload: Workload, count: int) -> list[tuple[int, str | None, float]]:
+    """``count`` of the workload's requests posted at once; per answer: status, Retry-After, seconds."""
+    connector = aiohttp.TCPConnector(limit=count)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
 
-        async def post(body: bytes) -> tuple[int, str | None, float]:
+        async def post(index: int) -> tuple[int, str | None, float]:
             started = time.monotonic()
-            async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+            async with session.request(workload.method, base_url + workload.path, data=workload.body(index),
+                                       headers=dict(workload.headers)) as response:
                 await response.read()
                 return response.status, response.headers.get("Retry-After"), time.monotonic() - started
 
-        return await asyncio.gather(*(post(body) for body in bodies))
+        return await asyncio.gather(*(post(index) for index in range(count)))
 
 
 def test_a_dlrm_flood_fills_the_bounded_queue_and_the_rest_is_refused_at_once(base_url, http):
@@ -104,7 +105,7 @@ def test_a_dlrm_flood_fills_the_bounded_queue_and_the_rest_is_refused_at_once(ba
     before = http.post(f"/v2{workload.path}", content=probe, headers=dict(workload.headers))
     assert before.status_code == 200, before.text
 
-    answers = asyncio.run(_dlrm_flood(f"{base_url}/v2{workload.path}", [workload.body(i) for i in range(DLRM_FLOOD)]))
+    answers = asyncio.run(_dlrm_flood(f"{base_url}/v2", workload, DLRM_FLOOD))
     admitted = [seconds for status, _, seconds in answers if status == 200]
     refused = [(retry_after, seconds) for status, retry_after, seconds in answers if status == 503]
     assert len(admitted) + len(refused) == DLRM_FLOOD, sorted({status for status, _, _ in answers})
