@@ -28,7 +28,7 @@ from autoconfig import __version__
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
-    from serving.common.serve_config import ServeConfigError, load_serve_config
+    from autoconfig.serve_config import ServeConfigError, load_serve_config
 
     try:
         config = load_serve_config(args.config)
@@ -56,13 +56,13 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.bank import ModelDescription, load_bank
     from autoconfig.knobs import configure_serve_config, write_serve_config
     from autoconfig.searchers import SEARCHERS, GridSearcher
+    from autoconfig.serve_config import ServeConfigError, load_serve_config
     from autoconfig.space import SearchSpace, SpaceError
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
     from autoconfig.tuner import tune
     from autoconfig.workloads import parse_workload_options, workload_for_app
-    from serving.common.serve_config import ServeConfigError, load_serve_config
 
     try:
         template = load_serve_config(args.config)

@@ -49,7 +49,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve.schema import ServeDeploySchema
 
-from serving.common.serve_config import validate_app_args
+from autoconfig.serve_config import validate_app_args
 
 Accelerator = Literal["cpu", "gpu"]
 CUDA_MEMORY_FRACTION_ENV = "SWIFTSERVE_CUDA_MEMORY_FRACTION"

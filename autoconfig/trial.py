@@ -26,10 +26,10 @@ from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.knobs import APP_KNOBS, Accelerator, Knobs, configure_serve_config
+from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
 from autoconfig.workloads import Workload
 from serving.common.net import free_port
-from serving.common.serve_config import load_serve_config, start_serve, wait_for_applications
 
 Objective = Literal["rate_per_share", "max_rate"]
 TrialStatus = Literal["ok", "slo_violated", "failed"]

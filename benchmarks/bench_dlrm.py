@@ -28,11 +28,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
+from autoconfig.serve_config import deploy_serve_config
 from benchmarks.common import machine, write_results
 from disagg.model import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.net import free_port
-from serving.common.serve_config import deploy_serve_config
 
 APP = "dlrm-bench"
 

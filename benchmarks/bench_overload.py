@@ -37,13 +37,13 @@ import psutil
 import ray
 from ray import serve
 
+from autoconfig.serve_config import deploy_serve_config, load_serve_config
 from autoconfig.workloads import Workload, diffusion_workload, dlrm_workload
 from benchmarks.common import RESULTS, machine, write_results
-from disagg.app import ingress_options
 from disagg.config import DLRMAppConfig
+from disagg.deployments.app import ingress_options
 from serving.common.memory import serve_processes
 from serving.common.net import free_port
-from serving.common.serve_config import deploy_serve_config, load_serve_config
 from serving.config import EngineConfig
 
 REPO = Path(__file__).resolve().parents[1]

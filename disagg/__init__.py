@@ -12,8 +12,6 @@ from serving.common.lazy import lazy_exports
 if TYPE_CHECKING:
     from disagg.app import build_app
     from disagg.config import BatchingConfig, DLRMAppConfig, DLRMLimits, DLRMModelConfig, EmbeddingServiceConfig
-    from disagg.embedding_client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
-    from disagg.embedding_server import EmbeddingServer
     from disagg.model import DLRM, PRESETS, DLRMSpec, build_preset, materialize_, preset_spec
     from disagg.partition import (
         EmbeddingShard,
@@ -22,6 +20,8 @@ if TYPE_CHECKING:
         build_embedding_shard,
         partition_embeddings,
     )
+    from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
+    from disagg.rpc.server import EmbeddingServer
     from disagg.synthetic import SyntheticRequests
 
 _EXPORTS = {
@@ -42,11 +42,11 @@ _EXPORTS = {
     "build_embedding_shard": "disagg.partition",
     "partition_embeddings": "disagg.partition",
     "SyntheticRequests": "disagg.synthetic",
-    "EmbeddingServer": "disagg.embedding_server",
-    "EmbeddingClient": "disagg.embedding_client",
-    "EmbeddingRequestError": "disagg.embedding_client",
-    "ShardClient": "disagg.embedding_client",
-    "ShardUnavailable": "disagg.embedding_client",
+    "EmbeddingServer": "disagg.rpc.server",
+    "EmbeddingClient": "disagg.rpc.client",
+    "EmbeddingRequestError": "disagg.rpc.client",
+    "ShardClient": "disagg.rpc.client",
+    "ShardUnavailable": "disagg.rpc.client",
     "build_app": "disagg.app",
 }
 

@@ -11,8 +11,8 @@ from typing import Literal
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from disagg.embedding_server import ServerTLS, read_pem
 from disagg.model import PRESETS, preset_weights
+from disagg.rpc.server import ServerTLS, read_pem
 
 
 class DLRMModelConfig(BaseModel):

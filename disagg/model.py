@@ -95,7 +95,7 @@ PRESETS: Mapping[str, DLRMSpec] = MappingProxyType(
 
 
 #: Trained weights shipped with a preset (its ``state_dict`` as safetensors): ``tiny`` was trained on synthetic
-#: click logs with a known ground truth (``disagg.click_logs``; how: ``scripts/train_tiny_dlrm.py``).
+#: click logs with a known ground truth (``training.click_logs``; how: ``scripts/train_tiny_dlrm.py``).
 PRESET_WEIGHTS: Mapping[str, Path] = MappingProxyType(
     {"tiny": Path(__file__).resolve().parent / "weights" / "tiny" / "model.safetensors"}
 )

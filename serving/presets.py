@@ -186,7 +186,7 @@ _PRESETS: dict[str, Callable[[], DiffusionComponents]] = {
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
 #: Trained weights shipped in the repository, one diffusers pipeline directory per preset that has them
-#: (written by ``scripts/train_tiny_diffusion.py``); its ``controlnet/`` and ``loras/`` hold the extras.
+#: (written by ``python -m training.tiny_diffusion``); its ``controlnet/`` and ``loras/`` hold the extras.
 WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"
 WeightsChoice = Literal["auto", "seeded"]
 WEIGHTS_CHOICES: tuple[str, ...] = get_args(WeightsChoice)

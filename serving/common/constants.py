@@ -27,7 +27,7 @@ CUDA_MEMORY_FRACTION: float | None = (
 API_KEY: str = os.environ.get("SWIFTSERVE_API_KEY", "").strip()
 
 #: Shared secret between dense replicas and embedding shards: when set, shard servers demand the gRPC call metadata
-#: ``authorization: Bearer <token>`` on lookups and clients send it (see ``disagg.embedding_server``); empty or
+#: ``authorization: Bearer <token>`` on lookups and clients send it (see ``disagg.rpc.server``); empty or
 #: unset means no token. Surrounding whitespace is dropped; use printable ASCII (``openssl rand -hex 32``).
 EMBEDDING_TOKEN: str = os.environ.get("SWIFTSERVE_EMBEDDING_TOKEN", "").strip()
 

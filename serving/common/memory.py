@@ -6,6 +6,7 @@ and by benchmarks and soak tests to follow every Serve process's memory and file
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import re
@@ -73,6 +74,13 @@ def process_memory(*roots: object) -> ProcessMemory:
             model_bytes[type(model).__name__] += storage.nbytes()
     memory = psutil.Process().memory_full_info()
     return ProcessMemory(pid=os.getpid(), rss_bytes=memory.rss, uss_bytes=memory.uss, model_bytes=dict(model_bytes))
+
+
+class MemoryReport:
+    """Deployment mixin: ``memory_report()`` answers the replica's ``ProcessMemory`` (models reachable from it)."""
+
+    async def memory_report(self) -> ProcessMemory:
+        return await asyncio.to_thread(process_memory, self)
 
 
 #: Ray titles a Serve process ``ray::ServeReplica:<app>:<deployment>[.<method>]``, ``ray::ProxyActor``, ...

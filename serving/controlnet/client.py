@@ -1,7 +1,7 @@
 """How the engine reaches ControlNets: ``submit`` one call, get something with ``.result()`` back.
 
 ``LocalControlNets`` runs them in this process on worker threads (tests, a single-process server); the
-Serve deployment's client (``serving.deployments``) sends calls to shared ControlNet deployments;
+Serve deployment's client (``serving.deployments.model``) sends calls to shared ControlNet deployments;
 ``MeasuredControlNets`` wraps either and records each call's latency.
 """
 

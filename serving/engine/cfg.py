@@ -3,7 +3,7 @@
 Each step the engine cuts the unconditional rows out of the batch, sends them to the worker, runs
 the conditional rows itself meanwhile, and combines both predictions into the guided noise before
 stepping each request's scheduler. The worker is a second copy of the model on its own device: an
-in-process engine on a thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments``).
+in-process engine on a thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.model``).
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ from ray import serve
 from ray.cluster_utils import Cluster
 from ray.serve.schema import ServeDeploySchema
 
+from autoconfig.serve_config import deploy_serve_config, load_serve_config
 from serving.common.net import free_port
-from serving.common.serve_config import deploy_serve_config, load_serve_config
 from serving.presets import preset_weights
-from tests.pki import PKI, SERVER_NAME, make_pki
+from tests.helpers import REPO
+from tests.helpers.pki import PKI, SERVER_NAME, make_pki
 
-REPO = Path(__file__).resolve().parents[2]
 POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resources of the simulated pool nodes
 DLRM_LOOKUP_TIMEOUT_S = 2.0
 #: The shared token of `dlrm-secure`'s embedding service, fresh each session; only that app's processes get it.

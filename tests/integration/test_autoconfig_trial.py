@@ -9,12 +9,12 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from autoconfig.serve_config import load_serve_config
 from autoconfig.stress import ClientSettings, SearchSettings
 from autoconfig.trial import TrialEvent, delete_trial_app, run_trial
 from autoconfig.workloads import dlrm_workload
-from serving.common.serve_config import load_serve_config
+from tests.helpers.replicas import kill_replica, named_replicas
 from tests.integration.conftest import REPO
-from tests.integration.replicas import kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 

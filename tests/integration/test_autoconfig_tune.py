@@ -5,10 +5,10 @@ import pytest
 import yaml
 
 from autoconfig.cli import main
+from autoconfig.serve_config import load_serve_config, validate_app_args
 from autoconfig.space import SearchSpace
 from autoconfig.study import TuningStudy
 from disagg.config import BatchingConfig
-from serving.common.serve_config import load_serve_config, validate_app_args
 from tests.integration.conftest import REPO
 
 pytestmark = pytest.mark.integration

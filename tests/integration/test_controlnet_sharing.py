@@ -4,8 +4,8 @@ import pytest
 from ray import serve
 
 from serving.controlnet.models import build_controlnet_preset
-from tests.images import encode_b64, square
-from tests.integration.replicas import answers_from_replicas
+from tests.helpers.images import encode_b64, square
+from tests.helpers.replicas import answers_from_replicas
 
 pytestmark = pytest.mark.integration
 

@@ -25,12 +25,12 @@ import httpx
 import psutil
 import pytest
 
+from disagg.api.protocol import encode_dlrm_request
 from disagg.model import preset_spec
-from disagg.protocol import encode_dlrm_request
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
-from tests.images import encode_b64, square
-from tests.integration.replicas import kill_replica, running_replicas
+from tests.helpers.images import encode_b64, square
+from tests.helpers.replicas import kill_replica, running_replicas
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import ray
 
-from tests.images import encode_b64, square
-from tests.integration.replicas import kill_replica, named_replicas
+from tests.helpers.images import encode_b64, square
+from tests.helpers.replicas import kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from disagg.api.protocol import encode_dlrm_request
 from disagg.model import preset_spec
-from disagg.protocol import encode_dlrm_request
 from disagg.synthetic import SyntheticRequests
 from serving.common.metrics import (
     ALL_METRICS,
@@ -39,9 +39,9 @@ from serving.common.metrics import (
     STEP_LATENCY,
     MetricSpec,
 )
-from tests.images import encode_b64, square
-from tests.integration.replicas import kill_replica, named_replicas
-from tests.lora_files import write_lora
+from tests.helpers.images import encode_b64, square
+from tests.helpers.lora_files import write_lora
+from tests.helpers.replicas import kill_replica, named_replicas
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,10 @@ import aiohttp
 import httpx
 import pytest
 
+from autoconfig.serve_config import load_serve_config
 from autoconfig.workloads import Workload, dlrm_workload
-from disagg.app import ingress_options
 from disagg.config import DLRMAppConfig
-from serving.common.serve_config import load_serve_config
+from disagg.deployments.app import ingress_options
 from tests.integration.conftest import REPO
 
 pytestmark = pytest.mark.integration

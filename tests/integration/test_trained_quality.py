@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.click_logs import ClickLogs, roc_auc
+from disagg.api.protocol import encode_dlrm_request
 from disagg.model import build_preset, preset_weights
-from disagg.protocol import encode_dlrm_request
-from disagg.training import shipped_report
-from serving.shapes import evaluation
-from serving.shapes.evaluation import EVALUATION_GUIDANCE, EVALUATION_STEPS
-from tests.images import decode_png, encode_b64
+from tests.helpers.images import decode_png, encode_b64
+from training.click_logs import ClickLogs, roc_auc
+from training.shapes import evaluation
+from training.shapes.evaluation import EVALUATION_GUIDANCE, EVALUATION_STEPS
+from training.tiny_dlrm import shipped_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

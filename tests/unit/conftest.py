@@ -3,19 +3,15 @@
 import ipaddress
 import logging
 import socket
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-from fastapi.testclient import TestClient
 
-from serving.api import create_images_api
 from serving.config import DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults
 from serving.controlnet.client import LocalControlNets
 from serving.controlnet.models import build_controlnet_preset
 from serving.controlnet.runner import ControlNetRunner
-from serving.engine import DiffusionEngine, LocalBackend
+from serving.engine import DiffusionEngine
 
 _real_connect = socket.socket.connect
 
@@ -65,14 +61,3 @@ def all_logs(caplog: pytest.LogCaptureFixture):
     finally:
         ours.removeHandler(caplog.handler)
         ours.setLevel(level)
-
-
-@contextmanager
-def images_client(engine: DiffusionEngine, config: DiffusionAppConfig, *, api_key: str = "") -> Iterator[TestClient]:
-    """A ``TestClient`` of the images API over a ``LocalBackend`` of ``engine``; the backend is closed after."""
-    backend = LocalBackend.for_engine(engine, config)
-    try:
-        with TestClient(create_images_api(backend, config, api_key=api_key)) as client:
-            yield client
-    finally:
-        backend.close()

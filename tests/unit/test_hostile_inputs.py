@@ -48,11 +48,11 @@ from serving.controlnet.conditioning import MAX_JPEG_SCANS, MAX_SEGMENTS, Condit
 from serving.controlnet.models import build_controlnet_preset, controlnet_preset_weights, load_controlnet
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, load_lora_file
 from serving.presets import WEIGHTS_ROOT, build_preset, load_local, preset_weights
-from tests.images import encode_b64, grey_png, png_chunk, progressive_jpeg, square
-from tests.lora_files import safetensors_bytes, write_lora
-from tests.unit.conftest import images_client
+from tests.helpers import REPO
+from tests.helpers.images import encode_b64, grey_png, png_chunk, progressive_jpeg, square
+from tests.helpers.images_api import images_client
+from tests.helpers.lora_files import safetensors_bytes, write_lora
 
-REPO = Path(__file__).resolve().parents[2]
 SHIPPED_WEIGHTS = (REPO / "serving" / "weights" / "tiny", REPO / "disagg" / "weights" / "tiny")
 MODULE = "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_k"  # Linear(64, 64) in the tiny UNet
 DOWN, UP = f"unet.{MODULE}.lora_A.weight", f"unet.{MODULE}.lora_B.weight"

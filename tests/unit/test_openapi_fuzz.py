@@ -23,14 +23,14 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from disagg.api import create_oip_api
+from disagg.api.binary import BINARY_MEDIA_TYPE
+from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMLimits
 from disagg.model import DLRM, build_preset, preset_spec, preset_weights
-from disagg.oip_binary import BINARY_MEDIA_TYPE
-from serving.api import create_images_api
+from serving.api.server import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
 from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
-from tests.lora_files import write_lora
+from tests.helpers.lora_files import write_lora
 
 API_KEY = "fuzz-key-8d1e"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

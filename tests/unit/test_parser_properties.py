@@ -3,8 +3,8 @@
 Each parser either returns exactly what was encoded or refuses with its own documented error, whose message
 names the field at fault; no other exception may escape, whatever the input:
 
-* OIP v2 JSON tensors (``disagg.protocol``): ``ValidationError`` / ``APIError``;
-* OIP v2 binary tensor data (``disagg.oip_binary``): ``APIError``;
+* OIP v2 JSON tensors (``disagg.api.protocol``): ``ValidationError`` / ``APIError``;
+* OIP v2 binary tensor data (``disagg.api.binary``): ``APIError``;
 * base64 conditioning images (``serving.controlnet.conditioning``): ``ConditioningImageError``;
 * LoRA names (``serving.lora.registry``): ``InvalidLoRAName`` / ``LoRANotFound``;
 * LoRA files (``serving.lora.format``): ``LoRAFormatError``;
@@ -36,9 +36,7 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from autoconfig.space import KNOB_NAMES, SearchSpace, SpaceError
-from disagg.config import DLRMLimits
-from disagg.model import preset_spec
-from disagg.oip_binary import (
+from disagg.api.binary import (
     BINARY_DATA_SIZE,
     HEADER_LENGTH,
     WIRE_DTYPES,
@@ -46,7 +44,9 @@ from disagg.oip_binary import (
     encode_infer_response,
     parse_infer_request,
 )
-from disagg.protocol import InferRequest, InferResponse, InferTensor, decode_dlrm_request, encode_dlrm_request
+from disagg.api.protocol import InferRequest, InferResponse, InferTensor, decode_dlrm_request, encode_dlrm_request
+from disagg.config import DLRMLimits
+from disagg.model import preset_spec
 from serving.common.http import APIError
 from serving.controlnet.conditioning import ConditioningImageError, decode_image
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, LoRATargets, load_lora_file

@@ -1,1 +1,0 @@
-"""Code generated from ``disagg/proto/`` by ``scripts/gen_proto.py``; regenerate, never edit."""

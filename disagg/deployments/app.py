@@ -1,0 +1,61 @@
+"""Ray Serve application builder: ``import_path: disagg.app:build_app`` with ``args`` = ``DLRMAppConfig``.
+
+No ``from __future__ import annotations`` here: Ray (and ``autoconfig.serve_config``) validate
+``args`` into the builder's parameter annotation only when it is a real pydantic class, not a string.
+"""
+
+from typing import Any
+
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from disagg.config import DLRMAppConfig
+from disagg.deployments.disaggregated import DisaggregatedDLRM
+from disagg.deployments.monolithic import MonolithicDLRM
+from disagg.deployments.shards import EmbeddingShardServer, ShardDirectory
+from serving.common.backpressure import OVERLOADED
+
+
+def ingress_options(config: DLRMAppConfig) -> dict[str, Any]:
+    """Serve options of the ingress deployment (a Serve config's ``deployments`` entry overrides them).
+
+    Room for one full batch running and the next one filling; fewer would cap the batch size. One batch more may
+    wait in Serve's proxy; beyond that the proxy answers 503 with Retry-After at once (overload). A deeper queue
+    only adds to every admitted request's latency; a shallower one refuses requests at capacity: when a batch
+    ends, its callers' next requests arrive before the router sees the slots free (with half a batch, 128
+    closed-loop clients at capacity got 113 refusals in 45 s).
+
+    While the replica is full, Serve's router retries a waiting request with exponential backoff, and nothing
+    wakes it when a batch finishes: with its default ceiling (0.5 s, a batch's time here) the replica sat idle
+    between batches and, 3x overloaded, served 13 requests/s of the 62 it served at capacity. Retrying at most
+    every 50 ms, with this queue: 40/s of 57 over a 5-minute soak (``benchmarks/bench_overload.py``,
+    docs/RELIABILITY.md).
+    """
+    return {
+        "max_ongoing_requests": 2 * config.batching.max_batch_size,
+        "max_queued_requests": config.batching.max_batch_size,
+        "backpressure_config": OVERLOADED,
+        "request_router_config": RequestRouterConfig(initial_backoff_s=0.005, max_backoff_s=0.05),
+    }
+
+
+def build_app(args: DLRMAppConfig) -> Application:
+    """The DLRM app (served under the route prefix ``/v2``); a plain dict of args works too.
+
+    ``disaggregated``: ``DisaggregatedDLRM`` (ingress, dense part) + ``EmbeddingShard_<i>`` deployments (gRPC
+    servers, ``embedding.replicas_per_shard`` replicas each) + ``ShardDirectory``. ``monolithic``: ``MonolithicDLRM``.
+    """
+    config = DLRMAppConfig.model_validate(args)
+    options = ingress_options(config)
+    if config.serving == "monolithic":
+        return MonolithicDLRM.options(**options).bind(config)
+    embedding = config.embedding
+    directory = ShardDirectory.bind()
+    shards = [
+        EmbeddingShardServer.options(
+            name=f"EmbeddingShard_{index}", num_replicas=embedding.replicas_per_shard,
+            health_check_period_s=embedding.discovery_period_s,
+        ).bind(config, index, directory)
+        for index in range(embedding.num_shards)
+    ]
+    return DisaggregatedDLRM.options(**options).bind(config, directory, shards)

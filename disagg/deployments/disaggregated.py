@@ -1,0 +1,179 @@
+"""The dense side of disaggregated DLRM serving: API, batching, lookups fanned out to every shard, dense MLPs.
+
+Each batch's embedding lookups go over gRPC to all shards at once (``EmbeddingClient``), failing over between
+a shard's replicas within ``embedding.lookup_timeout_s``; meanwhile the part of the dense graph that needs no
+embedding (the DLRM bottom MLP) runs; the pooled embeddings that come back feed the rest, on CUDA when present,
+else CPU. Shard addresses come from the ``ShardDirectory``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import ray
+import torch
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from disagg.config import DLRMAppConfig
+from disagg.deployments.ingress import BatchedDLRM
+from disagg.model import preset_spec
+from disagg.partition import build_dense_part, dense_stages
+from disagg.rpc.client import (
+    EmbeddingClient,
+    EmbeddingRequestError,
+    ShardClient,
+    ShardStats,
+    ShardUnavailable,
+)
+from serving.common.constants import EMBEDDING_TOKEN
+from serving.common.device import placement, resolve_device, set_torch_threads
+from serving.common.http import APIError
+from serving.common.logging import get_logger
+from serving.common.metrics import Metrics
+
+logger = get_logger("disagg.deployments.disaggregated")
+
+#: Parameter names of ``DLRM.forward``: the model inputs each part of the partition asks for by name.
+MODEL_INPUTS = ("dense", "sparse")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.5})
+@serve.ingress()
+class DisaggregatedDLRM(BatchedDLRM):
+    """Dense replica: holds only the MLPs (no table) and asks the embedding shards for pooled embeddings.
+
+    ``shards`` are handles to the shard deployments: binding them here deploys them with this app, and a shard
+    the directory knows no address for is asked for one directly.
+    """
+
+    async def __init__(self, config: DLRMAppConfig | dict[str, Any], directory: DeploymentHandle,
+                       shards: list[DeploymentHandle]) -> None:
+        self.config = DLRMAppConfig.model_validate(config)
+        self.metrics = Metrics.for_replica()
+        embedding = self.config.embedding
+        self.spec = preset_spec(self.config.model.preset)
+        self.device = resolve_device(self.config.model.device)
+        set_torch_threads(self.config.model.torch_threads)
+        partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed,
+                                            self.config.model.weights_path())
+        partition.dense_part.to(self.device).eval()
+        self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
+        self._embedding_inputs = partition.embedding_inputs
+        credentials = embedding.channel_credentials()
+        self._client = EmbeddingClient([
+            ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes,
+                        credentials=credentials, server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
+                        metrics=self.metrics)
+            for shard in partition.shards(embedding.num_shards)
+        ])
+        self._rows_per_lookup = self._lookup_chunk_rows()
+        self._directory, self._shard_handles = directory, shards
+        self._apply_batching(self.config.batching)
+        await self._wait_for_every_shard(embedding.startup_timeout_s)
+        self._discovery = asyncio.create_task(self._discover_forever())
+        dense_bytes = sum(t.numel() * t.element_size() for t in partition.dense_part.parameters())
+        logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d weights=%s device=%s dense bytes=%s over %d "
+                    "shards %s", self.config.model_name, self.config.model.preset, self.config.model.seed,
+                    self.config.model.weights_path(), self.device,
+                    f"{dense_bytes:,}", embedding.num_shards, placement())
+
+    def ready(self) -> bool:
+        """Every shard has at least one known replica."""
+        return all(shard.addresses for shard in self._client.shards)
+
+    async def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    async def shard_addresses(self) -> dict[int, tuple[str, ...]]:
+        """The replica addresses this dense replica currently uses, per shard."""
+        return {shard.shard_index: shard.addresses for shard in self._client.shards}
+
+    async def embedding_stats(self) -> dict[int, ShardStats]:
+        """Per shard: calls, failovers, errors, latencies and bytes each way, since this replica started."""
+        return {shard.shard_index: shard.stats for shard in self._client.shards}
+
+    async def _forward_batch(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        if not self.ready():  # a shard lost every replica: look for replacements before giving up on it
+            await self._refresh_addresses()
+        inputs = dict(zip(MODEL_INPUTS, (dense, sparse), strict=True))
+        stages = self._stages
+        lookup = asyncio.ensure_future(self._lookup({name: inputs[name] for name in self._embedding_inputs}))
+        try:
+            early_inputs = {name: inputs[name] for name in stages.early_inputs}
+            early = await asyncio.to_thread(self._run, stages.early, early_inputs)
+        except BaseException:
+            lookup.cancel()
+            raise
+        available = {**inputs, **early, **await lookup}
+        late = await asyncio.to_thread(self._run, stages.late, {name: available[name] for name in stages.late_inputs})
+        return late.cpu()
+
+    async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pooled embeddings of a batch; lookups larger than the message limit go as concurrent row chunks."""
+        rows = next(iter(inputs.values())).shape[0]
+        starts = range(0, rows, self._rows_per_lookup)
+        timeout_s = self.config.embedding.lookup_timeout_s
+        try:
+            chunks = await asyncio.gather(*(
+                self._client.lookup({name: t[start:start + self._rows_per_lookup] for name, t in inputs.items()},
+                                    timeout_s=timeout_s)
+                for start in starts
+            ))
+        except ShardUnavailable as error:
+            raise APIError(503, f"embedding shard {error.shard_index} is unavailable, retry later",
+                           code="embedding_shard_unavailable", headers={"Retry-After": "1"}) from error
+        except EmbeddingRequestError as error:  # requests are validated before; this is our bug, not theirs
+            raise APIError(500, "internal error in the embedding lookup", code="internal_error") from error
+        return {name: torch.cat([chunk[name] for chunk in chunks]) for name in chunks[0]}
+
+    def _run(self, stage: torch.fx.GraphModule, inputs: dict[str, torch.Tensor]) -> Any:
+        with torch.inference_mode():
+            return stage(**{name: tensor.to(self.device) for name, tensor in inputs.items()})
+
+    def _lookup_chunk_rows(self) -> int:
+        """Rows per lookup so that a request (ids, up to ``max_ids_per_feature`` each) and its response (pooled
+        float32 vectors) both stay within half the gRPC message limit."""
+        spec, limits = self.spec, self.config.limits
+        request_row = spec.num_tables * limits.max_ids_per_feature * 8
+        response_row = spec.num_tables * spec.embedding_dim * 4
+        return max(1, self.config.embedding.max_message_bytes // 2 // max(request_row, response_row))
+
+    async def _wait_for_every_shard(self, timeout_s: float) -> None:
+        """Until every shard has announced a replica (shards load their tables while this replica starts), at
+        most ``timeout_s``; after that the replica starts anyway and is not ready (503) until they come."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            await self._refresh_addresses()
+            if self.ready() or asyncio.get_running_loop().time() >= deadline:
+                return
+            await asyncio.sleep(0.2)
+
+    async def _discover_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.embedding.discovery_period_s)
+            try:
+                await self._refresh_addresses()
+            except Exception:  # the directory restarting: keep the addresses we have
+                logger.warning("shard directory unreachable; keeping known shard addresses", exc_info=True)
+
+    async def _refresh_addresses(self) -> None:
+        known = await self._directory.addresses.remote()
+        for shard in self._client.shards:
+            addresses = known.get(shard.shard_index, [])
+            if not addresses:  # directory restarted empty, or no announcement yet: ask the shard deployment
+                with contextlib.suppress(Exception):
+                    response = self._shard_handles[shard.shard_index].address.remote()
+                    addresses = [await asyncio.wait_for(response, self.config.embedding.discovery_period_s)]
+            if tuple(addresses) != shard.addresses:
+                logger.info("shard %d replicas: %s", shard.shard_index, ", ".join(addresses) or "none")
+                shard.update_addresses(addresses)
+
+    async def __del__(self) -> None:
+        discovery = getattr(self, "_discovery", None)
+        if discovery is not None:
+            discovery.cancel()
+            await self._client.close()

@@ -1,0 +1,108 @@
+"""Embedding shards on Ray Serve: each replica runs a gRPC ``EmbeddingServer`` and announces its address.
+
+``ShardDirectory`` is where dense replicas find shard replicas without host lists: every shard replica
+announces ``(shard, address)`` at start and on every Serve health check; an address not announced for
+``ttl_s`` is dropped, so replicas that died (and their replacements' new addresses) are noticed within a few
+health-check periods. Placement is Serve's: give the shard deployments resources only CPU nodes have.
+
+Shard replicas serve TLS when ``embedding.tls_*`` say so and demand ``SWIFTSERVE_EMBEDDING_TOKEN`` when it is set
+in their environment; one whose ``embedding.bind_host`` (``node`` resolved) is neither loopback nor private
+refuses to start without either, before loading its tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from disagg.config import DLRMAppConfig
+from disagg.model import preset_spec
+from disagg.partition import build_embedding_shard
+from disagg.rpc.server import EmbeddingServer, exposure_problem, host_port
+from serving.common.constants import EMBEDDING_TOKEN
+from serving.common.logging import get_logger
+
+logger = get_logger("disagg.deployments.shards")
+
+#: Bind addresses meaning every interface: a replica bound there announces its node's IP, which others can dial.
+_WILDCARDS = ("0.0.0.0", "::")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class ShardDirectory:
+    """Live addresses of every shard's replicas, as announced by the replicas themselves."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[int, dict[str, float]] = {}
+
+    def announce(self, shard_index: int, address: str, ttl_s: float) -> None:
+        """Replica ``address`` of shard ``shard_index`` is serving; forget it unless re-announced within ``ttl_s``."""
+        self._expiry.setdefault(shard_index, {})[address] = time.monotonic() + ttl_s
+
+    def withdraw(self, shard_index: int, address: str) -> None:
+        """The replica at ``address`` is shutting down."""
+        self._expiry.get(shard_index, {}).pop(address, None)
+
+    def addresses(self) -> dict[int, list[str]]:
+        """Shard index -> addresses announced and not expired, sorted."""
+        now = time.monotonic()
+        for replicas in self._expiry.values():
+            for address in [address for address, expiry in replicas.items() if expiry <= now]:
+                del replicas[address]
+        return {index: sorted(replicas) for index, replicas in self._expiry.items()}
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.25})
+class EmbeddingShardServer:
+    """One replica of one table-wise shard: builds only its own tables and serves them over gRPC."""
+
+    async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
+                       directory: DeploymentHandle) -> None:
+        config = DLRMAppConfig.model_validate(config)
+        embedding = config.embedding
+        host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
+        if problem := exposure_problem(host, secured=embedding.tls or bool(EMBEDDING_TOKEN)):
+            raise ValueError(f"embedding.bind_host ({embedding.bind_host}): {problem}")
+        tls = embedding.server_tls()
+        shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
+                                        shard_index, embedding.num_shards, config.model.weights_path())
+        self._server = EmbeddingServer(
+            shard, model=config.model.preset, num_shards=embedding.num_shards, host=host, port=0,
+            max_message_bytes=embedding.max_message_bytes, torch_threads=embedding.torch_threads,
+            tls=tls, token=EMBEDDING_TOKEN,
+        )
+        port = await self._server.start()
+        self._address = host_port(ray.util.get_node_ip_address(), port) if host in _WILDCARDS else self._server.address
+        self._shard_index = shard_index
+        self._directory = directory
+        self._ttl_s = 3 * embedding.discovery_period_s
+        await self._announce()
+        logger.info("embedding shard %d/%d of %s (seed %d, weights %s) serving %d tables (%s bytes) on %s (%s), "
+                    "node %s", shard_index, embedding.num_shards, config.model.preset, config.model.seed,
+                    config.model.weights_path(), len(shard.output_names), f"{shard.parameter_bytes:,}",
+                    self._server.address, self._server.security,
+                    ray.get_runtime_context().get_node_id()[:8])
+
+    async def _announce(self) -> None:
+        await self._directory.announce.remote(self._shard_index, self._address, self._ttl_s)
+
+    async def address(self) -> str:
+        """Where this replica serves gRPC (``host:port``, the node's IP when bound to every interface)."""
+        return self._address
+
+    async def node_id(self) -> str:
+        """The Ray node this replica runs on."""
+        return ray.get_runtime_context().get_node_id()
+
+    async def check_health(self) -> None:
+        """Serve's periodic health check doubles as the directory heartbeat."""
+        await self._announce()
+
+    async def __del__(self) -> None:  # Serve awaits an async __del__ on graceful replica shutdown
+        await self._directory.withdraw.remote(self._shard_index, self._address)
+        await self._server.stop(grace=1.0)

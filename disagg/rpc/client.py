@@ -1,0 +1,285 @@
+"""Client of the embedding shards: replica failover within a deadline per shard, concurrent fan-out across shards.
+
+``ShardUnavailable`` means no replica of a shard answered in time (HTTP 503 for the caller);
+``EmbeddingRequestError`` means the request itself was refused and retrying cannot help (HTTP 4xx).
+
+Servers serving TLS need ``credentials`` (``grpc.ssl_channel_credentials``: the CA to trust and, for mutual TLS,
+this client's certificate); servers demanding a token need ``token``, sent as the call metadata
+``authorization: Bearer <token>``. A replica refusing either (UNAVAILABLE after a failed handshake,
+UNAUTHENTICATED) counts as failed: the next replica is tried, and when none is left the shard is unavailable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import torch
+
+from disagg.rpc import wire
+from disagg.rpc._proto import embedding_pb2 as pb
+from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
+from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Status codes that blame the request, not the replica: raised at once, never retried elsewhere.
+_REQUEST_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class EmbeddingRequestError(ValueError):
+    """The request was refused (unknown input, id out of range, message too large); ``code`` says how."""
+
+    def __init__(self, shard_index: int | None, code: grpc.StatusCode, message: str) -> None:
+        where = "embedding request" if shard_index is None else f"embedding shard {shard_index}"
+        super().__init__(f"{where} refused the request ({code.name}): {message}")
+        self.shard_index = shard_index
+        self.code = code
+        self.message = message
+
+
+class ShardUnavailable(RuntimeError):
+    """No replica of shard ``shard_index`` answered within the deadline; ``last_error`` says what went wrong last."""
+
+    def __init__(self, shard_index: int, last_error: str) -> None:
+        super().__init__(f"embedding shard {shard_index} unavailable: {last_error}")
+        self.shard_index = shard_index
+        self.last_error = last_error
+
+
+@dataclass
+class LookupStats:
+    """Outcomes and latencies of a client's calls, kept for export as metrics."""
+
+    calls: int = 0
+    request_errors: int = 0
+    unavailable: int = 0
+    latency_s_total: float = 0.0
+    recent_latencies_s: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+
+    def observe(self, latency_s: float) -> None:
+        self.calls += 1
+        self.latency_s_total += latency_s
+        self.recent_latencies_s.append(latency_s)
+
+
+@dataclass
+class ShardStats(LookupStats):
+    """``LookupStats`` of one shard's RPCs (lookups and the one-off Info) plus ``failovers`` (attempts on
+    another replica after one failed) and the serialized bytes of answered calls, each way."""
+
+    failovers: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class ShardClient:
+    """The replicas of one shard: round-robin, fail over within the deadline on any status that does not refuse
+    the request itself (UNAVAILABLE, DEADLINE_EXCEEDED, UNAUTHENTICATED, ...).
+
+    A replica that failed is tried after the others for ``cooldown_s``. Each attempt gets at most half of the
+    time left while two or more replicas remain to try, so a hanging replica leaves time for another.
+    ``server_name`` is the name to verify in the servers' TLS certificates instead of each address's host.
+    """
+
+    def __init__(
+        self,
+        shard_index: int,
+        addresses: Sequence[str],
+        *,
+        input_names: Sequence[str] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_tensor_elements: int = wire.DEFAULT_MAX_ELEMENTS,
+        cooldown_s: float = 1.0,
+        max_reconnect_backoff_ms: int = 1000,
+        credentials: grpc.ChannelCredentials | None = None,
+        server_name: str | None = None,
+        token: str = "",
+        metrics: Metrics = NO_METRICS,
+    ) -> None:
+        self.shard_index = shard_index
+        self._metrics = metrics
+        self.input_names: tuple[str, ...] | None = None if input_names is None else tuple(input_names)
+        self.stats = ShardStats()
+        self._max_tensor_elements = max_tensor_elements
+        self._cooldown_s = cooldown_s
+        self._options = [
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(100, max_reconnect_backoff_ms)),
+            ("grpc.max_reconnect_backoff_ms", max_reconnect_backoff_ms),
+        ]
+        if server_name is not None:
+            self._options.append(("grpc.ssl_target_name_override", server_name))
+        self._credentials = credentials
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._addresses: tuple[str, ...] = ()
+        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub]] = {}
+        self._cooling_until: dict[str, float] = {}
+        self._next = 0
+        self._retired: list[grpc.aio.Channel] = []
+        self._closing: set[asyncio.Task[None]] = set()
+        self.update_addresses(addresses)
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        return self._addresses
+
+    def update_addresses(self, addresses: Sequence[str]) -> None:
+        """Serve from ``addresses`` from now on; channels of removed replicas close (in-flight calls fail over)."""
+        self._addresses = tuple(dict.fromkeys(addresses))
+        for address in set(self._stubs) - set(self._addresses):
+            self._retired.append(self._stubs.pop(address)[0])
+            self._cooling_until.pop(address, None)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # no loop running: close() closes them
+            return
+        while self._retired:
+            task = asyncio.create_task(self._retired.pop().close(grace=1.0))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def info(self, *, timeout_s: float) -> pb.ShardInfo:
+        """The shard's self-description; remembers its ``input_names``."""
+        info = await self._call("Info", pb.InfoRequest(), timeout_s)
+        self.input_names = tuple(info.input_names)
+        return info
+
+    async def lookup(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The shard's outputs for ``inputs`` (exactly its input names), from the first replica that answers."""
+        try:
+            request = pb.LookupRequest(inputs=wire.encode_all(inputs, max_elements=self._max_tensor_elements))
+        except ValueError as error:
+            raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        response = await self._call("Lookup", request, timeout_s)
+        return wire.decode_all(response.outputs, max_elements=self._max_tensor_elements)
+
+    async def close(self) -> None:
+        self.update_addresses(())
+        await asyncio.gather(*self._closing)
+
+    async def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        last_error = "no replica addresses" if not self._addresses else f"deadline of {timeout_s:.3f}s passed"
+        tiers = self._tiers()
+        attempts = 0
+        for tier in tiers:
+            for position, address in enumerate(tier):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if address not in self._addresses:  # removed by update_addresses during this call
+                    continue
+                if attempts:
+                    self.stats.failovers += 1
+                    self._metrics.embedding_failover(self.shard_index)
+                attempts += 1
+                try:
+                    response = await getattr(self._stub(address), method)(
+                        request, timeout=remaining / min(2, len(tier) - position), metadata=self._metadata
+                    )
+                except grpc.aio.AioRpcError as error:
+                    if error.code() in _REQUEST_ERRORS:
+                        self.stats.request_errors += 1
+                        self._observe(method, "request_error", start)
+                        raise EmbeddingRequestError(self.shard_index, error.code(), error.details()) from None
+                    last_error = f"{address}: {error.code().name}: {error.details()}"
+                    if address in self._addresses:
+                        self._cooling_until[address] = time.monotonic() + self._cooldown_s
+                    continue
+                self._cooling_until.pop(address, None)
+                self._observe(method, "ok", start)
+                self.stats.bytes_sent += request.ByteSize()
+                self.stats.bytes_received += response.ByteSize()
+                return response
+        self.stats.unavailable += 1
+        self._observe(method, "unavailable", start)
+        raise ShardUnavailable(self.shard_index, last_error)
+
+    def _observe(self, method: str, status: RPCStatus, start: float) -> None:
+        elapsed = time.monotonic() - start
+        self.stats.observe(elapsed)
+        self._metrics.embedding_rpc(self.shard_index, method, status, elapsed)
+
+    def _tiers(self) -> tuple[list[str], list[str]]:
+        """Replicas in round-robin order from a rotating start: those not cooling down, then those that are."""
+        if not self._addresses:
+            return [], []
+        start = self._next % len(self._addresses)
+        self._next += 1
+        rotated = self._addresses[start:] + self._addresses[:start]
+        now = time.monotonic()
+        cooling = sorted((a for a in rotated if self._cooling_until.get(a, 0.0) > now), key=self._cooling_until.get)
+        return [a for a in rotated if a not in cooling], cooling
+
+    def _stub(self, address: str) -> pb_grpc.EmbeddingShardStub:
+        if address not in self._stubs:
+            if self._credentials is None:
+                channel = grpc.aio.insecure_channel(address, options=self._options)
+            else:
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+            self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel))
+        return self._stubs[address][1]
+
+
+class EmbeddingClient:
+    """All shards of a model: each lookup goes to every shard at once, each getting only the inputs it needs."""
+
+    def __init__(self, shards: Sequence[ShardClient]) -> None:
+        self.shards = tuple(shards)
+        self.stats = LookupStats()
+
+    async def lookup(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
+        """Every shard's outputs merged; the first shard to fail cancels the others and its error propagates."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        try:
+            await _all(s.info(timeout_s=deadline - time.monotonic()) for s in self.shards if s.input_names is None)
+            routed = self._route(inputs)
+            results = await _all(
+                shard.lookup(shard_inputs, timeout_s=deadline - time.monotonic()) for shard, shard_inputs in routed
+            )
+        except EmbeddingRequestError:
+            self.stats.request_errors += 1
+            raise
+        except ShardUnavailable:
+            self.stats.unavailable += 1
+            raise
+        finally:
+            self.stats.observe(time.monotonic() - start)
+        return {name: tensor for outputs in results for name, tensor in outputs.items()}
+
+    async def close(self) -> None:
+        await asyncio.gather(*(shard.close() for shard in self.shards))
+
+    def _route(self, inputs: Mapping[str, torch.Tensor]) -> list[tuple[ShardClient, dict[str, torch.Tensor]]]:
+        routed = []
+        for shard in self.shards:
+            missing = [name for name in shard.input_names if name not in inputs]
+            if missing:
+                raise EmbeddingRequestError(
+                    shard.shard_index, grpc.StatusCode.INVALID_ARGUMENT, f"missing input {missing[0]!r}"
+                )
+            routed.append((shard, {name: inputs[name] for name in shard.input_names}))
+        needed = {name for shard in self.shards for name in shard.input_names}
+        if unknown := sorted(set(inputs) - needed):
+            raise EmbeddingRequestError(None, grpc.StatusCode.INVALID_ARGUMENT, f"unknown input {unknown[0]!r}")
+        return routed
+
+
+async def _all(calls: Any) -> list[Any]:
+    """Run ``calls`` concurrently; on the first failure cancel the rest and raise it."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        raise

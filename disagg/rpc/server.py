@@ -1,0 +1,493 @@
+"""gRPC server hosting one table-wise shard of a model's embedding tables (DESIGN.md §4).
+
+The shard's module runs in a small thread pool under ``torch.inference_mode`` so the event loop keeps answering
+health checks and rejecting bad requests while a lookup computes. Bad requests never take the server down, never
+reach the tables when they are malformed, and get a status naming the problem: RESOURCE_EXHAUSTED (from gRPC,
+before the message is read) above ``max_message_bytes``; INVALID_ARGUMENT for bytes that are no valid message,
+tensors whose dtype, shape and byte count disagree (``wire``), shapes spanning more than
+``max_tensor_elements`` even when empty, integer ids below -1 (the padding id), missing or unknown inputs, and
+whatever the module refuses (ids out of range, wrong ranks or dtypes).
+
+Access. The server binds loopback unless told otherwise and refuses to bind an address that is neither loopback
+nor private (``exposure_problem``) unless it serves TLS (``ServerTLS``; with ``client_ca``, mutual TLS) or demands
+a token. With ``token`` set (deployments and the CLI pass ``SWIFTSERVE_EMBEDDING_TOKEN``), ``Lookup`` and ``Info``
+need the call metadata ``authorization: Bearer <token>``; the presented token is compared in constant time
+(``hmac.compare_digest`` of SHA-256 digests), a call without it gets UNAUTHENTICATED before its message is parsed,
+and the refusal is logged (method, peer, reason) without any token. The standard health service stays open:
+probes call it without credentials and it tells nothing but SERVING or NOT_SERVING. A token on a plaintext
+channel can be read by anyone on the path: off a private network, use TLS (with or without a token).
+
+Standalone (the token, if any, from ``SWIFTSERVE_EMBEDDING_TOKEN``, never from a flag that ``ps`` would show)::
+
+    python -m disagg.rpc.server --preset tiny --seed 0 --shard 0 --num-shards 2 --port 50051
+    python -m disagg.rpc.server ... --host 0.0.0.0 --tls-cert server.pem --tls-key server.key \\
+        [--tls-client-ca clients-ca.pem]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import math
+import signal
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from disagg.rpc import wire
+from disagg.rpc._proto import embedding_pb2 as pb
+from serving.common.constants import EMBEDDING_TOKEN
+from serving.common.device import set_torch_threads
+from serving.common.logging import get_logger
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
+MiB = 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+#: The id that pads a bag (contributes nothing); integer inputs below it are refused.
+PADDING_ID = -1
+
+#: Longest status details sent (gRPC refuses trailers above 16 KiB), longest input name quoted in them, and most
+#: unknown input names listed.
+_MAX_DETAILS = 2048
+_MAX_NAME = 64
+_LISTED = 3
+
+logger = get_logger("disagg.rpc.server")
+
+
+class Shard(Protocol):
+    """What the server hosts; ``disagg.partition.EmbeddingShard`` is one."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def module(self) -> Any: ...  # called as module(**inputs) -> dict[str, Tensor] keyed by output_names
+    @property
+    def input_names(self) -> tuple[str, ...]: ...
+    @property
+    def output_names(self) -> tuple[str, ...]: ...
+    @property
+    def parameter_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class ServerTLS:
+    """PEM material of a TLS server; with ``client_ca``, clients must present a certificate it signed (mTLS)."""
+
+    certificate_chain: bytes
+    private_key: bytes = field(repr=False)
+    client_ca: bytes | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.certificate_chain)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
+        )
+
+
+def read_pem(path: str | Path, setting: str) -> bytes:
+    """The PEM file at ``path``; ValueError naming ``setting`` when it is missing, unreadable or holds no PEM."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as error:
+        raise ValueError(f"{setting}: cannot read {path}: {error.strerror}") from None
+    if b"-----BEGIN " not in data:
+        raise ValueError(f"{setting}: {path} holds no PEM block")
+    return data
+
+
+def exposure_problem(host: str, *, secured: bool) -> str | None:
+    """Why serving on ``host`` is refused, or None: without TLS or a token (``secured``), only loopback and
+    private addresses (RFC 1918, ULA ``fc00::/7``, the other ranges ``ipaddress`` calls private) are allowed;
+    host names other than ``localhost`` count as public (what they resolve to can change)."""
+    if secured or _is_internal(host):
+        return None
+    return (
+        f"{host!r} is neither a loopback nor a private address; serving there needs TLS or a token "
+        "(SWIFTSERVE_EMBEDDING_TOKEN)"
+    )
+
+
+def _is_internal(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback or (address.is_private and not address.is_unspecified)
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 literal in brackets."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+class _BearerToken:
+    """Checks call metadata for ``authorization: Bearer <token>`` in constant time; keeps only the digest."""
+
+    def __init__(self, token: str) -> None:
+        if not (token.isascii() and token.isprintable() and " " not in token):
+            raise ValueError("the embedding token must be printable ASCII without spaces (gRPC metadata)")
+        self._digest = _sha256(token.encode())
+
+    def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[str, str] | None:
+        """None when the metadata carries the token, else (reason to log, details for the caller)."""
+        value = next((value for key, value in metadata or () if key == "authorization"), None)
+        if value is None:
+            return "no token", "missing token: send call metadata `authorization: Bearer <token>`"
+        raw = value.encode() if isinstance(value, str) else value
+        scheme, _, presented = raw.strip().partition(b" ")
+        if scheme.lower() != b"bearer" or not presented.strip():
+            return "not a Bearer token", "call metadata `authorization` must be `Bearer <token>`"
+        if not hmac.compare_digest(_sha256(presented.strip()), self._digest):
+            return "wrong token", "invalid token"
+        return None
+
+
+def _sha256(secret: bytes) -> bytes:
+    return hashlib.sha256(secret).digest()
+
+
+class _Servicer:
+    """``Lookup`` and ``Info`` on parsed requests, behind handlers that authenticate and parse the raw bytes."""
+
+    def __init__(
+        self,
+        shard: Shard,
+        info: pb.ShardInfo,
+        pool: ThreadPoolExecutor,
+        max_elements: int,
+        token: _BearerToken | None = None,
+    ) -> None:
+        self._shard = shard
+        self._info = info
+        self._pool = pool
+        self._max_elements = max_elements
+        self._expected = frozenset(shard.input_names)
+        self._token = token
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        return {
+            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self.Lookup),
+            "Info": self._handler("Info", pb.InfoRequest, pb.ShardInfo, self.Info),
+        }
+
+    def _handler(
+        self,
+        method: str,
+        request_type: type[Message],
+        response_type: type[Message],
+        call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
+    ) -> grpc.RpcMethodHandler:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+            await self._authenticate(method, context)
+            try:
+                request = request_type.FromString(raw)
+            except DecodeError as error:
+                await _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"malformed {request_type.DESCRIPTOR.name} message: {error}",
+                )
+            return await call(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+
+    async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> None:
+        if self._token is None:
+            return
+        if refusal := self._token.refusal(context.invocation_metadata()):
+            reason, details = refusal
+            logger.info("refused %s from %s: %s", method, context.peer(), reason)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ShardInfo:
+        return self._info
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        remaining = context.time_remaining()
+        if remaining is not None and remaining <= 0:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
+        if problem := self._name_problem([message.name for message in request.inputs]):
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            _check_spans(request.inputs, self._max_elements)
+            inputs = wire.decode_all(request.inputs, max_elements=self._max_elements)
+        except ValueError as error:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
+        try:
+            outputs = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, inputs)
+        except Exception as error:  # ids below -1 or out of range, wrong ranks or dtypes: the request's fault
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
+            )
+        try:
+            selected = {name: outputs[name] for name in self._shard.output_names}
+            return pb.LookupResponse(outputs=wire.encode_all(selected, max_elements=self._max_elements))
+        except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
+            await _abort(context, grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}")
+
+    def _name_problem(self, names: Sequence[str]) -> str | None:
+        """What is wrong with the input names, before any tensor is decoded; names at most ``_LISTED`` unknown
+        ones (a request may carry millions)."""
+        present = set(names)
+        missing = [name for name in self._shard.input_names if name not in present]
+        unknown = [name for name in dict.fromkeys(names) if name not in self._expected]
+        if not missing and not unknown:
+            return None
+        parts = [f"missing input {name!r}" for name in missing]
+        parts += [f"unknown input {_shorten(name)}" for name in unknown[:_LISTED]]
+        if len(unknown) > _LISTED:
+            parts.append(f"{len(unknown) - _LISTED} more unknown inputs")
+        return f"shard {self._shard.index}: {'; '.join(parts)}; expected inputs: {', '.join(self._shard.input_names)}"
+
+    def _run(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        _check_ids(inputs)
+        with torch.inference_mode():
+            return self._shard.module(**inputs)
+
+
+def _check_spans(messages: Iterable[pb.Tensor], max_elements: int) -> None:
+    """ValueError for an empty tensor whose other dimensions exceed ``max_elements``: shape [2**40, 26, 0] has no
+    element, yet a module pooling its last dimension would return 2**40 rows (and [0, 2**62, 2**62] overflows)."""
+    for message in messages:
+        if len(message.shape) > wire.MAX_DIMS or 0 not in message.shape:  # wire refuses or caps them
+            continue
+        span = math.prod(max(dim, 1) for dim in message.shape)
+        if span > max_elements:
+            raise ValueError(
+                f"tensor {message.name!r}: empty shape {list(message.shape)} spans {span} elements counting its "
+                f"empty dimensions as 1, at most {max_elements} allowed"
+            )
+
+
+def _check_ids(inputs: Mapping[str, torch.Tensor]) -> None:
+    """ValueError naming the first integer input holding an id below ``PADDING_ID``."""
+    for name, tensor in inputs.items():
+        if tensor.dtype.is_floating_point or tensor.numel() == 0:
+            continue
+        below = (tensor < PADDING_ID).reshape(-1)
+        if below.any():
+            first = int(below.to(torch.uint8).argmax())  # no index list: all of a huge tensor may be below
+            position = [int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)]
+            raise ValueError(
+                f"tensor {name!r}: id {int(tensor.reshape(-1)[first])} at {position}; ids are >= 0, "
+                f"or {PADDING_ID} for padding"
+            )
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """End the call with ``code``; ``details`` cut to what a status trailer carries (it may echo request text)."""
+    if len(details) > _MAX_DETAILS:
+        details = details[: _MAX_DETAILS - 3] + "..."
+    await context.abort(code, details)
+
+
+def _shorten(name: str) -> str:
+    return repr(name) if len(name) <= _MAX_NAME else f"{name[:_MAX_NAME]!r}... ({len(name)} characters)"
+
+
+def _describe(inputs: Mapping[str, torch.Tensor]) -> str:
+    return ", ".join(f"{name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for name, t in inputs.items())
+
+
+class EmbeddingServer:
+    """One shard served over ``grpc.aio`` with health checking; loopback unless ``host`` says otherwise.
+
+    ``tls`` serves TLS instead of plaintext; a non-empty ``token`` makes ``Lookup`` and ``Info`` demand it. A
+    ``host`` that is neither loopback nor private needs one of the two (ValueError otherwise).
+    """
+
+    def __init__(
+        self,
+        shard: Shard,
+        *,
+        model: str = "",
+        num_shards: int = 1,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_tensor_elements: int = wire.DEFAULT_MAX_ELEMENTS,
+        worker_threads: int = 2,
+        torch_threads: int | None = None,
+        tls: ServerTLS | None = None,
+        token: str = "",
+    ) -> None:
+        if problem := exposure_problem(host, secured=tls is not None or bool(token)):
+            raise ValueError(f"host: {problem}")
+        self._shard = shard
+        self._info = pb.ShardInfo(
+            model=model,
+            shard_index=shard.index,
+            num_shards=num_shards,
+            input_names=shard.input_names,
+            output_names=shard.output_names,
+            parameter_bytes=shard.parameter_bytes,
+        )
+        self._host = host
+        self._port = port
+        self._max_message_bytes = max_message_bytes
+        self._max_tensor_elements = max_tensor_elements
+        self._worker_threads = worker_threads
+        self._torch_threads = torch_threads
+        self._tls = tls
+        self._token = _BearerToken(token) if token else None
+        self._server: grpc.aio.Server | None = None
+        self._health: health.aio.HealthServicer | None = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    @property
+    def address(self) -> str:
+        """``host:port`` as bound (an IPv6 host in brackets); only meaningful after ``start``."""
+        return host_port(self._host, self._port)
+
+    @property
+    def security(self) -> str:
+        """How callers are checked, for logs: ``plaintext``, ``TLS`` or ``mutual TLS``, plus ``token required``."""
+        transport = "plaintext" if self._tls is None else "mutual TLS" if self._tls.client_ca is not None else "TLS"
+        return transport if self._token is None else f"{transport}, token required"
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (the chosen one when ``port`` was 0)."""
+        set_torch_threads(self._torch_threads)
+        self._pool = ThreadPoolExecutor(self._worker_threads, thread_name_prefix=f"embedding-shard-{self._shard.index}")
+        servicer = _Servicer(self._shard, self._info, self._pool, self._max_tensor_elements, self._token)
+        self._server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self._max_message_bytes),
+                ("grpc.max_send_message_length", self._max_message_bytes),
+            ]
+        )
+        handlers = servicer.method_handlers()
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+        self._server.add_registered_method_handlers(SERVICE_NAME, handlers)
+        self._health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self._port = self._bind()
+        await self._server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        return self._port
+
+    def _bind(self) -> int:
+        address = host_port(self._host, self._port)
+        if self._tls is None:
+            return self._server.add_insecure_port(address)
+        try:
+            return self._server.add_secure_port(address, self._tls.credentials())
+        except RuntimeError:
+            raise RuntimeError(
+                f"cannot serve TLS on {address}: the TLS certificate or key is invalid or they do not match, or "
+                "the address cannot be bound (GRPC_VERBOSITY=debug tells which)"
+            ) from None
+
+    async def stop(self, grace: float | None = 1.0, *, drain_s: float = 0.0) -> None:
+        """Report NOT_SERVING, keep serving ``drain_s`` seconds so health-checking balancers move away,
+        then refuse new calls and give in-flight ones ``grace`` seconds to finish."""
+        if self._server is None:
+            return
+        await self._health.enter_graceful_shutdown()
+        await asyncio.sleep(drain_s)
+        await self._server.stop(grace)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._server = None
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The CLI's arguments, with ``tls`` (a ``ServerTLS`` or None) read from the ``--tls-*`` files; exits naming
+    the flag when a file cannot be read or ``--host`` would be exposed without TLS or a token."""
+    parser = argparse.ArgumentParser(description="Serve one table-wise embedding shard of a DLRM preset over gRPC.")
+    parser.add_argument("--preset", default="tiny", help="DLRM preset (disagg.model.PRESETS)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the deterministic weight initialisation")
+    parser.add_argument("--shard", type=int, required=True, help="index of the shard to serve")
+    parser.add_argument("--num-shards", type=int, required=True, help="number of shards the tables are split into")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default: loopback only); one that is neither loopback "
+        "nor private needs TLS or SWIFTSERVE_EMBEDDING_TOKEN",
+    )
+    parser.add_argument("--port", type=int, default=50051, help="port to bind; 0 picks a free one")
+    parser.add_argument("--max-message-mb", type=int, default=DEFAULT_MAX_MESSAGE_BYTES // MiB)
+    parser.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-client-ca", help="PEM CA certificates: demand client certificates they signed (mTLS)")
+    args = parser.parse_args(argv)
+    try:
+        args.tls = _server_tls(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if problem := exposure_problem(args.host, secured=args.tls is not None or bool(EMBEDDING_TOKEN)):
+        parser.error(f"--host: {problem}")
+    return args
+
+
+def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return ServerTLS(
+        certificate_chain=read_pem(args.tls_cert, "--tls-cert"),
+        private_key=read_pem(args.tls_key, "--tls-key"),
+        client_ca=None if args.tls_client_ca is None else read_pem(args.tls_client_ca, "--tls-client-ca"),
+    )
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from disagg.model import preset_spec
+    from disagg.partition import build_embedding_shard
+
+    shard = build_embedding_shard(preset_spec(args.preset), args.seed, args.shard, args.num_shards)
+    server = EmbeddingServer(
+        shard,
+        model=args.preset,
+        num_shards=args.num_shards,
+        host=args.host,
+        port=args.port,
+        max_message_bytes=args.max_message_mb * MiB,
+        torch_threads=args.torch_threads,
+        tls=args.tls,
+        token=EMBEDDING_TOKEN,
+    )
+    await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stopping.set)
+    logger.info(
+        "serving %s shard %d/%d on %s (%s): outputs %s from inputs %s; %d parameter bytes",
+        args.preset, shard.index, args.num_shards, server.address, server.security,
+        ", ".join(shard.output_names), ", ".join(shard.input_names), shard.parameter_bytes,
+    )  # fmt: skip
+    await stopping.wait()
+    logger.info("stopping shard %d on %s", shard.index, server.address)
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    asyncio.run(_serve(_parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

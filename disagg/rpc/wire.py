@@ -1,0 +1,92 @@
+"""Torch tensors to and from the wire format of the embedding service: raw little-endian bytes, never lists.
+
+Decoding does not copy: the tensor views the ``bytes`` object protobuf hands out for ``data``, memory that must
+not be written, so clone a decoded tensor before changing it in place. Every field of an incoming tensor is
+checked before its data is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import warnings
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from disagg.rpc._proto import embedding_pb2 as pb
+
+#: Element types the wire accepts, by their names in ``Tensor.dtype``.
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+MAX_DIMS = 8
+#: Default cap on the elements of one tensor (512 MiB of float32), far above one request's pooled embeddings.
+DEFAULT_MAX_ELEMENTS = 1 << 27
+
+if sys.byteorder != "little":  # the wire is little-endian and tensors are sent as their native bytes
+    raise ImportError("disagg.rpc.wire supports little-endian hosts only")
+
+
+def encode(name: str, tensor: torch.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> pb.Tensor:
+    """``tensor`` as a wire ``Tensor`` called ``name``; ValueError for a dtype, rank or size the wire refuses."""
+    dtype_name = _NAMES.get(tensor.dtype)
+    if dtype_name is None:
+        raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} is not supported; supported: {', '.join(DTYPES)}")
+    _check_shape(name, tuple(tensor.shape), max_elements)
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return pb.Tensor(name=name, dtype=dtype_name, shape=tensor.shape, data=flat.view(torch.uint8).numpy().tobytes())
+
+
+def decode(message: pb.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
+    """The tensor in ``message``, viewing its bytes; ValueError naming the field that is wrong."""
+    dtype = DTYPES.get(message.dtype)
+    if dtype is None:
+        raise ValueError(f"tensor {message.name!r}: unknown dtype {message.dtype!r}; supported: {', '.join(DTYPES)}")
+    shape = tuple(message.shape)
+    count = _check_shape(message.name, shape, max_elements)
+    expected = count * dtype.itemsize
+    if len(message.data) != expected:
+        raise ValueError(
+            f"tensor {message.name!r}: data holds {len(message.data)} bytes, but shape {list(shape)} of "
+            f"{message.dtype} needs {expected}"
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only bytes: torch warns once that writing would be undefined
+        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+        return torch.frombuffer(message.data, dtype=dtype).view(shape)
+
+
+def encode_all(tensors: Mapping[str, torch.Tensor], *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[pb.Tensor]:
+    """Every tensor of ``tensors``, encoded under its key."""
+    return [encode(name, tensor, max_elements=max_elements) for name, tensor in tensors.items()]
+
+
+def decode_all(messages: Iterable[pb.Tensor], *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> dict[str, torch.Tensor]:
+    """The decoded tensors by name; ValueError for an empty or repeated name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for message in messages:
+        if not message.name:
+            raise ValueError("a tensor has an empty name")
+        if message.name in tensors:
+            raise ValueError(f"tensor {message.name!r} appears more than once")
+        tensors[message.name] = decode(message, max_elements=max_elements)
+    return tensors
+
+
+def _check_shape(name: str, shape: tuple[int, ...], max_elements: int) -> int:
+    """The element count of ``shape`` after checking rank, signs and the element cap."""
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"tensor {name!r}: {len(shape)} dimensions, at most {MAX_DIMS} allowed")
+    if any(dim < 0 for dim in shape):
+        raise ValueError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+    count = math.prod(shape)
+    if count > max_elements:
+        raise ValueError(f"tensor {name!r}: {count} elements, at most {max_elements} allowed")
+    return count

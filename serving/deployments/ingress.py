@@ -1,0 +1,83 @@
+"""The HTTP ingress of the diffusion app and the engine interface it serves, over a handle to the model."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from fastapi import FastAPI
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from serving.api.server import create_images_api
+from serving.common.backpressure import OVERLOADED
+from serving.common.constants import API_KEY
+from serving.common.device import placement
+from serving.common.http import APIError
+from serving.common.logging import get_logger
+from serving.config import DiffusionAppConfig
+from serving.engine import GenerationParams, GenerationResult, ModelInfo
+
+logger = get_logger("deployments.ingress")
+
+
+class DeploymentBackend:
+    """``ImageGenerationBackend`` over a handle to ``DiffusionModel``.
+
+    A full model queue and a replica dying under a call are 503s with ``Retry-After``; a dead replica's call is
+    not retried (the generation may be what killed it).
+    """
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self._handle = handle
+        self._info: ModelInfo | None = None
+
+    async def model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = await self._call("model_info")
+        return self._info
+
+    async def list_loras(self) -> list[str]:
+        return await self._call("list_loras")
+
+    async def list_controlnets(self) -> list[str]:
+        return await self._call("list_controlnets")
+
+    async def generate(self, params: GenerationParams) -> GenerationResult:
+        return await self._call("generate", params)
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            result = await getattr(self._handle, method).remote(*args)
+        except BackPressureError as exc:
+            retry_after = str(max(1, math.ceil(exc.retry_after_s or 1)))
+            raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
+                           headers={"Retry-After": retry_after}) from None
+        except RayActorError as exc:
+            logger.warning("model replica failed under a %s call: %s", method, exc)
+            raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",
+                           headers={"Retry-After": "1"}) from None
+        except RayTaskError as exc:
+            if isinstance(exc.cause, APIError):
+                raise exc.cause from None
+            raise
+        if isinstance(result, APIError):  # the model's answer to a request it refused
+            raise result
+        return result
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64, max_queued_requests=64,
+                  backpressure_config=OVERLOADED)
+@serve.ingress()
+class ImagesIngress:
+    """The OpenAI Images HTTP API; forwards generations to ``DiffusionModel``."""
+
+    def __init__(self, model: DeploymentHandle, config: DiffusionAppConfig) -> None:
+        self._backend = DeploymentBackend(model)
+        self._config = config
+        logger.info("images ingress up on %s", placement())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return create_images_api(self._backend, self._config, api_key=API_KEY)

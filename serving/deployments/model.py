@@ -1,0 +1,64 @@
+"""The model replica: one engine loop batching requests step by step, with its LoRA cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serving.common.backpressure import OVERLOADED
+from serving.common.http import APIError
+from serving.common.logging import get_logger
+from serving.common.memory import MemoryReport
+from serving.common.metrics import Metrics
+from serving.config import DiffusionAppConfig, EngineTuning
+from serving.controlnet.client import MeasuredControlNets
+from serving.deployments.cfg_worker import ServeCFGWorker
+from serving.deployments.controlnet import ServeControlNets
+from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
+
+logger = get_logger("deployments.model")
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=8,
+                  backpressure_config=OVERLOADED)
+class DiffusionModel(MemoryReport):
+    """One diffusion engine and its LoRA cache; the engine refuses requests that would wait too long for their
+    first step (``engine.admission_wait_fraction``), Serve's queue bounds the rest."""
+
+    def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
+                 cfg_worker: DeploymentHandle | None = None) -> None:
+        timeout_s = config.engine.remote_timeout_s
+        metrics = Metrics.for_replica()
+        client = MeasuredControlNets(ServeControlNets(controlnets, timeout_s), metrics) if controlnets else None
+        worker = ServeCFGWorker(cfg_worker, timeout_s) if cfg_worker is not None else None
+        self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker, metrics=metrics)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Applies an ``EngineTuning`` (Serve ``user_config``, e.g. ``{max_batch_rows: 8}``) without a restart."""
+        loop = self._backend.loop
+        loop.config = EngineTuning.model_validate(user_config).apply(loop.config)
+        logger.info("engine now %s", loop.config.model_dump(include=set(EngineTuning.model_fields)))
+
+    async def model_info(self) -> ModelInfo:
+        return await self._backend.model_info()
+
+    async def list_loras(self) -> list[str]:
+        return await self._backend.list_loras()
+
+    async def list_controlnets(self) -> list[str]:
+        return await self._backend.list_controlnets()
+
+    async def generate(self, params: GenerationParams) -> GenerationResult | APIError:
+        """The result, or the ``APIError`` to answer, as a value: Serve logs an exception a replica method raises
+        as a failed request with its traceback, which a client's bad request or an overload refusal is not."""
+        try:
+            return await self._backend.generate(params)
+        except APIError as error:
+            return error
+
+    def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
+        backend = getattr(self, "_backend", None)
+        if backend is not None:
+            backend.close()

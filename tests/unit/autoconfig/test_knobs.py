@@ -1,0 +1,259 @@
+"""Knob values written into deploy/serve_config.yaml: both applications, CPU and GPU, validated like a real deploy."""
+
+import copy
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from autoconfig import trial
+from autoconfig.cli import main as autoconfig_main
+from autoconfig.knobs import apply_knobs, configure_serve_config, write_serve_config
+from autoconfig.serve_config import load_serve_config, validate_app_args
+from disagg.config import BatchingConfig, DLRMAppConfig
+from serving.config import DiffusionAppConfig, EngineTuning
+from tests.helpers import REPO
+
+SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
+BANK_CONFIG = REPO / "benchmarks" / "autoconfig_bank" / "serve_config.yaml"
+CONFIGURATION = {"max_batch_size": 32, "batch_wait_timeout_s": 0.02, "device_share": 1.6, "num_replicas": 3}
+
+
+@pytest.fixture(scope="module")
+def template() -> ServeDeploySchema:
+    return load_serve_config(SERVE_CONFIG)
+
+
+def _app(config: ServeDeploySchema, name: str) -> dict:
+    return next(app for app in config.model_dump(exclude_unset=True)["applications"] if app["name"] == name)
+
+
+def _deployments(app: dict) -> dict[str, dict]:
+    return {deployment["name"]: deployment for deployment in app["deployments"]}
+
+
+def test_dlrm_on_cpu_sets_live_batching_replicas_cpus_and_torch_threads(template):
+    configured = configure_serve_config(template, "dlrm", CONFIGURATION)
+    app = _app(configured, "dlrm")
+    args = validate_app_args(next(a for a in configured.applications if a.name == "dlrm"))
+    assert isinstance(args, DLRMAppConfig)
+    assert args.model.torch_threads == 2  # round(1.6)
+    dense = _deployments(app)["DisaggregatedDLRM"]
+    assert dense["num_replicas"] == 3
+    assert dense["ray_actor_options"] == {"num_cpus": 1.6}
+    # Batching goes to the replica's live user_config (what its reconfigure validates), room for two batches.
+    assert dense["user_config"] == {"max_batch_size": 32, "batch_wait_timeout_s": 0.02}
+    assert BatchingConfig.model_validate(dense["user_config"]) == BatchingConfig(
+        max_batch_size=32, batch_wait_timeout_s=0.02
+    )
+    assert dense["max_ongoing_requests"] == 64
+    # args keep the template's batching: only model.torch_threads changed there.
+    template_args = _app(template, "dlrm")["args"]
+    assert app["args"]["batching"] == template_args["batching"] == {"max_batch_size": 64, "batch_wait_timeout_s": 0.005}
+    assert app["args"] == template_args | {"model": template_args["model"] | {"torch_threads": 2}}
+    # The embedding shards keep the template's resources; the other application is untouched.
+    assert {name: d for name, d in _deployments(app).items() if name != "DisaggregatedDLRM"} == {
+        name: d for name, d in _deployments(_app(template, "dlrm")).items() if name != "DisaggregatedDLRM"
+    }
+    assert _app(configured, "diffusion") == _app(template, "diffusion")
+
+
+def test_monolithic_dlrm_targets_the_monolithic_deployment(template):
+    raw = template.model_dump(exclude_unset=True)
+    next(app for app in raw["applications"] if app["name"] == "dlrm")["args"]["serving"] = "monolithic"
+    configured = configure_serve_config(ServeDeploySchema.model_validate(raw), "dlrm", CONFIGURATION)
+    mono = _deployments(_app(configured, "dlrm"))["MonolithicDLRM"]
+    assert mono == {
+        "name": "MonolithicDLRM",
+        "num_replicas": 3,
+        "user_config": {"max_batch_size": 32, "batch_wait_timeout_s": 0.02},
+        "max_ongoing_requests": 64,
+        "ray_actor_options": {"num_cpus": 1.6},
+    }
+
+
+def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_batches(template):
+    configured = configure_serve_config(template, "diffusion", CONFIGURATION | {"torch_threads": 4})
+    app = _app(configured, "diffusion")
+    args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
+    assert isinstance(args, DiffusionAppConfig)
+    assert args.model.torch_threads == 4  # given explicitly, so not round(1.6)
+    deployments = _deployments(app)
+    model = deployments["DiffusionModel"]
+    assert model["num_replicas"] == 3
+    assert model["ray_actor_options"] == {"num_cpus": 1.6}  # threads via args, no env
+    # Rows per step go to the replica's live user_config; the wait timeout has no diffusion counterpart.
+    assert model["user_config"] == {"max_batch_rows": 32}
+    assert EngineTuning.model_validate(model["user_config"]).apply(args.engine).max_batch_rows == 32
+    assert model["max_ongoing_requests"] == 64
+    assert deployments["ImagesIngress"]["max_ongoing_requests"] == 192
+    assert "user_config" not in deployments["ImagesIngress"]
+    assert deployments["ControlNet_edges"] == _deployments(_app(template, "diffusion"))["ControlNet_edges"]
+    # args keep the template's engine (rows 16): only model.torch_threads changed there.
+    template_args = _app(template, "diffusion")["args"]
+    assert args.engine.max_batch_rows == template_args["engine"]["max_batch_rows"] == 16
+    assert app["args"] == template_args | {"model": template_args["model"] | {"torch_threads": 4}}
+    assert _app(configured, "dlrm") == _app(template, "dlrm")
+
+
+@pytest.mark.parametrize(
+    ("share", "mps", "fraction", "percentage"), [(0.25, True, "0.25", "25"), (2, False, "1.0", None)]
+)
+def test_gpu_share_requests_fractional_gpus_a_memory_cap_and_mps_percentage(template, share, mps, fraction, percentage):
+    configured = configure_serve_config(
+        template, "dlrm", CONFIGURATION | {"device_share": share}, accelerator="gpu", mps=mps
+    )
+    actor = _deployments(_app(configured, "dlrm"))["DisaggregatedDLRM"]["ray_actor_options"]
+    assert actor["num_gpus"] == share
+    assert actor["num_cpus"] == 0.3  # the template's CPUs stay
+    env = actor["runtime_env"]["env_vars"]
+    assert env.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") == fraction
+    assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == percentage
+    assert set(env) <= {"SWIFTSERVE_CUDA_MEMORY_FRACTION", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
+    args = validate_app_args(next(a for a in configured.applications if a.name == "dlrm"))
+    assert args.model.torch_threads is None  # threads only when asked for on GPU
+
+
+def test_gpu_share_above_one_must_be_whole_gpus(template):
+    with pytest.raises(ValueError, match="whole number of GPUs"):
+        configure_serve_config(template, "dlrm", CONFIGURATION | {"device_share": 1.5}, accelerator="gpu")
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [({"max_batch_size": 0}, "max_batch_size"), ({"cpus": 2}, "cpus"), ({"device_share": -1}, "device_share")],
+)
+def test_invalid_configurations_name_the_knob(template, change, field):
+    with pytest.raises(ValidationError, match=field):
+        configure_serve_config(template, "dlrm", CONFIGURATION | change)
+
+
+def test_unknown_application_or_import_path_is_refused(template):
+    with pytest.raises(ValueError, match=r"no application 'nope'.*diffusion, dlrm"):
+        configure_serve_config(template, "nope", CONFIGURATION)
+    with pytest.raises(ValueError, match="has no knobs"):
+        apply_knobs({"name": "x", "import_path": "other.app:build"}, CONFIGURATION)
+
+
+def test_autoscaling_gives_way_to_num_replicas_and_the_input_is_not_modified(template):
+    app = _app(template, "dlrm")
+    app["deployments"][0]["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 4}
+    app["deployments"][0].pop("num_replicas")
+    configured = apply_knobs(app, CONFIGURATION)
+    assert "autoscaling_config" not in configured["deployments"][0]
+    assert "autoscaling_config" in app["deployments"][0] and "runtime_env" not in app["deployments"][0]
+    ServeDeploySchema.model_validate({"applications": [configured]})
+
+
+@pytest.mark.parametrize(("app_name", "accelerator"), [("dlrm", "gpu"), ("diffusion", "cpu")])
+def test_written_yaml_loads_back_and_passes_autoconfig_check(template, tmp_path, app_name, accelerator):
+    configured = configure_serve_config(
+        template, app_name, CONFIGURATION | {"device_share": 0.5}, accelerator=accelerator, mps=True
+    )
+    path = tmp_path / "tuned.yaml"
+    write_serve_config(configured, path)
+    assert ServeDeploySchema.model_validate(yaml.safe_load(path.read_text())) == configured
+    assert load_serve_config(path).model_dump(exclude_unset=True) == configured.model_dump(exclude_unset=True)
+    assert autoconfig_main(["check", str(path)]) == 0
+
+
+def _trial_schema(template: ServeDeploySchema, app_name: str, configuration: dict, accelerator: str = "cpu"):
+    return trial.trial_application(template, app_name, configuration, accelerator=accelerator, mps=False,
+                                   name="autoconfig-trial", route_prefix="/autoconfig-trial")
+
+
+def _trial_app(template: ServeDeploySchema, app_name: str, configuration: dict) -> dict:
+    return _trial_schema(template, app_name, configuration).model_dump(mode="json", exclude_unset=True)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"max_batch_size": 8},
+        {"batch_wait_timeout_s": 0.0},
+        {"num_replicas": 1},
+        {"max_batch_size": 4, "batch_wait_timeout_s": 0.1, "num_replicas": 5},
+    ],
+)
+@pytest.mark.parametrize("app_name", ["dlrm", "diffusion"])
+def test_batching_and_replica_changes_update_the_trial_app_in_place(template, app_name, change):
+    deployed = _trial_app(template, app_name, CONFIGURATION)
+    new = _trial_app(template, app_name, CONFIGURATION | change)
+    # user_config, max_ongoing_requests or num_replicas differ (diffusion has no wait timeout: nothing does)...
+    assert (new == deployed) == (app_name == "diffusion" and set(change) == {"batch_wait_timeout_s"})
+    assert not trial._restarts_replicas(deployed, new)  # ...all of which Serve applies to running replicas
+    assert not trial._restarts_replicas(deployed, deployed)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"device_share": 0.8},  # ray_actor_options.num_cpus, and args.model.torch_threads (1, not 2)
+        {"device_share": 1.7},  # num_cpus only: round(1.7) == round(1.6) == 2 threads
+        {"torch_threads": 3},
+    ],  # args.model.torch_threads only
+)
+def test_resource_or_args_changes_restart_replicas(template, change):
+    deployed = _trial_app(template, "dlrm", CONFIGURATION)
+    assert trial._restarts_replicas(deployed, _trial_app(template, "dlrm", CONFIGURATION | change))
+
+
+def test_replica_restarts_are_seen_in_any_deployment_and_in_the_app_itself(template):
+    deployed = _trial_app(template, "dlrm", CONFIGURATION)
+    shard = copy.deepcopy(deployed)
+    next(d for d in shard["deployments"] if d["name"] == "EmbeddingShard_0")["ray_actor_options"]["num_cpus"] = 0.2
+    assert trial._restarts_replicas(deployed, shard)
+    env = copy.deepcopy(deployed)
+    env["runtime_env"] = {"env_vars": {"X": "1"}}
+    assert trial._restarts_replicas(deployed, env)
+    # Deployments are matched by name, not by their position in the list.
+    reordered = copy.deepcopy(deployed)
+    reordered["deployments"].reverse()
+    assert not trial._restarts_replicas(deployed, reordered)
+
+
+@pytest.fixture
+def two_cpus(monkeypatch):
+    monkeypatch.setattr(trial.ray, "cluster_resources", lambda: {"CPU": 2.0})
+
+
+def _fits(template: ServeDeploySchema, app_name: str, configuration: dict, accelerator: str = "cpu") -> None:
+    trial._check_cluster_fits(_trial_schema(template, app_name, configuration, accelerator), accelerator)
+
+
+@pytest.mark.usefixtures("two_cpus")
+def test_cluster_fit_counts_every_deployment_of_the_app(template):
+    # DLRM: dense 3 x 0.6 + two shards x 0.1 = 2.0 CPUs, exactly the cluster.
+    _fits(template, "dlrm", CONFIGURATION | {"device_share": 0.6})
+    # 3 x 0.62 = 1.86 alone would fit; with the shards' 0.2 it does not.
+    with pytest.raises(ValueError) as error:
+        _fits(template, "dlrm", CONFIGURATION | {"device_share": 0.62})
+    message = str(error.value)
+    assert "needs 2.06 CPU" in message and "the cluster has 2" in message
+    assert "DisaggregatedDLRM 1.86" in message
+    assert "EmbeddingShard_0 0.1" in message and "EmbeddingShard_1 0.1" in message
+    assert "ShardDirectory" not in message  # needs nothing
+    # Diffusion: ingress 0.1 + model 1 x 1.7 + ControlNet 0.2 = 2.0 fits; 2 replicas do not.
+    _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.7, "num_replicas": 1})
+    with pytest.raises(
+        ValueError,
+        match=r"needs 3\.7 CPU \(ImagesIngress 0\.1, DiffusionModel 3\.4, "
+        r"ControlNet_edges 0\.2\); the cluster has 2",
+    ):
+        _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.7, "num_replicas": 2})
+
+
+@pytest.mark.usefixtures("two_cpus")
+def test_cluster_fit_on_gpu_counts_gpus_of_which_a_cpu_cluster_has_none(template):
+    with pytest.raises(ValueError, match=r"needs 0\.75 GPU \(DisaggregatedDLRM 0\.75\); the cluster has 0"):
+        _fits(template, "dlrm", CONFIGURATION | {"device_share": 0.25}, accelerator="gpu")
+
+
+@pytest.mark.usefixtures("two_cpus")
+def test_cluster_fit_of_the_bank_template_which_reserves_cpus_only_for_the_model(template):
+    bank = load_serve_config(BANK_CONFIG)
+    _fits(bank, "dlrm-tiny-disaggregated", CONFIGURATION | {"device_share": 1.0, "num_replicas": 2})
+    _fits(bank, "diffusion-tiny", CONFIGURATION | {"device_share": 2.0, "num_replicas": 1})
+    with pytest.raises(ValueError, match=r"\(MonolithicDLRM 3\)"):
+        _fits(bank, "dlrm-small", CONFIGURATION | {"device_share": 1.0, "num_replicas": 3})

@@ -1,0 +1,235 @@
+"""ShardClient / EmbeddingClient against real servers on loopback: fan-out, failover, deadlines, refusals."""
+
+import asyncio
+import contextlib
+import time
+
+import grpc
+import pytest
+import torch
+
+from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
+from disagg.rpc.server import EmbeddingServer
+from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
+
+
+@contextlib.asynccontextmanager
+async def closing(client):
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def dead_address() -> str:
+    """An address that refuses connections: a server's, after it stopped."""
+    server = EmbeddingServer(toy_shard())
+    await server.start()
+    await server.stop(0)
+    return server.address
+
+
+def assert_same(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert outputs.keys() == expected.keys()
+    for name, tensor in expected.items():
+        torch.testing.assert_close(outputs[name], tensor, rtol=0, atol=0)
+
+
+def test_round_trip_over_two_shards_equals_calling_the_modules():
+    async def body():
+        first, second = toy_shard(0, ("a", "b")), toy_shard(1, ("c",))
+        inputs = {"ids_a": torch.tensor([1, 2]), "ids_b": torch.tensor([3, 4]), "ids_c": torch.tensor([9, 0])}
+        async with serving(first) as s0, serving(second) as s1:
+            shards = [ShardClient(0, [s0.address]), ShardClient(1, [s1.address])]
+            async with closing(EmbeddingClient(shards)) as client:
+                outputs = await client.lookup(inputs, timeout_s=5)
+                assert_same(await client.lookup(inputs, timeout_s=5), outputs)
+        expected = first.module(ids_a=inputs["ids_a"], ids_b=inputs["ids_b"]) | second.module(ids_c=inputs["ids_c"])
+        assert_same(outputs, expected)
+        assert [shard.input_names for shard in shards] == [("ids_a", "ids_b"), ("ids_c",)]  # learned via Info
+        assert client.stats.calls == 2 and len(client.stats.recent_latencies_s) == 2
+        assert shards[0].stats.failovers == 0
+
+    asyncio.run(body())
+
+
+def test_shards_are_looked_up_concurrently():
+    async def body():
+        first, second = toy_shard(0, ("a",), delay_s=0.3), toy_shard(1, ("b",), delay_s=0.3)
+        async with serving(first) as s0, serving(second) as s1:
+            shards = [ShardClient(0, [s0.address], input_names=["ids_a"]), ShardClient(1, [s1.address])]
+            async with closing(EmbeddingClient(shards)) as client:
+                inputs = {"ids_a": torch.tensor([1]), "ids_b": torch.tensor([2])}
+                await client.lookup(inputs, timeout_s=5)  # connects and learns shard 1's inputs
+                start = time.monotonic()
+                outputs = await client.lookup(inputs, timeout_s=5)
+                elapsed = time.monotonic() - start
+        assert outputs.keys() == {"pooled_a", "pooled_b"}
+        assert elapsed < 0.5, f"two 0.3 s shards took {elapsed:.2f} s: not concurrent"
+
+    asyncio.run(body())
+
+
+def test_lookups_fail_over_when_a_replica_stops_and_skip_it_while_it_cools_down():
+    async def body():
+        shard = toy_shard()
+        expected = shard.module(**toy_inputs(shard))
+        async with serving(shard) as alive:
+            doomed = EmbeddingServer(shard)
+            await doomed.start()
+            async with closing(ShardClient(0, [doomed.address, alive.address], cooldown_s=60)) as client:
+                assert_same(await client.lookup(toy_inputs(shard), timeout_s=5), expected)
+                await doomed.stop(0)
+                for _ in range(6):
+                    assert_same(await client.lookup(toy_inputs(shard), timeout_s=5), expected)
+                assert client.stats.failovers == 1  # then the stopped replica cools down, tried last
+                assert client.stats.unavailable == 0
+
+    asyncio.run(body())
+
+
+def test_slow_replica_leaves_time_to_fail_over_to_a_fast_one():
+    async def body():
+        slow, fast = toy_shard(delay_s=1.2), toy_shard()
+        async with (
+            serving(slow) as s_slow,
+            serving(fast) as s_fast,
+            closing(ShardClient(0, [s_slow.address, s_fast.address])) as client,
+        ):
+            start = time.monotonic()
+            for _ in range(2):  # round robin: one of the two starts on the slow replica
+                await client.lookup(toy_inputs(fast), timeout_s=1.5)
+            elapsed = time.monotonic() - start
+        assert client.stats.failovers == 1
+        assert elapsed < 1.5, f"{elapsed:.2f} s"
+
+    asyncio.run(body())
+
+
+def test_all_replicas_down_raises_shard_unavailable_within_the_deadline():
+    async def body():
+        addresses = [await dead_address(), await dead_address()]
+        async with closing(ShardClient(3, addresses, input_names=["ids_a", "ids_b"])) as shard:
+            start = time.monotonic()
+            with pytest.raises(ShardUnavailable) as info:
+                await EmbeddingClient([shard]).lookup(toy_inputs(toy_shard()), timeout_s=1.0)
+            elapsed = time.monotonic() - start
+        assert elapsed < 1.0 + 0.3
+        assert info.value.shard_index == 3
+        assert "UNAVAILABLE" in info.value.last_error and info.value.last_error.split(":")[0] in "".join(addresses)
+        assert shard.stats.unavailable == 1 and shard.stats.failovers == 1
+
+    asyncio.run(body())
+
+
+def test_no_replicas_is_shard_unavailable():
+    async def body():
+        with pytest.raises(ShardUnavailable, match="shard 0 unavailable: no replica addresses"):
+            await ShardClient(0, []).lookup({"x": torch.zeros(1)}, timeout_s=1)
+
+    asyncio.run(body())
+
+
+def test_replica_restarted_at_a_new_address_recovers_after_update_addresses():
+    async def body():
+        shard = toy_shard()
+        old = EmbeddingServer(shard)
+        await old.start()
+        async with closing(ShardClient(0, [old.address])) as client:
+            await client.lookup(toy_inputs(shard), timeout_s=5)
+            await old.stop(0)
+            with pytest.raises(ShardUnavailable):
+                await client.lookup(toy_inputs(shard), timeout_s=1)
+            async with serving(shard) as new:
+                client.update_addresses([new.address])
+                assert client.addresses == (new.address,)
+                outputs = await client.lookup(toy_inputs(shard), timeout_s=5)
+        assert_same(outputs, shard.module(**toy_inputs(shard)))
+
+    asyncio.run(body())
+
+
+def test_slow_module_gets_deadline_exceeded_then_shard_unavailable_in_time():
+    async def body():
+        shard = toy_shard(delay_s=1.0)
+        async with serving(shard) as server, closing(ShardClient(0, [server.address])) as client:
+            start = time.monotonic()
+            with pytest.raises(ShardUnavailable) as info:
+                await client.lookup(toy_inputs(shard), timeout_s=0.3)
+            elapsed = time.monotonic() - start
+        assert "DEADLINE_EXCEEDED" in info.value.last_error
+        assert elapsed < 0.3 + 0.25, f"{elapsed:.2f} s"
+
+    asyncio.run(body())
+
+
+def test_refused_input_name_is_a_request_error_not_retried_and_the_server_keeps_serving():
+    async def body():
+        shard = toy_shard()
+        async with (
+            serving(shard) as r0,
+            serving(shard) as r1,
+            closing(ShardClient(0, [r0.address, r1.address])) as client,
+        ):
+            with pytest.raises(EmbeddingRequestError) as info:
+                await client.lookup({"ids_a": torch.tensor([1]), "bogus": torch.tensor([1])}, timeout_s=5)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.shard_index == 0
+            assert "unknown input 'bogus'" in str(info.value) and "missing input 'ids_b'" in str(info.value)
+            assert client.stats.failovers == 0 and client.stats.request_errors == 1
+            await client.lookup(toy_inputs(shard), timeout_s=5)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error"),
+    [
+        ({"ids_a": torch.tensor([1])}, "embedding shard 0 refused .*missing input 'ids_b'"),
+        ({"ids_a": torch.tensor([1]), "ids_b": torch.tensor([1]), "x": torch.tensor([1])}, "unknown input 'x'"),
+    ],
+)
+def test_embedding_client_refuses_missing_or_unknown_inputs_before_sending(inputs, error):
+    async def body():
+        shard = ShardClient(0, [await dead_address()], input_names=["ids_a", "ids_b"])
+        client = EmbeddingClient([shard])
+        with pytest.raises(EmbeddingRequestError, match=error):
+            await client.lookup(inputs, timeout_s=1)
+        assert client.stats.request_errors == 1 and shard.stats.calls == 0
+
+    asyncio.run(body())
+
+
+def test_oversized_request_is_a_request_error_and_the_server_keeps_serving():
+    async def body():
+        shard = toy_shard()
+        big = {"ids_a": torch.zeros(300_000, dtype=torch.int64), "ids_b": torch.zeros(1, dtype=torch.int64)}
+        async with (
+            serving(shard, max_message_bytes=1 << 20) as server,
+            closing(ShardClient(0, [server.address])) as client,
+        ):
+            with pytest.raises(EmbeddingRequestError) as info:
+                await client.lookup(big, timeout_s=5)
+            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in info.value.message
+            await client.lookup(toy_inputs(shard), timeout_s=5)
+
+    asyncio.run(body())
+
+
+def test_unavailable_shard_fails_the_lookup_at_once_and_cancels_the_others():
+    async def body():
+        slow = toy_shard(0, ("a",), delay_s=1.5)
+        async with serving(slow) as server:
+            shards = [ShardClient(0, [server.address], input_names=["ids_a"])]
+            shards.append(ShardClient(1, [await dead_address()], input_names=["ids_b"]))
+            async with closing(EmbeddingClient(shards)) as client:
+                start = time.monotonic()
+                with pytest.raises(ShardUnavailable) as info:
+                    await client.lookup({"ids_a": torch.tensor([1]), "ids_b": torch.tensor([1])}, timeout_s=5)
+                elapsed = time.monotonic() - start
+        assert info.value.shard_index == 1
+        assert elapsed < 1.0, f"{elapsed:.2f} s: waited for the slow shard"
+        assert client.stats.unavailable == 1
+
+    asyncio.run(body())

@@ -1,0 +1,301 @@
+"""EmbeddingServer on loopback: lookups, refusals that leave it serving, deadlines, health, message limits."""
+
+import asyncio
+import contextlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from disagg.rpc import wire
+from disagg.rpc._proto import embedding_pb2 as pb
+from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
+from disagg.rpc.client import ShardClient
+from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, _Servicer
+from tests.helpers import REPO
+from tests.helpers.embedding_shards import ToyShard, serving, toy_inputs, toy_shard
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+ROOT = REPO
+
+
+@contextlib.asynccontextmanager
+async def stub_for(server: EmbeddingServer, **options):
+    async with grpc.aio.insecure_channel(server.address, options=list(options.items())) as channel:
+        yield pb_grpc.EmbeddingShardStub(channel), health_pb2_grpc.HealthStub(channel)
+
+
+def lookup_request(inputs: dict[str, torch.Tensor]) -> pb.LookupRequest:
+    return pb.LookupRequest(inputs=wire.encode_all(inputs))
+
+
+async def assert_still_serves(stub, shard: ToyShard) -> None:
+    response = await stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5)
+    assert [t.name for t in response.outputs] == list(shard.output_names)
+
+
+def test_info_and_loopback_address():
+    async def body():
+        shard = toy_shard(index=1)
+        async with serving(shard, model="toy", num_shards=3) as server, stub_for(server) as (stub, _):
+            assert server.address.startswith("127.0.0.1:") and not server.address.endswith(":0")
+            info = await stub.Info(pb.InfoRequest(), timeout=5)
+        assert (info.model, info.shard_index, info.num_shards) == ("toy", 1, 3)
+        assert tuple(info.input_names) == ("ids_a", "ids_b") and tuple(info.output_names) == ("pooled_a", "pooled_b")
+        assert info.parameter_bytes == shard.parameter_bytes == 2 * 10 * 4 * 4
+
+    asyncio.run(body())
+
+
+def test_lookup_equals_calling_the_module():
+    async def body():
+        shard = toy_shard()
+        inputs = {"ids_a": torch.tensor([0, 9, 3]), "ids_b": torch.tensor([5, 5, 1])}
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            response = await stub.Lookup(lookup_request(inputs), timeout=5)
+        outputs = wire.decode_all(response.outputs)
+        expected = shard.module(**inputs)
+        assert outputs.keys() == expected.keys()
+        for name, tensor in expected.items():
+            torch.testing.assert_close(outputs[name], tensor, rtol=0, atol=0)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("inputs", "problems"),
+    [
+        ({"ids_a": torch.zeros(2, dtype=torch.int64)}, ["missing input 'ids_b'"]),
+        (
+            {"ids_a": torch.zeros(2, dtype=torch.int64), "idz_b": torch.zeros(2, dtype=torch.int64)},
+            ["missing input 'ids_b'", "unknown input 'idz_b'"],
+        ),
+    ],
+)
+def test_wrong_input_names_are_invalid_argument_naming_them(inputs, problems):
+    async def body():
+        shard = toy_shard()
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(lookup_request(inputs), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            for problem in problems:
+                assert problem in info.value.details()
+            await assert_still_serves(stub, shard)
+        assert shard.module.calls == 1  # the refused request never reached the module
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("tensor", "detail"),
+    [
+        (pb.Tensor(name="ids_a", dtype="int64", shape=[2], data=bytes(3)), "tensor 'ids_a': data holds 3 bytes"),
+        (pb.Tensor(name="ids_a", dtype="complex64", shape=[1], data=bytes(8)), "unknown dtype 'complex64'"),
+    ],
+)
+def test_malformed_tensor_is_invalid_argument(tensor, detail):
+    async def body():
+        shard = toy_shard()
+        request = pb.LookupRequest(inputs=[tensor, wire.encode("ids_b", torch.zeros(2, dtype=torch.int64))])
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(request, timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert detail in info.value.details()
+            await assert_still_serves(stub, shard)
+
+    asyncio.run(body())
+
+
+def test_out_of_range_ids_are_invalid_argument_and_the_server_keeps_serving():
+    async def body():
+        shard = toy_shard(rows=10)
+        inputs = {"ids_a": torch.tensor([0, 10]), "ids_b": torch.tensor([0, 1])}
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(lookup_request(inputs), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith("shard 0: ") and "index" in info.value.details().lower()
+            await assert_still_serves(stub, shard)
+
+    asyncio.run(body())
+
+
+def test_module_breaking_its_output_contract_is_internal():
+    async def body():
+        shard = toy_shard()
+        broken = ToyShard(0, shard.module, shard.input_names, ("pooled_a", "pooled_c"), shard.parameter_bytes)
+        async with serving(broken) as server, stub_for(server) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5)
+        assert info.value.code() == grpc.StatusCode.INTERNAL
+        assert "pooled_c" in info.value.details()
+
+    asyncio.run(body())
+
+
+def test_oversized_request_is_resource_exhausted_and_the_server_keeps_serving():
+    async def body():
+        shard = toy_shard()
+        big = {"ids_a": torch.zeros(300_000, dtype=torch.int64), "ids_b": torch.zeros(1, dtype=torch.int64)}
+        async with (
+            serving(shard, max_message_bytes=1 << 20) as server,
+            stub_for(server, **{"grpc.max_send_message_length": 8 << 20}) as (stub, _),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(lookup_request(big), timeout=5)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await assert_still_serves(stub, shard)
+        assert shard.module.calls == 1
+
+    asyncio.run(body())
+
+
+def test_message_limit_is_raised_above_grpc_default_of_4_mib():
+    async def body():
+        shard = toy_shard()
+        inputs = {"ids_a": torch.zeros(1_000_000, dtype=torch.int64), "ids_b": torch.zeros(1, dtype=torch.int64)}
+        options = {"grpc.max_send_message_length": 64 << 20, "grpc.max_receive_message_length": 64 << 20}
+        async with serving(shard) as server, stub_for(server, **options) as (stub, _):
+            response = await stub.Lookup(lookup_request(inputs), timeout=10)  # 8 MB in, 16 MB out
+        assert wire.decode_all(response.outputs)["pooled_a"].shape == (1_000_000, 4)
+
+    asyncio.run(body())
+
+
+def test_health_serving_then_not_serving_while_draining():
+    async def body():
+        shard = toy_shard()
+        server = EmbeddingServer(shard)
+        await server.start()
+        async with stub_for(server) as (stub, health):
+            for service in ("", SERVICE_NAME):
+                response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert response.status == SERVING
+            stopping = asyncio.create_task(server.stop(0, drain_s=1.0))
+            await asyncio.sleep(0.2)
+            for service in ("", SERVICE_NAME):
+                response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+                assert response.status == NOT_SERVING
+            await assert_still_serves(stub, shard)  # draining: still answers those that come
+            await stopping
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(body())
+
+
+def test_health_checks_answer_while_a_lookup_computes():
+    async def body():
+        shard = toy_shard(delay_s=0.8)
+        async with serving(shard) as server, stub_for(server) as (stub, health):
+            lookup = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5))
+            await asyncio.sleep(0.15)
+            start = time.monotonic()
+            response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+            assert response.status == SERVING
+            assert time.monotonic() - start < 0.4
+            assert not lookup.done()
+            await lookup
+
+    asyncio.run(body())
+
+
+def test_slow_lookup_gets_deadline_exceeded_and_queued_expired_ones_are_not_computed():
+    async def body():
+        shard = toy_shard(delay_s=0.5)
+        async with serving(shard, worker_threads=1) as server, stub_for(server) as (stub, _):
+            first = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5))
+            await asyncio.sleep(0.1)
+            with pytest.raises(grpc.aio.AioRpcError) as info:  # waits behind ``first``, expires in the queue
+                await stub.Lookup(lookup_request(toy_inputs(shard)), timeout=0.2)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            await first
+            await asyncio.sleep(0.1)
+            assert shard.module.calls == 1
+            await assert_still_serves(stub, shard)
+
+    asyncio.run(body())
+
+
+class _ExpiredContext:
+    def time_remaining(self) -> float:
+        return 0.0
+
+    async def abort(self, code, details):
+        raise grpc.aio.AbortError(f"{code.name}: {details}")
+
+
+def test_request_whose_deadline_has_passed_is_not_computed():
+    async def body():
+        shard = toy_shard()
+        with ThreadPoolExecutor(1) as pool:
+            servicer = _Servicer(shard, pb.ShardInfo(), pool, max_elements=100)
+            with pytest.raises(grpc.aio.AbortError, match="DEADLINE_EXCEEDED"):
+                await servicer.Lookup(lookup_request(toy_inputs(shard)), _ExpiredContext())
+        assert shard.module.calls == 0
+
+    asyncio.run(body())
+
+
+def test_stop_is_idempotent_and_stops_serving():
+    async def body():
+        server = EmbeddingServer(toy_shard())
+        await server.start()
+        address = server.address
+        await server.stop(0)
+        await server.stop(0)
+        async with grpc.aio.insecure_channel(address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.EmbeddingShardStub(channel).Info(pb.InfoRequest(), timeout=1)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(body())
+
+
+@pytest.mark.slow
+def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm():
+    from disagg import partition
+    from disagg.model import preset_spec
+
+    command = [sys.executable, "-m", "disagg.rpc.server", "--preset", "tiny", "--seed", "3"]
+    command += ["--shard", "1", "--num-shards", "2", "--port", "0", "--torch-threads", "1"]
+    process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        line = next((line for line in process.stderr if "serving" in line), "")
+        match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+) \(plaintext\): outputs ", line)
+        assert match, f"no serving line, process exited with {process.poll()}"
+        expected_shard = partition.build_embedding_shard(preset_spec("tiny"), 3, 1, 2)
+        sparse = torch.arange(4 * 26 * 2, dtype=torch.int64).reshape(4, 26, 2) % 4 - 1  # [B, tables, H], -1 pads
+
+        async def lookup():
+            client = ShardClient(1, [match.group(1)])
+            try:
+                info = await client.info(timeout_s=10)
+                return info, await client.lookup({"sparse": sparse}, timeout_s=10)
+            finally:
+                await client.close()
+
+        info, outputs = asyncio.run(lookup())
+        assert (info.model, info.shard_index, info.num_shards) == ("tiny", 1, 2)
+        assert tuple(info.output_names) == expected_shard.output_names
+        with torch.inference_mode():
+            expected = expected_shard.module(sparse=sparse)
+        for name in expected_shard.output_names:
+            torch.testing.assert_close(outputs[name], expected[name], rtol=0, atol=0)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+        assert "stopping shard 1" in process.stderr.read()
+    finally:
+        process.kill()
+        process.wait()

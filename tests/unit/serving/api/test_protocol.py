@@ -1,0 +1,96 @@
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from serving.api.protocol import MAX_SEED, ImageGenerationRequest
+from serving.common.http import APIError
+from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits
+from serving.engine import ModelInfo
+from tests.helpers.images import encode_b64
+
+INFO = ModelInfo(name="tiny", default_size=64, size_multiple=8)
+CONFIG = DiffusionAppConfig(
+    defaults=GenerationDefaults(num_inference_steps=4, guidance_scale=5.0),
+    limits=ImageLimits(max_n=2, max_steps=10, max_side=256, max_prompt_chars=50),
+)
+
+
+def _params(**body):
+    return ImageGenerationRequest.model_validate({"prompt": "a red circle", **body}).to_params(INFO, CONFIG)
+
+
+def test_defaults_come_from_model_and_config():
+    params = _params(seed=5)
+    assert (params.width, params.height) == (64, 64)
+    assert (params.num_inference_steps, params.guidance_scale) == (4, 5.0)
+    assert (params.seed, params.n, params.negative_prompt) == (5, 1, None)
+
+
+def test_explicit_fields_are_used():
+    params = _params(size="128x64", n=2, num_inference_steps=3, guidance_scale=0.0, seed=9,
+                     negative_prompt="blue", model="tiny")
+    assert (params.width, params.height, params.n, params.num_inference_steps) == (128, 64, 2, 3)
+    assert (params.guidance_scale, params.seed, params.negative_prompt) == (0.0, 9, "blue")
+
+
+def test_missing_seed_is_drawn_per_request():
+    seeds = {_params().seed for _ in range(8)}
+    assert len(seeds) > 1
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 3}, "n"),
+        ({"size": "64"}, "size"),
+        ({"size": "64x64x3"}, "size"),
+        ({"size": "512x64"}, "size"),
+        ({"size": "60x64"}, "size"),
+        ({"num_inference_steps": 11}, "num_inference_steps"),
+        ({"guidance_scale": 31}, "guidance_scale"),
+        ({"prompt": "x" * 51}, "prompt"),
+        ({"negative_prompt": "x" * 51}, "negative_prompt"),
+        ({"seed": MAX_SEED, "n": 2}, "seed"),
+    ],
+)
+def test_limits_name_the_field(body, param):
+    with pytest.raises(APIError) as caught:
+        _params(**body)
+    assert caught.value.status_code == 400
+    assert caught.value.param == param
+    assert caught.value.message.startswith(param)
+
+
+def test_unknown_model_is_404():
+    with pytest.raises(APIError) as caught:
+        _params(model="dall-e-3")
+    assert (caught.value.status_code, caught.value.param, caught.value.code) == (404, "model", "model_not_found")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({}, "prompt"),
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": "two"}, "n"),
+        ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({"prompt": "x", "seed": -1}, "seed"),
+        ({"prompt": "x", "guidence_scale": 3}, "guidence_scale"),
+    ],
+)
+def test_schema_violations_point_at_the_field(body, field):
+    with pytest.raises(ValidationError) as caught:
+        ImageGenerationRequest.model_validate(body)
+    assert caught.value.errors()[0]["loc"][0] == field
+
+
+def test_the_configured_image_side_limit_applies_to_conditioning_images():
+    image = encode_b64(np.zeros((8, 300, 3), dtype=np.uint8))  # 2,400 pixels: far inside the pixel cap
+    body = {"controlnets": [{"name": "edges", "image": image}]}
+    strict = CONFIG.model_copy(update={"limits": CONFIG.limits.model_copy(update={"max_image_side": 256})})
+    with pytest.raises(APIError) as refused:
+        ImageGenerationRequest.model_validate({"prompt": "a red circle", **body}).to_params(INFO, strict)
+    assert refused.value.status_code == 400 and refused.value.param == "controlnets[0].image"
+    assert "256" in refused.value.message
+    assert _params(**body).controlnets[0].image.shape[:2] == (8, 300)  # the default side cap (8192) admits it

@@ -1,0 +1,258 @@
+"""ControlNets: conditioning images, the runner, and the engine against StableDiffusionControlNetPipeline."""
+
+import base64
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from serving.controlnet.client import ControlNetNotFound, LocalControlNets
+from serving.controlnet.conditioning import ConditioningImageError, decode_image, preprocess
+from serving.controlnet.models import build_controlnet_preset
+from serving.controlnet.runner import ControlNetRunner
+from serving.engine import DiffusionEngine, GenerationParams
+from serving.engine.request import PendingLoRA
+from serving.engine.types import ControlNetSpec
+from serving.engine.unet_split import SplitUNet
+from serving.lora.format import load_lora_file
+from serving.presets import build_preset
+from tests.helpers.images import encode_b64
+from tests.helpers.lora_files import write_lora
+
+TOLERANCE = 1e-3
+CPU = torch.device("cpu")
+
+
+def _shape_image(kind: str, size: int = 64) -> np.ndarray:
+    """A white shape on black: an edge / mask-like conditioning image."""
+    image = np.zeros((size, size, 3), np.uint8)
+    if kind == "square":
+        image[16:48, 12:40] = 255
+    else:
+        yy, xx = np.mgrid[:size, :size]
+        image[(yy - 30) ** 2 + (xx - 36) ** 2 < 15**2] = 255
+    return image
+
+
+@pytest.fixture(scope="module")
+def controlnets() -> dict:
+    return {"edges": build_controlnet_preset("tiny", seed=1), "mask": build_controlnet_preset("tiny", seed=2)}
+
+
+@pytest.fixture(scope="module")
+def engine(controlnets) -> DiffusionEngine:
+    client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
+    return DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client)
+
+
+def _run(engine, params, loras=()):
+    state = engine.start(params, list(loras))
+    if loras:
+        engine.activate_loras(state)
+    while not state.done:
+        engine.step([state])
+    return engine.decode(state)
+
+
+def _params(**overrides) -> GenerationParams:
+    values = dict(prompt="a red circle", width=64, height=64, num_inference_steps=4, guidance_scale=7.5, seed=5)
+    return GenerationParams(**{**values, **overrides})
+
+
+def _reference(controlnets, params, specs, lora_path=None, lora_scale=1.0) -> np.ndarray:
+    pipe = build_preset("tiny").as_controlnet_pipeline([controlnets[spec.name] for spec in specs])
+    pipe.set_progress_bar_config(disable=True)
+    if lora_path is not None:
+        pipe.load_lora_weights(load_file(lora_path))
+        pipe.fuse_lora(lora_scale=lora_scale)
+    images = [Image.fromarray(spec.image) for spec in specs]
+    scales = [spec.scale for spec in specs]
+    return pipe(
+        prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
+        width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+        guidance_scale=params.guidance_scale, output_type="np",
+        image=images[0] if len(images) == 1 else images,
+        controlnet_conditioning_scale=scales[0] if len(scales) == 1 else scales,
+        generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
+    ).images
+
+
+def test_split_unet_equals_the_whole_forward():
+    unet = build_preset("tiny").unet
+    sample, t, context = torch.randn(3, 4, 24, 40), torch.tensor([5, 500, 900]), torch.randn(3, 77, 64)
+    with torch.inference_mode():
+        split = SplitUNet(unet)
+        down = split.down(sample, t, context)
+        residuals = [torch.randn_like(skip) for skip in down.skips]
+        mid = torch.randn_like(down.sample)
+        expected = unet(sample, t, context, down_block_additional_residuals=residuals,
+                        mid_block_additional_residual=mid).sample
+        torch.testing.assert_close(split.up(down, residuals, mid), expected)
+        torch.testing.assert_close(split.up(split.down(sample, t, context)), unet(sample, t, context).sample)
+
+
+@pytest.mark.parametrize("guidance", [1.0, 6.0])
+def test_one_controlnet_matches_diffusers(engine, controlnets, guidance):
+    specs = (ControlNetSpec("edges", _shape_image("square"), 0.8),)
+    params = _params(guidance_scale=guidance, n=2, controlnets=specs)
+    ours = _run(engine, params)
+    assert np.abs(ours - _reference(controlnets, params, specs)).max() <= TOLERANCE
+    assert np.abs(ours - _run(engine, _params(guidance_scale=guidance, n=2))).max() > 20 * TOLERANCE
+
+
+def test_two_controlnets_sum_like_multicontrolnet(engine, controlnets):
+    specs = (ControlNetSpec("edges", _shape_image("square"), 0.7), ControlNetSpec("mask", _shape_image("disk"), 1.3))
+    params = _params(controlnets=specs, negative_prompt="blue")
+    assert np.abs(_run(engine, params) - _reference(controlnets, params, specs)).max() <= TOLERANCE
+
+
+def test_controlnet_with_lora_matches_diffusers(engine, controlnets, tmp_path):
+    path = write_lora(tmp_path / "style.safetensors", seed=3, text_encoder=True)
+    future: Future = Future()
+    future.set_result(load_lora_file(path, engine.lora_targets, max_file_bytes=2**30))
+    specs = (ControlNetSpec("edges", _shape_image("disk"), 1.0),)
+    params = _params(controlnets=specs, seed=9)
+    ours = _run(engine, params, [PendingLoRA("style", 0.7, future, cache_hit=True)])
+    assert np.abs(ours - _reference(controlnets, params, specs, path, 0.7)).max() <= TOLERANCE
+
+
+def test_batched_requests_with_different_controlnets_match_alone(engine):
+    requests = [
+        _params(seed=1, controlnets=(ControlNetSpec("edges", _shape_image("square"), 1.0),)),
+        _params(seed=2, guidance_scale=1.0),
+        _params(seed=3, n=2, controlnets=(ControlNetSpec("mask", _shape_image("disk"), 0.5),
+                                          ControlNetSpec("edges", _shape_image("disk"), 0.5))),
+    ]
+    alone = [_run(engine, params) for params in requests]
+    states = [engine.start(params) for params in requests]
+    while not all(state.done for state in states):
+        engine.step(states)
+    for state, expected in zip(states, alone, strict=True):
+        assert np.abs(engine.decode(state) - expected).max() <= TOLERANCE
+
+
+def test_unknown_controlnet_is_refused_before_work(engine):
+    with pytest.raises(ControlNetNotFound):
+        engine.start(_params(controlnets=(ControlNetSpec("depth", _shape_image("disk")),)))
+
+
+def test_decode_accepts_png_jpeg_and_data_urls():
+    image = _shape_image("square")
+    assert np.array_equal(decode_image(encode_b64(image), max_bytes=2**20, max_pixels=2**20), image)
+    jpeg = decode_image("data:image/jpeg;base64," + encode_b64(image, "JPEG"), max_bytes=2**20, max_pixels=2**20)
+    assert jpeg.shape == (64, 64, 3) and np.abs(jpeg.astype(int) - image).mean() < 10
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("not base64!!", "base64"),
+        (base64.b64encode(b"GIF89a garbage").decode(), "format"),
+        (base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode(), "IHDR"),
+        (base64.b64encode(b"\xff\xd8\xff\xe0\0\x10JFIF").decode(), "truncated"),
+        (encode_b64(np.zeros((8, 8, 3), np.uint8), "BMP"), "format"),
+        (encode_b64(np.zeros((100, 100, 3), np.uint8)), "pixels"),
+        ("A" * 10_000, "larger"),
+    ],
+)
+def test_decode_refuses_bad_images(data, message):
+    with pytest.raises(ConditioningImageError, match=message):
+        decode_image(data, max_bytes=4096, max_pixels=64 * 64)
+
+
+def test_canny_marks_the_shape_outline():
+    edges = preprocess(_shape_image("square"), "canny")
+    assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
+    assert edges[16:48, 11:13].max() == 255 and edges[30, 25].max() == 0  # on the border, not inside
+
+
+def test_parallel_cfg_gives_the_same_images(engine, controlnets, tmp_path):
+    from serving.engine.cfg import LocalCFGWorker
+
+    client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
+    worker = LocalCFGWorker(DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client))
+    parallel = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client, cfg_worker=worker)
+    path = write_lora(tmp_path / "style.safetensors", seed=4)
+    requests = [
+        (_params(seed=1, n=2, controlnets=(ControlNetSpec("edges", _shape_image("square"), 0.9),)), "style"),
+        (_params(seed=2, guidance_scale=1.0), None),
+        (_params(seed=3, negative_prompt="green"), None),
+    ]
+
+    def run_all(target: DiffusionEngine) -> list[np.ndarray]:
+        states = []
+        for params, lora in requests:
+            loras = []
+            if lora:
+                future: Future = Future()
+                future.set_result(load_lora_file(path, target.lora_targets, max_file_bytes=2**30))
+                loras = [PendingLoRA(lora, 0.8, future, cache_hit=True)]
+            state = target.start(params, loras)
+            if loras:
+                target.activate_loras(state)
+            states.append(state)
+        while not all(state.done for state in states):
+            target.step(states)
+        return [target.decode(state) for state in states]
+
+    try:
+        for together, alone in zip(run_all(parallel), run_all(engine), strict=True):
+            assert np.abs(together - alone).max() <= TOLERANCE
+    finally:
+        worker.close()
+
+
+def test_failing_controlnet_fails_only_its_requests(controlnets):
+    from serving.config import EngineConfig
+    from serving.controlnet.client import ControlNetUnavailable
+    from serving.engine import EngineLoop
+
+    class Dying(ControlNetRunner):
+        def run(self, call):
+            raise RuntimeError("replica died")
+
+    client = LocalControlNets({"edges": ControlNetRunner(controlnets["edges"], CPU),
+                               "mask": Dying(controlnets["mask"], CPU)})
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client)
+    loop = EngineLoop(engine, EngineConfig())
+    try:
+        doomed = loop.submit(_params(controlnets=(ControlNetSpec("mask", _shape_image("disk")),)))
+        fine = [loop.submit(_params(seed=2, controlnets=(ControlNetSpec("edges", _shape_image("disk")),))),
+                loop.submit(_params(seed=3))]
+        with pytest.raises(ControlNetUnavailable, match="mask"):
+            doomed.result(timeout=60)
+        assert all(len(future.result(timeout=60).images) == 1 for future in fine)
+        assert len(loop.submit(_params(seed=4)).result(timeout=60).images) == 1  # the loop keeps serving
+    finally:
+        loop.stop()
+
+
+def test_failing_cfg_worker_is_503_for_guided_requests_only():
+    import asyncio
+
+    from serving.common.http import APIError
+    from serving.config import DiffusionAppConfig
+    from serving.engine import LocalBackend
+    from serving.engine.cfg import LocalCFGWorker
+
+    class Broken(LocalCFGWorker):
+        def submit(self, batch):
+            raise_later: Future = Future()
+            raise_later.set_exception(RuntimeError("worker died"))
+            return raise_later
+
+    worker = Broken(DiffusionEngine("tiny", build_preset("tiny"), CPU))
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, cfg_worker=worker)
+    backend = LocalBackend.for_engine(engine, DiffusionAppConfig())
+    try:
+        with pytest.raises(APIError) as caught:
+            asyncio.run(backend.generate(_params(guidance_scale=5.0)))
+        assert caught.value.status_code == 503 and caught.value.headers == {"Retry-After": "1"}
+        unguided = asyncio.run(backend.generate(_params(guidance_scale=1.0)))  # no CFG rows: no worker needed
+        assert len(unguided.images) == 1
+    finally:
+        backend.close()
+        worker.close()
