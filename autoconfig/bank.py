@@ -1,13 +1,7 @@
-"""The profile bank: one JSON file per profiled model, each holding trials over a search space.
+"""The profile bank: a directory of JSON files, one per profiled model, each holding trials over a search space.
 
-A file reads::
-
-    {"model": {"name": "dlrm-small", ...}, "machine": {...}, "space": {...}, "objective": "rps_per_share",
-     "trials": [{"config": {...}, "rps": 812.0, "p50_ms": 3.1, "p99_ms": 9.8, "error_rate": 0.0,
-                 "status": "ok", "objective": 406.0}, ...]}
-
-``objective`` is set exactly when ``status`` is ``ok``; ``failed`` (the trial crashed) and ``slo_violated``
-(no request rate met the SLO) have none. A full grid has one trial per configuration of the space.
+``BankEntry`` is one file (format: docs/AUTOCONFIG.md); ``objective`` is set exactly when a trial's ``status`` is
+``ok``. A full grid has one trial per configuration of the space.
 """
 
 from __future__ import annotations
@@ -102,6 +96,7 @@ class BankEntry(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> BankEntry:
+        """The entry in ``path``; a :class:`BankError` names the file and the field."""
         path = Path(path)
         try:
             return cls.model_validate(json.loads(path.read_text()))

@@ -1,15 +1,7 @@
-"""The ``autoconfig`` command line.
+"""The ``autoconfig`` command line: ``check``, ``tune``, ``profile``, ``evaluate`` and ``report``.
 
-``autoconfig check CONFIG``  validate a Ray Serve config file, application ``args`` included, and
-                             show what it would deploy.
-``autoconfig profile ...``   profile every configuration of a space (a full grid) into a profile-bank entry.
-``autoconfig evaluate ...``  replay searchers on a profile bank: trials to (near) the optimum, and a plot.
-``autoconfig report ...``    a study's (or a bank entry's) trials as a table, and a PNG of its search progress
-                             and performance surface.
-``autoconfig tune ...``      find the configuration of one application with the best objective under a p99
-                             latency SLO, profiling real deployments chosen by a searcher; persists the study
-                             (resumable: Ctrl-C or SIGTERM stops it, keeping every finished trial) and writes the
-                             chosen configuration as a Serve config.
+Each subcommand's ``--help`` says what it does (docs/AUTOCONFIG.md: how trials and studies work). ``main`` returns
+the exit code; ``tune`` stopped by Ctrl-C or SIGTERM keeps its finished trials and returns 130 or 143.
 """
 
 from __future__ import annotations

@@ -1,40 +1,8 @@
 """Knob values written into a Ray Serve config: what a configuration means for a deployment.
 
-A configuration maps knob names to values: ``max_batch_size``, ``batch_wait_timeout_s``, ``device_share``,
-``num_replicas`` and optionally ``torch_threads``. ``apply_knobs`` writes them into one application of a Serve
-config (the dict form of a ``ServeApplicationSchema``); the *target* deployment is the one holding the model:
-``DiffusionModel`` (diffusion), ``MonolithicDLRM`` or the dense ``DisaggregatedDLRM`` (DLRM; embedding shards
-keep the template's resources).
-
-What each knob sets, and what that enforces:
-
-- ``num_replicas``: the target's ``num_replicas`` (any ``autoscaling_config`` there is removed).
-- ``max_batch_size`` and ``batch_wait_timeout_s`` go into the target's Serve ``user_config``, which the replica's
-  ``reconfigure`` applies live (Serve updates running replicas in place: no restart, no rebuild of the app;
-  the template's ``args`` are left alone, so only knobs that need one restart replicas).
-  DLRM: ``{max_batch_size, batch_wait_timeout_s}`` (a ``BatchingConfig``: requests merged into one forward
-  pass by ``@serve.batch``); the target's ``max_ongoing_requests`` becomes 2 x max_batch_size, room for one
-  batch running and the next filling. Diffusion: ``{max_batch_rows}`` (UNet rows per denoising step; an image
-  with classifier-free guidance takes two rows); the target's ``max_ongoing_requests`` becomes
-  2 x max_batch_size and ``ImagesIngress``'s 2 x max_batch_size x num_replicas, so batches can fill. The
-  diffusion engine batches continuously at step boundaries and has no wait timeout: that knob does not apply
-  to it and is ignored.
-- ``device_share`` on CPU:
-  - ``ray_actor_options.num_cpus = share``: a scheduling reservation, not a cap. Ray places a replica only
-    where that many CPUs are unreserved; the process itself may still run on every core of the node.
-  - torch intra-op threads = ``torch_threads`` or ``max(1, round(share))``: the real CPU limit, the parallelism
-    of the model's operators: ``args.model.torch_threads`` (``torch.set_num_threads`` in the replica; unset,
-    Ray would set ``OMP_NUM_THREADS`` to ``floor(num_cpus)``, at least 1).
-- ``device_share`` on GPU (``torch_threads`` is applied as above only when given):
-  - ``ray_actor_options.num_gpus = share``: fractional GPUs are scheduling only; replicas sharing a GPU are
-    isolated neither in memory nor in compute. Shares above 1 must be whole GPUs.
-  - ``SWIFTSERVE_CUDA_MEMORY_FRACTION = min(share, 1)`` in the target's ``runtime_env.env_vars``, for the replica
-    to pass to ``torch.cuda.set_per_process_memory_fraction``: a hard cap on PyTorch's caching allocator in that
-    process (allocations beyond it raise out-of-memory); memory outside the allocator (CUDA context, other
-    libraries) is not counted.
-  - with ``mps=True``, ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = round(100 x min(share, 1))``: caps the share of SMs
-    the process's kernels may occupy, enforced only when an MPS control daemon runs on the node (otherwise the
-    variable has no effect).
+``apply_knobs`` sets ``max_batch_size``, ``batch_wait_timeout_s``, ``device_share``, ``num_replicas`` and optionally
+``torch_threads`` on the deployment holding an application's model (``APP_KNOBS``); what each knob sets and what
+that enforces is in docs/AUTOCONFIG.md.
 """
 
 from __future__ import annotations
@@ -130,7 +98,10 @@ def apply_knobs(
     accelerator: Accelerator = "cpu",
     mps: bool = False,
 ) -> dict[str, Any]:
-    """A copy of ``app`` (a Serve application config as a dict) set to ``configuration``."""
+    """A copy of ``app`` (a Serve application config as a dict) set to ``configuration``.
+
+    Raises ``ValueError`` for an ``import_path`` without knobs or a GPU share above 1 that is not whole.
+    """
     knobs = Knobs.model_validate(dict(configuration))
     mapping = APP_KNOBS.get(app.get("import_path", ""))
     if mapping is None:

@@ -1,9 +1,7 @@
 """Replay searchers against full-grid profiles, leave-one-model-out, over several seeds.
 
-For each held-out entry and seed, a searcher is built with every other entry as its prior (only the meta
-searcher uses it) and run on the recorded surface: a trial's outcome is looked up, not measured. A run stops
-once it has observed the optimum. Trials-to-X is the 1-based trial count at which the best value so far first
-reaches X; a run that never reaches it within the budget counts as the space's size.
+A trial's outcome is looked up on the recorded surface, not measured. Trials-to-X is the 1-based trial count at
+which the best value so far first reaches X, or the space's size if no run reaches it (docs/AUTOCONFIG.md).
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """``autoconfig report``: what a study (or a profile-bank entry) measured, as a table and one PNG.
 
-The PNG has two panels: the search progress (each trial's objective in the order run, and the best so far) and
-the performance surface: the objective over (device share x replicas) rows and ``max_batch_size`` columns, each
-cell the best over the remaining knobs among the trials run; cells no trial reached are blank, cells whose
-trials all failed or missed the SLO show 0.
+The PNG has two panels: the search progress (each trial's objective in order, and the best so far) and the
+performance surface (``performance_surface``).
 """
 
 from __future__ import annotations
@@ -29,7 +27,8 @@ class Surface:
 
 
 def performance_surface(space: SearchSpace, history: Sequence[Observation]) -> Surface:
-    """The surface of ``history`` over ``space``'s (share, replicas) pairs and batch sizes."""
+    """The surface of ``history`` over ``space``'s (share, replicas) pairs and batch sizes: each cell the best
+    objective over the other knobs; NaN where no trial ran, 0 where every trial failed or missed the SLO."""
     rows = tuple(sorted({(c.device_share, c.num_replicas) for c in space.configurations()}))
     columns = tuple(int(v) for v in space.values("max_batch_size"))
     values = np.full((len(rows), len(columns)), np.nan)

@@ -1,18 +1,8 @@
 """The search space: each knob a finite list of values, so every configuration can be enumerated.
 
-A space file is YAML::
-
-    knobs:
-      max_batch_size: {values: [1, 2, 4, 8]}
-      batch_wait_timeout_s: {values: [0.0, 0.005]}
-      device_share: {values: [0.5, 1.0]}     # CPUs per replica on CPU, fraction of a GPU on GPU
-      num_replicas: {values: [1, 2]}
-      torch_threads: {values: [1, 2]}        # optional
-    max_total_share: 4.0                     # optional: drop configs with num_replicas * device_share above it
-
-Errors name the field (``knobs.max_batch_size.values[2]: ...``). ``encode`` maps a configuration into
-``[0, 1]^d`` for model-based searchers: each knob is min-max scaled over its values, after ``log(v)`` for
-``max_batch_size`` and ``log(v + 1 ms)`` for ``batch_wait_timeout_s`` (zero allowed); other knobs are linear.
+``SearchSpace`` is read from a YAML space file (format: docs/AUTOCONFIG.md); errors name the field
+(``knobs.max_batch_size.values[2]: ...``). ``encode`` maps a configuration into ``[0, 1]^d`` for model-based
+searchers.
 """
 
 from __future__ import annotations
@@ -168,7 +158,7 @@ class SearchSpace(BaseModel):
             raise SpaceError(f"configuration {config.as_dict()} is not in the search space") from None
 
     def encode(self, config: Configuration) -> np.ndarray:
-        """``config`` as a point of ``[0, 1]^d`` (see the module docstring)."""
+        """``config`` as a point of ``[0, 1]^d``, one coordinate per knob (:meth:`coordinates`)."""
         return self.encode_all()[self.index(config)]
 
     def encode_all(self) -> np.ndarray:
@@ -180,7 +170,8 @@ class SearchSpace(BaseModel):
         return getattr(self.knobs, name).values
 
     def coordinates(self, name: str) -> np.ndarray:
-        """The encoded coordinate in ``[0, 1]`` of each value of knob ``name``."""
+        """The encoded coordinate in ``[0, 1]`` of each value of knob ``name``: min-max scaled over its values, after
+        ``log(v)`` for ``max_batch_size`` and ``log(v + 1 ms)`` for ``batch_wait_timeout_s``; other knobs linear."""
         values = np.array(self.values(name), dtype=np.float64)
         if name in _LOG_KNOBS:
             values = np.log(values + _LOG_KNOBS[name])

@@ -1,15 +1,8 @@
 """Open-loop stress client: the highest request rate an HTTP endpoint sustains under a p99 latency SLO.
 
-Open loop: requests leave on a fixed schedule (constant intervals or Poisson arrivals, seeded) whether or not
-earlier ones have been answered, so a slow server builds a queue instead of slowing the client down. Latency
-is measured from each request's *scheduled* send time, so that queue (and any lag of the client itself) shows.
-At most ``max_in_flight`` requests are open at once: a request that finds no free slot waits for one, still on
-its clock, and fails as a timeout at ``scheduled + timeout_s`` — a dead server cannot make the client open
-unbounded sockets. Timeouts, transport errors and non-2xx answers count as errors.
-
-The rate search (as in Morphling's stress client) doubles the rate from ``start_rps`` until a probe breaks the
-SLO (p99 above it, or more than ``max_error_rate`` errors), then bisects between the last good and the first bad
-rate until they are within ``rel_tolerance`` of each other, within a cap on probes and on total time.
+Requests leave on a seeded schedule whether or not earlier ones were answered, and latency counts from each
+request's *scheduled* send time; timeouts, transport errors and non-2xx answers are errors. The rate search
+doubles the rate until the SLO breaks, then bisects (docs/AUTOCONFIG.md, "The rate search").
 """
 
 from __future__ import annotations
@@ -115,7 +108,11 @@ def _is_late(scheduled: float, task: asyncio.Future[float | None], now: float, s
 
 
 class StressClient:
-    """Drives ``workload`` against ``base_url`` (the application's route prefix); use as an async context."""
+    """Drives ``workload`` against ``base_url`` (the application's route prefix); use as an async context.
+
+    At most ``max_in_flight`` requests are open at once; one waiting for a slot stays on its clock and fails as a
+    timeout at ``scheduled + timeout_s``, so a dead server cannot make the client open unbounded sockets.
+    """
 
     def __init__(
         self,

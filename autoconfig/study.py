@@ -1,20 +1,8 @@
 """Tuning studies persisted in Optuna storage: a SQLite file by default, any Optuna RDB URL for a shared database.
 
-One Optuna trial per finished profiling trial: its params are the configuration's knobs, its value the objective,
-its user attributes the measurements (rate, latencies, errors, status). A trial is written only once finished, in
-one transaction (``add_trial``: the row, params, value and attributes, committed together), so a study interrupted
-at any point (``kill -9`` included) holds every finished trial intact and nothing half-written; ``tune`` run again
-continues it and never repeats a finished configuration. The search space is stored with the study: resuming with a
-different space is refused. Trials another Optuna client left unfinished (RUNNING, WAITING) in a shared storage are
-not finished trials here: they are not history, not records, do not count toward a budget, and do not keep their
-configuration from being profiled.
-
-Durability on SQLite: Optuna sets no pragmas, so SQLite's defaults hold (rollback journal, ``synchronous=FULL``).
-A transaction is committed when COMMIT returns; a process killed later, by any signal, loses nothing of it in any
-journal mode or ``synchronous`` setting, since its writes are already with the operating system. A process killed
-inside a transaction leaves a hot journal, which the next connection rolls back. ``synchronous`` (fsync) only
-matters when the machine loses power or the OS crashes: with ``OFF`` recent commits can then be lost or the file
-corrupted, with WAL and ``NORMAL`` recent commits can be lost.
+One Optuna trial per finished profiling trial, written in one transaction once finished, so an interrupted study
+(``kill -9`` included) keeps every finished trial and nothing half-written. The search space is stored with the
+study. Storage layout, resume and durability: docs/AUTOCONFIG.md, "Studies".
 """
 
 from __future__ import annotations
@@ -93,7 +81,8 @@ class TuningStudy:
         return self._study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL))
 
     def history(self) -> list[Observation]:
-        """Finished trials in order, as the searchers see them (failed or SLO-violating: value None)."""
+        """Finished trials in order (not those another client left unfinished), as the searchers see them (failed
+        or SLO-violating: value None)."""
         return [Observation(_configuration(trial.params), trial.value) for trial in self._finished()]
 
     def records(self) -> list[dict[str, Any]]:

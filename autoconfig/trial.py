@@ -1,15 +1,8 @@
 """One profiling trial: deploy an application at a configuration, find its highest sustainable rate, tear it down.
 
-The trial runs on the Ray cluster this process is already connected to (``ray.init``). The application under
-test is deployed declaratively under its own name and route prefix next to whatever declarative applications
-already run there: Serve's ``apply_config`` deletes declarative apps missing from the config it is given, so the
-running ones are re-applied unchanged (a no-op for them). If Serve is not running it is started on the template's
-host and ``http_port`` (default: a free port) and left running for the next trial.
-
-Status: ``ok`` (a sustainable rate was found), ``slo_violated`` (not even the start rate met the SLO) or ``failed``
-(an invalid configuration, a deploy error or timeout, a crash: the error text is recorded and the caller's search
-goes on). The application is deleted (``serve.delete``, which waits until it is gone) after the trial, unless the
-caller keeps it for the next trial to update in place (``teardown=False``); a failed trial's always is.
+Runs on the Ray cluster this process is connected to, beside the declarative applications already there (they
+are re-applied unchanged). Status: ``ok``, ``slo_violated`` (not even the start rate met the SLO) or ``failed``
+(error text recorded). The trial lifecycle: docs/AUTOCONFIG.md, "One trial".
 """
 
 from __future__ import annotations
@@ -238,12 +231,9 @@ def run_trial(
     failing trial (only without a Ray connection, if the app cannot be deleted afterwards, or on interrupts).
 
     ``warmup_s`` of load at the start rate precede the rate search, ``cold_warmup_s`` more when the trial started
-    model replicas (a first deploy, a redeploy, a scale-up): their first requests run cold.
-
-    ``teardown=False`` leaves the trial app deployed after a trial that measured something: the next trial of the
-    same ``trial_app_name`` then updates it in place, and Serve restarts replicas only for knobs that need it
-    (resources, threads), not for batching or replica counts. The caller deletes it at the end
-    (``serve.delete(trial_app_name)``). A failed trial is always deleted.
+    model replicas (their first requests run cold). ``teardown=False`` keeps the app deployed after a trial that
+    measured something, for the next trial of the same ``trial_app_name`` to update in place; the caller deletes
+    it at the end (:func:`delete_trial_app`). A failed trial's app is always deleted.
     """
     if not ray.is_initialized():
         raise RuntimeError("not connected to a Ray cluster: call ray.init(address=...) before run_trial")

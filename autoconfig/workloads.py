@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import preset_spec
+from disagg.api.codec import encode_dlrm_request
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 
 JSON_HEADERS: Mapping[str, str] = {"content-type": "application/json"}

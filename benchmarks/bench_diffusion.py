@@ -21,12 +21,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
-from benchmarks.bench_lora import write_attention_lora
-from benchmarks.common import diffusion_arguments, machine, summary, timed, write_results
+from benchmarks.common import (
+    conditioning_image,
+    diffusion_arguments,
+    machine,
+    summary,
+    timed,
+    write_attention_lora,
+    write_results,
+)
 from serving.config import EngineConfig
 from serving.controlnet.client import LocalControlNets
 from serving.controlnet.models import build_controlnet_preset
@@ -50,13 +56,6 @@ class Row:
     @property
     def label(self) -> str:
         return f"{self.controlnets}c-{self.loras}l"
-
-
-def conditioning_image(size: int, index: int) -> np.ndarray:
-    image = np.zeros((size, size, 3), np.uint8)
-    quarter = size // 4
-    image[quarter * (index % 2): quarter * (index % 2 + 2), quarter: quarter * 3] = 255
-    return image
 
 
 class Diffusers:

@@ -31,9 +31,7 @@ import torch
 from PIL import Image
 from ray import serve
 
-from benchmarks.bench_diffusion import conditioning_image
-from benchmarks.bench_lora import write_attention_lora
-from benchmarks.common import machine, write_results
+from benchmarks.common import conditioning_image, machine, write_attention_lora, write_results
 from serving.app import build_app
 from serving.config import ControlNetConfig, DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults, LoRAConfig
 from serving.engine import GenerationParams, LoRASpec

@@ -30,7 +30,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config
 from benchmarks.common import machine, write_results
-from disagg.model import preset_spec
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.net import free_port
 

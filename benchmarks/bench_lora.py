@@ -26,32 +26,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from benchmarks.common import diffusion_arguments, machine, summary, timed, write_results
+from benchmarks.common import diffusion_arguments, machine, summary, timed, write_attention_lora, write_results
 from serving.config import EngineConfig
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
 from serving.lora.cache import LoRACache
 from serving.lora.format import LoRATargets
 from serving.lora.registry import LoRARegistry
 from serving.presets import build_preset
-
-ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
-
-
-def write_attention_lora(path: Path, targets: LoRATargets, rank: int, seed: int = 0) -> int:
-    """A PEFT-format fp16 LoRA of ``rank`` on every UNet attention projection; returns its size in bytes."""
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, shape in targets.unet.items():
-        if not name.endswith(ATTENTION_PROJECTIONS):
-            continue
-        tensors[f"unet.{name}.lora_A.weight"] = (torch.randn(rank, shape.in_features, generator=generator)
-                                                 / shape.in_features**0.5).half()
-        tensors[f"unet.{name}.lora_B.weight"] = (torch.randn(shape.out_features, rank, generator=generator)
-                                                 * 0.01).half()
-    save_file(tensors, str(path))
-    return path.stat().st_size
 
 
 def diffusers_cases(params: GenerationParams, lora_path: Path) -> dict[str, Callable[[], None]]:

@@ -1,4 +1,4 @@
-"""Shared plumbing of the benchmark scripts: timing, machine description, result files."""
+"""Shared plumbing of the benchmark scripts: timing, machine description, result files, generated inputs."""
 
 from __future__ import annotations
 
@@ -10,11 +10,39 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from serving.engine import GenerationParams
+from serving.lora.format import LoRATargets
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def write_attention_lora(path: Path, targets: LoRATargets, rank: int, seed: int = 0) -> int:
+    """A PEFT-format fp16 LoRA of ``rank`` on every UNet attention projection; returns its size in bytes."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in targets.unet.items():
+        if not name.endswith(ATTENTION_PROJECTIONS):
+            continue
+        tensors[f"unet.{name}.lora_A.weight"] = (torch.randn(rank, shape.in_features, generator=generator)
+                                                 / shape.in_features**0.5).half()
+        tensors[f"unet.{name}.lora_B.weight"] = (torch.randn(shape.out_features, rank, generator=generator)
+                                                 * 0.01).half()
+    save_file(tensors, str(path))
+    return path.stat().st_size
+
+
+def conditioning_image(size: int, index: int) -> np.ndarray:
+    """A white rectangle on black, in one of two places by the parity of ``index``."""
+    image = np.zeros((size, size, 3), np.uint8)
+    quarter = size // 4
+    image[quarter * (index % 2): quarter * (index % 2 + 2), quarter: quarter * 3] = 255
+    return image
 
 
 def machine() -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""Disaggregated DLRM serving (DESIGN.md §4): model, partitioner, embedding shards, OIP v2 API, deployments.
+"""Disaggregated DLRM serving: model, partitioner, embedding shards, OIP v2 API, deployments.
 
 Names are imported on first use, so ``import disagg`` loads neither torch nor Ray.
 """
@@ -12,7 +12,7 @@ from serving.common.lazy import lazy_exports
 if TYPE_CHECKING:
     from disagg.app import build_app
     from disagg.config import BatchingConfig, DLRMAppConfig, DLRMLimits, DLRMModelConfig, EmbeddingServiceConfig
-    from disagg.model import DLRM, PRESETS, DLRMSpec, build_preset, materialize_, preset_spec
+    from disagg.model import DLRM, build_preset, materialize_
     from disagg.partition import (
         EmbeddingShard,
         Partition,
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     )
     from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
     from disagg.rpc.server import EmbeddingServer
+    from disagg.spec import PRESETS, DLRMSpec, preset_spec
     from disagg.synthetic import SyntheticRequests
 
 _EXPORTS = {
@@ -30,12 +31,12 @@ _EXPORTS = {
     "DLRMLimits": "disagg.config",
     "DLRMModelConfig": "disagg.config",
     "EmbeddingServiceConfig": "disagg.config",
+    "DLRMSpec": "disagg.spec",
+    "PRESETS": "disagg.spec",
+    "preset_spec": "disagg.spec",
     "DLRM": "disagg.model",
-    "DLRMSpec": "disagg.model",
-    "PRESETS": "disagg.model",
     "build_preset": "disagg.model",
     "materialize_": "disagg.model",
-    "preset_spec": "disagg.model",
     "EmbeddingShard": "disagg.partition",
     "Partition": "disagg.partition",
     "build_dense_part": "disagg.partition",

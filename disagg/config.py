@@ -8,11 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-import grpc
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from disagg.model import PRESETS, preset_weights
-from disagg.rpc.server import ServerTLS, read_pem
+from disagg.spec import PRESETS, preset_weights
 
 
 class DLRMModelConfig(BaseModel):
@@ -102,8 +100,9 @@ class EmbeddingServiceConfig(BaseModel):
 
     Access (docs/DEPLOYMENT.md, "Exposing the embedding service"): TLS with `tls_*`; a shared token from
     `SWIFTSERVE_EMBEDDING_TOKEN` in the environment of every replica. A `bind_host` that is neither loopback nor
-    private needs one of the two: the shard replica refuses to start otherwise. The TLS files are read when a replica
-    starts, wherever it runs; one that is missing or unreadable fails the replica with an error naming its field.
+    private needs one of the two: the shard replica refuses to start otherwise. The TLS files are read
+    (``disagg.rpc.tls``) when a replica starts, wherever it runs; one that is missing or unreadable fails the replica
+    with an error naming its field.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -177,26 +176,6 @@ class EmbeddingServiceConfig(BaseModel):
     def tls(self) -> bool:
         """Whether shard servers serve TLS."""
         return self.tls_cert_file is not None
-
-    def server_tls(self) -> ServerTLS | None:
-        """The shard servers' TLS material read from the files now, or None for plaintext; ValueError naming the
-        field of a file that is missing, unreadable or holds no PEM."""
-        if not self.tls:
-            return None
-        return ServerTLS(self._read("tls_cert_file"), self._read("tls_key_file"),
-                         client_ca=self._read("tls_ca_file") if self.tls_client_auth else None)
-
-    def channel_credentials(self) -> grpc.ChannelCredentials | None:
-        """What dense replicas connect to shard servers with (None: plaintext); ValueError as ``server_tls``."""
-        if not self.tls:
-            return None
-        if not self.tls_client_auth:
-            return grpc.ssl_channel_credentials(root_certificates=self._read("tls_ca_file"))
-        return grpc.ssl_channel_credentials(self._read("tls_ca_file"), self._read("tls_key_file"),
-                                            self._read("tls_cert_file"))
-
-    def _read(self, field: str) -> bytes:
-        return read_pem(getattr(self, field), f"embedding.{field}")
 
 
 class DLRMAppConfig(BaseModel):

@@ -30,7 +30,8 @@ from typing import Any
 import torch.nn.functional as F
 from torch import fx, nn
 
-from disagg.model import DLRM, DLRMSpec, materialize_
+from disagg.model import DLRM, materialize_
+from disagg.spec import DLRMSpec
 
 _EMBEDDING_MODULES = (nn.Embedding, nn.EmbeddingBag)
 _EMBEDDING_FUNCTIONS = (F.embedding, F.embedding_bag)

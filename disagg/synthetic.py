@@ -7,22 +7,17 @@ import math
 import numpy as np
 import torch
 
-from disagg.model import DLRMSpec
+from disagg.spec import DLRMSpec
 
 
 class SyntheticRequests:
     """Seeded generator of ``(dense, sparse)`` batches for a DLRM ``spec``; the same seed gives the same batches.
 
-    - dense: ``log1p`` of log-normal counts (the reference DLRM preprocessing of Criteo's count features), so
-      non-negative, finite and skewed; float32 [rows, num_dense].
-    - sparse: int64 [rows, num_tables, max_hotness]. Each bag holds 1..max_hotness ids (uniformly) then -1 padding.
-      Ids follow a truncated power law over the table's rows (P(rank r) ~ r^-zipf_alpha); ranks map to ids by
-      a seeded per-table bijection ``(rank * multiplier + offset) % rows``, so the hot ids differ per table and
-      nothing of table size is materialised (tables up to 2**31 rows).
-
-    ``seed`` fixes the distribution (count means, which ids are hot) and, by default, the rows drawn from it;
-    ``stream`` draws the rows from a generator of their own instead, so streams share the distribution and
-    differ in their rows (e.g. training and held-out data).
+    Dense: ``log1p`` of log-normal counts (Criteo's count preprocessing), float32 [rows, num_dense]. Sparse: int64
+    [rows, num_tables, max_hotness], bags of 1..max_hotness ids then -1 padding; ids follow a power law
+    (P(rank r) ~ r^-zipf_alpha) mapped to ids by a seeded per-table bijection, so hot ids differ per table and
+    nothing of table size is materialised (tables up to 2**31 rows). ``seed`` fixes the distribution and, by
+    default, the rows; ``stream`` draws other rows of the same distribution (e.g. training and held-out data).
     """
 
     def __init__(self, spec: DLRMSpec, *, seed: int = 0, zipf_alpha: float = 1.05, max_hotness: int = 1,

@@ -1,13 +1,7 @@
 """Pass/fail gates checked when locust quits: the run fails (exit code 1) when a gate's measured value is over its
-threshold, with one log line per gate naming it and the value.
+threshold, with one log line per gate naming it and the value (the gates: loadtests/README.md, "Gates").
 
-- ``max-failure-ratio``: failed requests / all requests, over the whole run.
-- ``max-p95-ms``: the 95th-percentile response time, overall and of every request name (so fast DLRM calls cannot
-  hide slow image generations).
-- ``requests``: with any gate on, a run that completed no request fails too (nothing was measured).
-
-When the failure-ratio gate is on, every gate passes and no user code raised, the exit code is 0 even if some
-requests failed: the gate, not locust's "any failure is an error" default (``--exit-code-on-error``), decides.
+With the failure-ratio gate on, the gates, not locust's "any failure is an error" default, decide the exit code.
 """
 
 from __future__ import annotations
@@ -34,7 +28,8 @@ class GateResult:
 
 
 def evaluate(stats: Any, *, max_failure_ratio: float | None, max_p95_ms: float | None) -> list[GateResult]:
-    """The gates that are on, against locust's ``RequestStats``."""
+    """The gates that are on, against locust's ``RequestStats``; p95 overall and per request name (so fast DLRM
+    calls cannot hide slow image generations); with any gate on, a run that completed no request fails."""
     if max_failure_ratio is None and max_p95_ms is None:
         return []
     total = stats.total

@@ -1,10 +1,8 @@
 """Locust load test of both applications: ``locust -f loadtests/locustfile.py --host http://127.0.0.1:8000``
-(or ``make loadtest``). See loadtests/README.md for the options, the step shape and the gates.
+(or ``make loadtest``).
 
-Users: ``DiffusionUser`` (OpenAI image generations, Zipf mix of ControlNets and LoRAs) and ``DLRMUser`` (OIP v2
-infer batches); pick them with ``--user-mix diffusion=1,dlrm=3`` or locust's positional class names. The step
-shape ``StepLoadShape`` is off unless ``--step-users`` is above 0. Gates (``--max-failure-ratio``, ``--max-p95-ms``)
-set the exit code when locust quits.
+Registers the users (``DiffusionUser``, ``DLRMUser``), the step shape and the gates; loadtests/README.md describes
+the options, the step shape and the gates.
 """
 
 from __future__ import annotations

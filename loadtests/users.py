@@ -1,13 +1,8 @@
-"""Locust users of the two applications.
+"""Locust users of the two applications: ``DiffusionUser`` (image generations with a Zipf mix of ControlNets and
+LoRAs, as in production traces) and ``DLRMUser`` (OIP v2 infer batches of synthetic Criteo-shaped rows).
 
-- ``DiffusionUser``: OpenAI ``POST /v1/images/generations`` with a Zipf mix of ControlNets and LoRAs. As in
-  production traces (SwiftDiffusion / Katz), a few ControlNets serve most requests and LoRAs have a long tail: the
-  add-on of popularity rank r (its position in ``--controlnets`` / ``--loras``) is picked with weight r^-s.
-- ``DLRMUser``: KServe OIP v2 JSON infer requests of ``--dlrm-rows`` synthetic Criteo-shaped rows
-  (``autoconfig.workloads.dlrm_workload``, i.e. ``disagg.synthetic.SyntheticRequests``), checking the output shape.
-
-Every user draws from its own seeded generator (``--seed`` plus the user's number in this process), so a run's
-request sequence per user is reproducible.
+Every user draws from its own generator seeded with ``--seed`` and its number, so its request sequence is
+reproducible; loadtests/README.md, "Users", describes what each sends and checks.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from serving.app import build_app
     from serving.config import DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults, ImageLimits
     from serving.engine import DiffusionEngine, GenerationParams, GenerationResult, ImageGenerationBackend
-    from serving.presets import PRESET_NAMES, DiffusionComponents, build_preset, load_local
+    from serving.preset_catalog import PRESET_NAMES
+    from serving.presets import DiffusionComponents, build_preset, load_local
 
 _EXPORTS = {
     "build_app": "serving.app",
@@ -26,7 +27,7 @@ _EXPORTS = {
     "GenerationParams": "serving.engine",
     "GenerationResult": "serving.engine",
     "ImageGenerationBackend": "serving.engine",
-    "PRESET_NAMES": "serving.presets",
+    "PRESET_NAMES": "serving.preset_catalog",
     "DiffusionComponents": "serving.presets",
     "build_preset": "serving.presets",
     "load_local": "serving.presets",

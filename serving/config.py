@@ -11,9 +11,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from serving.controlnet.conditioning import DEFAULT_MAX_SIDE
-from serving.lora.format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
-from serving.presets import PRESET_NAMES, WeightsChoice, preset_weights
+from serving.preset_catalog import PRESET_NAMES, WeightsChoice, preset_weights
+
+#: Defaults of ``ImageLimits.max_image_side`` and ``LoRAConfig.max_header_bytes`` / ``max_tensors``, also used by
+#: the code that enforces them (``serving.controlnet.conditioning``, ``serving.lora``) when called without a config.
+DEFAULT_MAX_SIDE = 8192
+DEFAULT_MAX_HEADER_BYTES = 8 * 2**20
+DEFAULT_MAX_TENSORS = 16384
 
 
 class _Config(BaseModel):

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
 
 import torch
 from diffusers import (
@@ -29,6 +28,7 @@ from diffusers import (
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from serving._private.tokenizer import build_tokenizer
+from serving.preset_catalog import WEIGHTS_CHOICES, WeightsChoice, check_preset, preset_weights
 
 
 @dataclass
@@ -179,36 +179,17 @@ def _build_sd15_shape() -> DiffusionComponents:
     )
 
 
-_PRESETS: dict[str, Callable[[], DiffusionComponents]] = {
+#: The builder of each preset in ``serving.preset_catalog.PRESET_NAMES``.
+_BUILDERS: dict[str, Callable[[], DiffusionComponents]] = {
     "tiny": _build_tiny,
     "sd15-shape": _build_sd15_shape,
 }
-
-PRESET_NAMES: tuple[str, ...] = tuple(_PRESETS)
-#: Trained weights shipped in the repository, one diffusers pipeline directory per preset that has them
-#: (written by ``python -m training.tiny_diffusion``); its ``controlnet/`` and ``loras/`` hold the extras.
-WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"
-WeightsChoice = Literal["auto", "seeded"]
-WEIGHTS_CHOICES: tuple[str, ...] = get_args(WeightsChoice)
-
-
-def preset_weights(name: str) -> Path | None:
-    """The shipped trained pipeline directory of preset ``name``, or None when it has none. Only a known preset
-    name is joined to ``WEIGHTS_ROOT`` (never ``..`` or an absolute path)."""
-    _check_preset(name)
-    directory = WEIGHTS_ROOT / name
-    return directory if (directory / "model_index.json").is_file() else None
-
-
-def _check_preset(name: str) -> None:
-    if name not in _PRESETS:
-        raise ValueError(f"unknown diffusion preset {name!r}; known presets: {', '.join(PRESET_NAMES)}")
 
 
 def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded") -> DiffusionComponents:
     """Build preset ``name``: ``seeded`` draws its weights from ``seed`` (the global RNG state is left
     untouched); ``auto`` loads the preset's shipped trained weights where it has some, else seeds."""
-    _check_preset(name)
+    check_preset(name)
     if weights not in WEIGHTS_CHOICES:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS_CHOICES)}, got {weights!r}")
     trained = preset_weights(name) if weights == "auto" else None
@@ -216,7 +197,7 @@ def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded")
         return load_local(trained)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        components = _PRESETS[name]()
+        components = _BUILDERS[name]()
     return components.freeze()
 
 

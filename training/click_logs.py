@@ -1,20 +1,8 @@
 """Labelled synthetic click logs with a known ground truth, for training and checking a DLRM.
 
-Features come from :class:`disagg.synthetic.SyntheticRequests` (log-normal counts as Criteo's dense features,
-power-law ids per table). The click probability is a logistic model the generator holds, so the Bayes-optimal
-AUC (the AUC of the true probability on the drawn labels) is known for any sample:
-
-``logit = bias + w . dense + sum_t effect_t[bag_t] + sum_(t,u) <v_t[bag_t], v_u[bag_u]> + <P dense, v_s[bag_s]>``
-
-- ``effect_t``: a latent scalar per id of some tables (first-order id effects);
-- ``v_t``: a latent vector per id of some tables; explicit crosses are pairs of tables whose vectors interact
-  (what DLRM's dot interaction between two embeddings can represent), plus one cross of a table with a linear
-  map of the dense features (the bottom-MLP output dotted with an embedding);
-- a bag (multi-hot) contributes the sum over its ids, as ``EmbeddingBag(mode="sum")`` does; -1 is padding;
-- ``bias`` is calibrated so the mean click-through rate is ``target_ctr``.
-
-The ground truth and the feature distribution (which ids are hot) depend only on ``seed``; ``stream`` picks an
-independent sample of the same distribution, so a training set and a held-out set differ only in their rows.
+Features come from :class:`disagg.synthetic.SyntheticRequests`; the click probability is a logistic model the
+generator holds (first-order id effects, table crosses as DLRM's dot interaction represents them, one dense x table
+cross: :class:`GroundTruth`), so the Bayes-optimal AUC of any sample is known.
 """
 
 from __future__ import annotations
@@ -27,11 +15,11 @@ import numpy as np
 import torch
 from sklearn.metrics import roc_auc_score
 
-from disagg.model import DLRMSpec, preset_spec
+from disagg.spec import DLRMSpec, preset_spec
 from disagg.synthetic import SyntheticRequests
 
-#: Scale of each ground-truth term (standard deviation of its parameters); chosen so the tiny preset's
-#: Bayes-optimal AUC is about 0.85 and a DLRM trained on a few hundred thousand rows gets close to it.
+#: Scale of each ground-truth term (standard deviation of its parameters); chosen so a DLRM trained on a few hundred
+#: thousand rows of the tiny preset gets close to the Bayes-optimal AUC (README, "Trained demo models").
 DENSE_SCALE = 0.15
 EFFECT_SCALE = 0.45
 CROSS_SCALE = 0.5
@@ -58,7 +46,11 @@ class ClickBatch:
 
 @dataclass(frozen=True)
 class GroundTruth:
-    """Parameters of the click model; tables are indices into ``spec.table_sizes``."""
+    """Parameters of the click model; tables are indices into ``spec.table_sizes``.
+
+    ``logit = bias + w . dense + sum_t effect_t[bag_t] + CROSS_SCALE * sum_(t,u) <v_t[bag_t], v_u[bag_u]>
+    + <P dense, v_s[bag_s]>``, a bag contributing the sum over its ids (``EmbeddingBag(mode="sum")``, -1 padding).
+    """
 
     bias: float
     dense_weights: np.ndarray  # [num_dense]
@@ -73,8 +65,9 @@ class ClickLogs:
     """Seeded generator of labelled click logs for a DLRM ``spec``: ``batch(rows)`` draws the next rows.
 
     The same ``(seed, stream)`` gives the same rows; streams of one seed share the ground truth and the feature
-    distribution and are independent samples of it. The ground truth holds a value per row of the tables it
-    uses, so it is meant for specs with small tables (``tiny``, ``small``).
+    distribution and are independent samples of it. ``bias`` is calibrated so the mean click-through rate is
+    ``target_ctr``. The ground truth holds a value per row of the tables it uses, so it is meant for specs with
+    small tables (``tiny``, ``small``).
     """
 
     def __init__(

@@ -1,23 +1,9 @@
 """Training the ``tiny`` text-to-image model, its ControlNet and two LoRAs on the shapes world (CPU, seeded).
 
-Stages, each starting from the previous stage's weights:
-
-1. ``vae``: the preset's ``AutoencoderKL`` (64x64 RGB <-> 16x16x4) on every style and background, L1 + MSE
-   reconstruction with a small KL term; afterwards ``scaling_factor`` is set to 1 / std of the latents.
-2. ``text_to_image``: the UNet and the text encoder together, epsilon prediction on the preset's DDIM
-   schedule, Min-SNR loss weights, offset noise (so a dark image is reachable from pure noise), 10% empty
-   captions for classifier-free guidance, an EMA of the weights; filled shapes on white only, captions in the
-   long ("a red circle on a white background") and the short ("a red circle") form.
-3. ``controlnet``: a ControlNet copied from the trained UNet (zero convolutions zero), conditioned on the canny
-   edge map of the image it must generate; the base model is frozen; half of the captions empty so the edges
-   alone suffice.
-4. ``lora``: one PEFT LoRA per style (``outlined``, ``dark``: ``STYLE_WORLDS``) on the frozen UNet (attention
-   projections and ResNet convolutions), short captions, saved as diffusers LoRA files (PEFT key names).
-
-Then ``ship`` writes the fp16 preset directory (``serving/weights/tiny/``: the pipeline, ``controlnet/``,
-``loras/``, ``training.json``) and ``evaluate`` measures it (``evaluation.json``). Every stage draws its images
-from its own generator stream and its noise from its own seeded generator, so a run is reproducible on one
-machine (float reductions may differ across CPUs). ``python -m training.tiny_diffusion`` runs the stages.
+Stages ``vae``, ``text_to_image``, ``controlnet`` and ``lora`` each start from the previous stage's weights;
+``ship`` writes the fp16 preset directory (``serving/weights/tiny/``) and ``evaluate`` measures it. Every stage
+draws images and noise from its own seeded streams, so a run is reproducible on one machine (float reductions may
+differ across CPUs). ``python -m training.tiny_diffusion`` runs the stages.
 """
 
 from __future__ import annotations
@@ -44,7 +30,8 @@ from peft.utils import get_peft_model_state_dict
 
 from serving._private.tokenizer import MODEL_MAX_LENGTH
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
-from serving.presets import WEIGHTS_ROOT, DiffusionComponents, build_preset, load_local
+from serving.preset_catalog import WEIGHTS_ROOT
+from serving.presets import DiffusionComponents, build_preset, load_local
 from training.shapes.evaluation import evaluate_pipelines
 from training.shapes.world import BASE_WORLD, STYLE_WORLDS, ShapeSample, ShapesWorld, short_caption
 
@@ -213,7 +200,8 @@ def _optimise(
 
 
 def train_vae(vae: AutoencoderKL, settings: TrainingSettings, log: Callable[[str], None]) -> dict[str, Any]:
-    """Reconstruction training on every style and background; sets ``scaling_factor`` from the latents."""
+    """The preset's VAE (64x64 RGB <-> 16x16x4) on every style and background: L1 + MSE reconstruction with a small
+    KL term; then ``scaling_factor`` is set to 1 / std of the latents."""
     vae.train().requires_grad_(True)
     batches = iter(ShapeBatches(ShapesWorld(), stream=settings.seed * 10 + 1, batch_size=settings.vae.batch_size))
     noise = torch.Generator().manual_seed(settings.seed * 10 + 1)
@@ -268,7 +256,9 @@ class _DenoisingLoss:
 
 def train_text_to_image(components: DiffusionComponents, settings: TrainingSettings,
                         log: Callable[[str], None]) -> dict[str, Any]:
-    """The UNet and the text encoder, jointly, on filled shapes on white."""
+    """The UNet and the text encoder, jointly, on filled shapes on white: epsilon prediction with Min-SNR weights,
+    offset noise (so a dark image is reachable from pure noise), empty captions for classifier-free guidance, long
+    and short captions, and an EMA of the weights."""
     unet, text_encoder, vae = components.unet, components.text_encoder, components.vae
     unet.train().requires_grad_(True)
     text_encoder.train().requires_grad_(True)
@@ -296,7 +286,8 @@ def train_text_to_image(components: DiffusionComponents, settings: TrainingSetti
 
 def train_controlnet(components: DiffusionComponents, settings: TrainingSettings,
                      log: Callable[[str], None]) -> tuple[ControlNetModel, dict[str, Any]]:
-    """A canny-edge ControlNet on the frozen base model."""
+    """A canny-edge ControlNet copied from the frozen UNet (zero convolutions zero); half the captions are empty so
+    the edges alone suffice."""
     components.freeze()
     controlnet = build_controlnet_preset("tiny", zero_init=True, unet=components.unet)
     controlnet.train().requires_grad_(True)
@@ -330,7 +321,8 @@ def train_controlnet(components: DiffusionComponents, settings: TrainingSettings
 
 def train_lora(components: DiffusionComponents, style: str, settings: TrainingSettings,
                log: Callable[[str], None]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A style LoRA on a copy of the frozen UNet; returns its diffusers-format state dict (UNet keys)."""
+    """A style LoRA (``STYLE_WORLDS``) on a copy of the frozen UNet, short captions, ``LORA_TARGETS`` adapted;
+    returns its state dict with PEFT key names (UNet keys), as diffusers' LoRA loaders read them."""
     unet: UNet2DConditionModel = copy.deepcopy(components.unet)
     unet.requires_grad_(False)
     config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_rank, init_lora_weights="gaussian",

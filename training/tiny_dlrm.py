@@ -1,14 +1,9 @@
 """Training a DLRM preset on synthetic click logs (``training.click_logs``) and shipping its weights.
 
-The model is the preset's exact architecture (``build_preset``), so the serving code builds the same graph and
-loads the weights by module name (``materialize_(..., weights=...)``). Training is seeded and runs on the CPU:
-one fixed training set drawn from stream 0 of the generator, ``epochs`` passes over it in a seeded order, Adam on
-binary cross-entropy; the held-out set is stream 1, scored against the generator's own Bayes-optimal AUC.
-
-One pass over more rows beats several over fewer: the model (760k parameters, most of them MLP weights) starts
-memorising the labels' noise in its second pass (measured on the tiny preset, 768 steps of 1024 rows, held-out
-AUC 0.815 for one epoch of 786k rows against 0.793 for two epochs of 393k).
-
+The model is the preset's exact architecture, so serving loads the weights by module name. Seeded, on the CPU:
+Adam on binary cross-entropy over a fixed training set (stream 0), scored on stream 1 against the generator's
+Bayes-optimal AUC. One epoch by default: at equal steps, one pass over more rows beats two over fewer (the
+second pass memorises the labels' noise).
 ``python -m training.tiny_dlrm`` writes ``disagg/weights/tiny/model.safetensors`` and ``model.json``.
 """
 
@@ -28,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from disagg.model import DLRM, build_preset, preset_weights
+from disagg.model import DLRM, build_preset
+from disagg.spec import preset_weights
 from training.click_logs import ClickBatch, ClickLogs, roc_auc
 
 TRAIN_STREAM = 0

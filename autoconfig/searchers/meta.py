@@ -1,11 +1,7 @@
 """The meta-learned searcher (Morphling): an MLP surrogate meta-trained with Reptile on past surfaces.
 
-Meta-training: each Reptile step samples a task (a few configurations of one training surface, objective
-divided by the task's maximum), adapts a copy of the weights with a few Adam steps and moves the meta-weights
-towards the adapted ones. Search: with no trials, suggest the configuration the meta-model rates best; after
-that, adapt the meta-weights to the trials so far (objective divided by its maximum so far, a failed trial 0)
-and suggest the unobserved configuration maximising ``after + delta * |after - before|``, where ``after`` is
-the prediction adapted to every trial and ``before`` the one adapted to all but the latest.
+Each suggestion adapts the meta-weights to the trials so far and maximises ``after + delta * |after - before|``
+(the prediction adapted to every trial, and to all but the latest); the algorithm: docs/AUTOCONFIG.md, "Searchers".
 """
 
 from __future__ import annotations

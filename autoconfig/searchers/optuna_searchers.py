@@ -1,9 +1,8 @@
 """Bayesian optimisation baselines over Optuna: TPE and Gaussian-process samplers.
 
-Each knob is an ordinal parameter (the index of its value, an ``IntDistribution``), so the samplers see the
-order of the values while staying on the grid. The history is fed to an in-memory study with ``add_trial``;
-a failed trial counts as 0. A suggestion that is already observed (or left out of the space) is moved to the
-nearest unobserved configuration in the space's encoding, deterministically.
+Each knob is an ordinal parameter (the index of its value), so the samplers see the order of the values while
+staying on the grid; a failed trial counts as 0. A suggestion already observed (or left out of the space) moves
+to the nearest unobserved configuration in the space's encoding, deterministically.
 """
 
 from __future__ import annotations

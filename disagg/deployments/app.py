@@ -19,17 +19,12 @@ from serving.common.backpressure import OVERLOADED
 def ingress_options(config: DLRMAppConfig) -> dict[str, Any]:
     """Serve options of the ingress deployment (a Serve config's ``deployments`` entry overrides them).
 
-    Room for one full batch running and the next one filling; fewer would cap the batch size. One batch more may
-    wait in Serve's proxy; beyond that the proxy answers 503 with Retry-After at once (overload). A deeper queue
-    only adds to every admitted request's latency; a shallower one refuses requests at capacity: when a batch
-    ends, its callers' next requests arrive before the router sees the slots free (with half a batch, 128
-    closed-loop clients at capacity got 113 refusals in 45 s).
-
-    While the replica is full, Serve's router retries a waiting request with exponential backoff, and nothing
-    wakes it when a batch finishes: with its default ceiling (0.5 s, a batch's time here) the replica sat idle
-    between batches and, 3x overloaded, served 13 requests/s of the 62 it served at capacity. Retrying at most
-    every 50 ms, with this queue: 40/s of 57 over a 5-minute soak (``benchmarks/bench_overload.py``,
-    docs/RELIABILITY.md).
+    Room for one full batch running and the next one filling (fewer would cap the batch size), and one batch more
+    waiting in Serve's proxy; beyond that the proxy answers 503 with ``Retry-After`` at once. A deeper queue only
+    adds to every admitted request's latency; a shallower one refuses requests at capacity, since a finished
+    batch's callers send their next requests before the router sees the slots free. The router retries a request
+    waiting for the full replica at most every 50 ms: nothing wakes it when a batch finishes, and Serve's default
+    backoff ceiling left the replica idle between batches under overload (docs/RELIABILITY.md, "Overload").
     """
     return {
         "max_ongoing_requests": 2 * config.batching.max_batch_size,

@@ -19,18 +19,12 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
 from disagg.deployments.ingress import BatchedDLRM
-from disagg.model import preset_spec
 from disagg.partition import build_dense_part, dense_stages
-from disagg.rpc.client import (
-    EmbeddingClient,
-    EmbeddingRequestError,
-    ShardClient,
-    ShardStats,
-    ShardUnavailable,
-)
+from disagg.rpc.client import EmbeddingClient, ShardClient, ShardStats
+from disagg.rpc.tls import channel_credentials
+from disagg.spec import preset_spec
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.device import placement, resolve_device, set_torch_threads
-from serving.common.http import APIError
 from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
 
@@ -62,7 +56,7 @@ class DisaggregatedDLRM(BatchedDLRM):
         partition.dense_part.to(self.device).eval()
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
-        credentials = embedding.channel_credentials()
+        credentials = channel_credentials(embedding)
         self._client = EmbeddingClient([
             ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes,
                         credentials=credentials, server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
@@ -113,21 +107,16 @@ class DisaggregatedDLRM(BatchedDLRM):
         return late.cpu()
 
     async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pooled embeddings of a batch; lookups larger than the message limit go as concurrent row chunks."""
+        """Pooled embeddings of a batch; lookups larger than the message limit go as concurrent row chunks. The
+        client's errors carry their HTTP answer (503 for an unavailable shard)."""
         rows = next(iter(inputs.values())).shape[0]
         starts = range(0, rows, self._rows_per_lookup)
         timeout_s = self.config.embedding.lookup_timeout_s
-        try:
-            chunks = await asyncio.gather(*(
-                self._client.lookup({name: t[start:start + self._rows_per_lookup] for name, t in inputs.items()},
-                                    timeout_s=timeout_s)
-                for start in starts
-            ))
-        except ShardUnavailable as error:
-            raise APIError(503, f"embedding shard {error.shard_index} is unavailable, retry later",
-                           code="embedding_shard_unavailable", headers={"Retry-After": "1"}) from error
-        except EmbeddingRequestError as error:  # requests are validated before; this is our bug, not theirs
-            raise APIError(500, "internal error in the embedding lookup", code="internal_error") from error
+        chunks = await asyncio.gather(*(
+            self._client.lookup({name: t[start:start + self._rows_per_lookup] for name, t in inputs.items()},
+                                timeout_s=timeout_s)
+            for start in starts
+        ))
         return {name: torch.cat([chunk[name] for chunk in chunks]) for name in chunks[0]}
 
     def _run(self, stage: torch.fx.GraphModule, inputs: dict[str, torch.Tensor]) -> Any:

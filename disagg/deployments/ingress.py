@@ -1,17 +1,20 @@
-"""What both DLRM ingress deployments share: the OIP v2 API, batching across requests, live batching changes."""
+"""The base of both DLRM ingress deployments: the OIP v2 API, requests merged into one batch and results split back."""
 
 from __future__ import annotations
 
-from typing import Any
+import abc
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from fastapi import FastAPI
 from ray import serve
 
+from disagg.api.backend import DLRMBackend
+from disagg.api.protocol import EMPTY_SLOT
 from disagg.api.server import create_oip_api
 from disagg.config import BatchingConfig, DLRMAppConfig
-from disagg.deployments.batching import merge_requests, split_rows
-from disagg.model import DLRMSpec
 from serving.common.constants import API_KEY
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
@@ -20,17 +23,46 @@ from serving.common.metrics import NO_METRICS, Metrics
 logger = get_logger("disagg.deployments.ingress")
 
 
-class BatchedDLRM(MemoryReport):
-    """Base of the DLRM deployments: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
+class MergedBatch(NamedTuple):
+    """Row-wise concatenation of several requests' inputs and each request's row count, in order."""
+
+    dense: torch.Tensor
+    sparse: torch.Tensor
+    row_counts: list[int]
+
+
+def merge_requests(requests: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> MergedBatch:
+    """Concatenates the (dense [B, F], sparse [B, T, H]) pairs of ``requests`` along the batch dimension.
+
+    Requests with fewer ids per bag (H) are padded with empty slots (-1) to the batch's largest H, which
+    leaves their sum-pooled bags unchanged.
+    """
+    if not requests:
+        raise ValueError("cannot merge an empty list of requests")
+    dense = torch.cat([dense for dense, _ in requests])
+    hotness = max(sparse.shape[2] for _, sparse in requests)
+    sparse = torch.cat([F.pad(sparse, (0, hotness - sparse.shape[2]), value=EMPTY_SLOT) for _, sparse in requests])
+    return MergedBatch(dense, sparse, [request_dense.shape[0] for request_dense, _ in requests])
+
+
+def split_rows(outputs: torch.Tensor, row_counts: Sequence[int]) -> list[torch.Tensor]:
+    """Inverse of ``merge_requests`` for the batched output: one tensor per request, in request order."""
+    if outputs.shape[0] != sum(row_counts):
+        raise ValueError(f"output has {outputs.shape[0]} rows but the requests hold {sum(row_counts)}")
+    return list(torch.split(outputs, list(row_counts)))
+
+
+class BatchedDLRM(DLRMBackend, MemoryReport):
+    """A ``DLRMBackend`` deployment: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
     two batches may be in flight, so one's embedding lookups (or validation) overlap the other's forward.
 
-    Subclasses set ``config``, ``spec`` and ``metrics``, call ``_apply_batching`` once, and implement
-    ``_forward_batch``. ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching
-    without restart.
+    Subclasses set ``spec``, ``config`` and ``metrics`` and call ``_apply_batching`` in their constructor;
+    ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching without a restart.
     """
 
+    #: The application this replica serves.
     config: DLRMAppConfig
-    spec: DLRMSpec
+    #: Where request latencies and batch sizes go.
     metrics: Metrics = NO_METRICS
 
     def __serve_build_asgi_app__(self) -> FastAPI:
@@ -61,6 +93,6 @@ class BatchedDLRM(MemoryReport):
         self.metrics.dlrm_batch(merged.dense.shape[0])
         return split_rows(await self._forward_batch(merged.dense, merged.sparse), merged.row_counts)
 
+    @abc.abstractmethod
     async def _forward_batch(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         """Probabilities [B, 1] for a merged batch; runs heavy work off the event loop."""
-        raise NotImplementedError

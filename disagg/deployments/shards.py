@@ -21,9 +21,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
-from disagg.model import preset_spec
 from disagg.partition import build_embedding_shard
 from disagg.rpc.server import EmbeddingServer, exposure_problem, host_port
+from disagg.rpc.tls import server_tls
+from disagg.spec import preset_spec
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.logging import get_logger
 
@@ -68,7 +69,7 @@ class EmbeddingShardServer:
         host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
         if problem := exposure_problem(host, secured=embedding.tls or bool(EMBEDDING_TOKEN)):
             raise ValueError(f"embedding.bind_host ({embedding.bind_host}): {problem}")
-        tls = embedding.server_tls()
+        tls = server_tls(embedding)
         shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
                                         shard_index, embedding.num_shards, config.model.weights_path())
         self._server = EmbeddingServer(

@@ -1,12 +1,8 @@
 """Client of the embedding shards: replica failover within a deadline per shard, concurrent fan-out across shards.
 
-``ShardUnavailable`` means no replica of a shard answered in time (HTTP 503 for the caller);
-``EmbeddingRequestError`` means the request itself was refused and retrying cannot help (HTTP 4xx).
-
-Servers serving TLS need ``credentials`` (``grpc.ssl_channel_credentials``: the CA to trust and, for mutual TLS,
-this client's certificate); servers demanding a token need ``token``, sent as the call metadata
-``authorization: Bearer <token>``. A replica refusing either (UNAVAILABLE after a failed handshake,
-UNAUTHENTICATED) counts as failed: the next replica is tried, and when none is left the shard is unavailable.
+A replica that fails, or refuses this client's TLS ``credentials`` or bearer ``token``, is skipped for the next;
+when none answers in time the shard is ``ShardUnavailable``. Its errors carry their HTTP answer (``APIError``), so
+an ingress passes them on as they are.
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import torch
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
+from serving.common.errors import APIError
 from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -31,24 +28,41 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 _REQUEST_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
-class EmbeddingRequestError(ValueError):
-    """The request was refused (unknown input, id out of range, message too large); ``code`` says how."""
+class EmbeddingRequestError(APIError):
+    """A shard refused the request (unknown input, id out of range, message too large): retrying cannot help.
 
-    def __init__(self, shard_index: int | None, code: grpc.StatusCode, message: str) -> None:
-        where = "embedding request" if shard_index is None else f"embedding shard {shard_index}"
-        super().__init__(f"{where} refused the request ({code.name}): {message}")
+    Requests are validated before they reach a shard, so the HTTP client gets a 500; ``str()`` tells what happened.
+    """
+
+    def __init__(self, shard_index: int | None, grpc_code: grpc.StatusCode, details: str) -> None:
+        super().__init__(500, "internal error in the embedding lookup", code="internal_error")
         self.shard_index = shard_index
-        self.code = code
-        self.message = message
+        self.grpc_code = grpc_code
+        self.details = details
+
+    def __str__(self) -> str:
+        where = "embedding request" if self.shard_index is None else f"embedding shard {self.shard_index}"
+        return f"{where} refused the request ({self.grpc_code.name}): {self.details}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.shard_index, self.grpc_code, self.details)
 
 
-class ShardUnavailable(RuntimeError):
-    """No replica of shard ``shard_index`` answered within the deadline; ``last_error`` says what went wrong last."""
+class ShardUnavailable(APIError):
+    """No replica of shard ``shard_index`` answered within the deadline: 503 with Retry-After for the HTTP client;
+    ``last_error`` (and ``str()``) says what went wrong last."""
 
     def __init__(self, shard_index: int, last_error: str) -> None:
-        super().__init__(f"embedding shard {shard_index} unavailable: {last_error}")
+        super().__init__(503, f"embedding shard {shard_index} is unavailable, retry later",
+                         code="embedding_shard_unavailable", headers={"Retry-After": "1"})
         self.shard_index = shard_index
         self.last_error = last_error
+
+    def __str__(self) -> str:
+        return f"embedding shard {self.shard_index} unavailable: {self.last_error}"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.shard_index, self.last_error)
 
 
 @dataclass
@@ -83,7 +97,8 @@ class ShardClient:
 
     A replica that failed is tried after the others for ``cooldown_s``. Each attempt gets at most half of the
     time left while two or more replicas remain to try, so a hanging replica leaves time for another.
-    ``server_name`` is the name to verify in the servers' TLS certificates instead of each address's host.
+    ``credentials`` (``grpc.ssl_channel_credentials``) connect to TLS servers, verifying ``server_name`` instead of
+    each address's host when given; a non-empty ``token`` goes as the call metadata ``authorization: Bearer``.
     """
 
     def __init__(

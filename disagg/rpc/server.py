@@ -1,42 +1,20 @@
-"""gRPC server hosting one table-wise shard of a model's embedding tables (DESIGN.md §4).
+"""gRPC server of one table-wise shard of a model's embedding tables; CLI: ``python -m disagg.rpc.server --help``.
 
-The shard's module runs in a small thread pool under ``torch.inference_mode`` so the event loop keeps answering
-health checks and rejecting bad requests while a lookup computes. Bad requests never take the server down, never
-reach the tables when they are malformed, and get a status naming the problem: RESOURCE_EXHAUSTED (from gRPC,
-before the message is read) above ``max_message_bytes``; INVALID_ARGUMENT for bytes that are no valid message,
-tensors whose dtype, shape and byte count disagree (``wire``), shapes spanning more than
-``max_tensor_elements`` even when empty, integer ids below -1 (the padding id), missing or unknown inputs, and
-whatever the module refuses (ids out of range, wrong ranks or dtypes).
-
-Access. The server binds loopback unless told otherwise and refuses to bind an address that is neither loopback
-nor private (``exposure_problem``) unless it serves TLS (``ServerTLS``; with ``client_ca``, mutual TLS) or demands
-a token. With ``token`` set (deployments and the CLI pass ``SWIFTSERVE_EMBEDDING_TOKEN``), ``Lookup`` and ``Info``
-need the call metadata ``authorization: Bearer <token>``; the presented token is compared in constant time
-(``hmac.compare_digest`` of SHA-256 digests), a call without it gets UNAUTHENTICATED before its message is parsed,
-and the refusal is logged (method, peer, reason) without any token. The standard health service stays open:
-probes call it without credentials and it tells nothing but SERVING or NOT_SERVING. A token on a plaintext
-channel can be read by anyone on the path: off a private network, use TLS (with or without a token).
-
-Standalone (the token, if any, from ``SWIFTSERVE_EMBEDDING_TOKEN``, never from a flag that ``ps`` would show)::
-
-    python -m disagg.rpc.server --preset tiny --seed 0 --shard 0 --num-shards 2 --port 50051
-    python -m disagg.rpc.server ... --host 0.0.0.0 --tls-cert server.pem --tls-key server.key \\
-        [--tls-client-ca clients-ca.pem]
+Lookups run in a small thread pool, so the event loop keeps answering health checks; a bad request never reaches the
+tables and gets INVALID_ARGUMENT (RESOURCE_EXHAUSTED above ``max_message_bytes``) naming the problem. A non-private
+``host`` needs TLS or a token (``exposure_problem``); with a token, ``Lookup`` and ``Info`` need ``authorization:
+Bearer <token>`` metadata (read from ``SWIFTSERVE_EMBEDDING_TOKEN``, never a flag), the health service stays open.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import hmac
 import ipaddress
 import math
 import signal
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
@@ -46,9 +24,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
+from disagg.rpc.tls import ServerTLS, read_pem
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.device import set_torch_threads
 from serving.common.logging import get_logger
+from serving.common.tokens import SecretDigest
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 MiB = 1024 * 1024
@@ -78,33 +58,6 @@ class Shard(Protocol):
     def output_names(self) -> tuple[str, ...]: ...
     @property
     def parameter_bytes(self) -> int: ...
-
-
-@dataclass(frozen=True)
-class ServerTLS:
-    """PEM material of a TLS server; with ``client_ca``, clients must present a certificate it signed (mTLS)."""
-
-    certificate_chain: bytes
-    private_key: bytes = field(repr=False)
-    client_ca: bytes | None = None
-
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.private_key, self.certificate_chain)],
-            root_certificates=self.client_ca,
-            require_client_auth=self.client_ca is not None,
-        )
-
-
-def read_pem(path: str | Path, setting: str) -> bytes:
-    """The PEM file at ``path``; ValueError naming ``setting`` when it is missing, unreadable or holds no PEM."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as error:
-        raise ValueError(f"{setting}: cannot read {path}: {error.strerror}") from None
-    if b"-----BEGIN " not in data:
-        raise ValueError(f"{setting}: {path} holds no PEM block")
-    return data
 
 
 def exposure_problem(host: str, *, secured: bool) -> str | None:
@@ -137,12 +90,12 @@ def host_port(host: str, port: int) -> str:
 
 
 class _BearerToken:
-    """Checks call metadata for ``authorization: Bearer <token>`` in constant time; keeps only the digest."""
+    """Checks call metadata for ``authorization: Bearer <token>`` (``SecretDigest``: constant time, digest only)."""
 
     def __init__(self, token: str) -> None:
         if not (token.isascii() and token.isprintable() and " " not in token):
             raise ValueError("the embedding token must be printable ASCII without spaces (gRPC metadata)")
-        self._digest = _sha256(token.encode())
+        self._secret = SecretDigest(token.encode())
 
     def refusal(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> tuple[str, str] | None:
         """None when the metadata carries the token, else (reason to log, details for the caller)."""
@@ -153,13 +106,9 @@ class _BearerToken:
         scheme, _, presented = raw.strip().partition(b" ")
         if scheme.lower() != b"bearer" or not presented.strip():
             return "not a Bearer token", "call metadata `authorization` must be `Bearer <token>`"
-        if not hmac.compare_digest(_sha256(presented.strip()), self._digest):
+        if not self._secret.matches(presented.strip()):
             return "wrong token", "invalid token"
         return None
-
-
-def _sha256(secret: bytes) -> bytes:
-    return hashlib.sha256(secret).digest()
 
 
 class _Servicer:
@@ -414,7 +363,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The CLI's arguments, with ``tls`` (a ``ServerTLS`` or None) read from the ``--tls-*`` files; exits naming
     the flag when a file cannot be read or ``--host`` would be exposed without TLS or a token."""
     parser = argparse.ArgumentParser(description="Serve one table-wise embedding shard of a DLRM preset over gRPC.")
-    parser.add_argument("--preset", default="tiny", help="DLRM preset (disagg.model.PRESETS)")
+    parser.add_argument("--preset", default="tiny", help="DLRM preset (disagg.spec.PRESETS)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the deterministic weight initialisation")
     parser.add_argument("--shard", type=int, required=True, help="index of the shard to serve")
     parser.add_argument("--num-shards", type=int, required=True, help="number of shards the tables are split into")
@@ -432,7 +381,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tls-client-ca", help="PEM CA certificates: demand client certificates they signed (mTLS)")
     args = parser.parse_args(argv)
     try:
-        args.tls = _server_tls(args)
+        args.tls = _tls_from_flags(args)
     except ValueError as error:
         parser.error(str(error))
     if problem := exposure_problem(args.host, secured=args.tls is not None or bool(EMBEDDING_TOKEN)):
@@ -440,7 +389,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
+def _tls_from_flags(args: argparse.Namespace) -> ServerTLS | None:
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca is not None:
             raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
@@ -455,8 +404,8 @@ def _server_tls(args: argparse.Namespace) -> ServerTLS | None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from disagg.model import preset_spec
     from disagg.partition import build_embedding_shard
+    from disagg.spec import preset_spec
 
     shard = build_embedding_shard(preset_spec(args.preset), args.seed, args.shard, args.num_shards)
     server = EmbeddingServer(

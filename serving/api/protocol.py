@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, ImageLimits
 from serving.controlnet.conditioning import ConditioningImageError, decode_image, preprocess
 from serving.engine import GenerationParams, GenerationResult, LoRASpec, ModelInfo

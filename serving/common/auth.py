@@ -1,54 +1,27 @@
-"""Optional API-key auth shared by the OpenAI-style diffusion API and the OIP v2 DLRM API.
+"""Optional API-key auth of both HTTP APIs (diffusion and OIP v2), as one route dependency.
 
-Auth is on when the app is created with a non-empty key (deployments pass ``constants.API_KEY``, i.e.
-``SWIFTSERVE_API_KEY``); the key is fixed at app creation, never read from the environment per request.
-Protected routes then need ``Authorization: Bearer <key>``; anything else is a 401 with
-``WWW-Authenticate: Bearer`` (plus ``error="invalid_token"`` for a wrong key, RFC 6750 §3), rendered in
-the API's own error shape, before the route runs (the request-body cap's 413 comes first, and FastAPI
-parses a JSON body before route dependencies, so malformed JSON on a JSON route is a 400 even
-unauthenticated; no model code runs either way).
-
-Which routes are open (no key needed): as Triton's ``--http-restricted-api`` restricting every category but
-``health``, except that per-model readiness (in Triton's ``health`` category) needs the key here:
-
-- diffusion: ``GET /health``; OIP: ``GET /v2/health/live`` and ``GET /v2/health/ready`` (the probes
-  orchestrators and load balancers call without credentials);
-- the API docs (``/docs``, ``/redoc``, ``/openapi.json``): schemas only, no model or server details.
-
-Everything else needs the key: inference (``POST /v1/images/generations``, ``POST /v2/models/{m}[/versions/
-{v}]/infer``), model listing and metadata (``GET /v1/models`` as OpenAI does, ``GET /v2/models/{m}[...]``:
-names, input shapes, table sizes), per-model readiness (``GET /v2/models/{m}[...]/ready``: it names a model,
-and its 404 would tell the served model's name) and server metadata (``GET /v2``: version and extensions).
-Unknown routes stay 404.
-
-The presented token is compared in constant time (``hmac.compare_digest`` on SHA-256 digests, so its
-length leaks nothing either); neither the key nor a presented token is ever logged or put in a response.
-Refusals are logged at INFO with method, path (no query string) and reason. Header values arrive as
-latin-1 text, so the token is compared as those raw bytes against the key's UTF-8 bytes; use an ASCII key
-(``openssl rand -hex 32``).
+With a non-empty key (``SWIFTSERVE_API_KEY``, fixed when the app is created), guarded routes need ``Authorization:
+Bearer <key>``; anything else is a 401 in the API's error shape with ``WWW-Authenticate: Bearer`` (plus
+``error="invalid_token"`` for a wrong key, RFC 6750 §3). Health probes and the API docs stay open (the full list: the
+README's ``SWIFTSERVE_API_KEY`` and docs/RELIABILITY.md). The key and presented tokens are never logged or echoed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.params import Depends as DependsParam
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.common.logging import get_logger
+from serving.common.tokens import SecretDigest
 
 logger = get_logger("auth")
 
 #: Documents the scheme in OpenAPI (the docs' "Authorize" button); the check itself is ours.
 _BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <SWIFTSERVE_API_KEY>`")
-
-
-def _digest(secret: bytes) -> bytes:
-    return hashlib.sha256(secret).digest()
 
 
 def _refuse(request: Request, reason: str, message: str, challenge: str) -> APIError:
@@ -57,10 +30,14 @@ def _refuse(request: Request, reason: str, message: str, challenge: str) -> APIE
 
 
 def api_key_dependencies(api_key: str) -> list[DependsParam]:
-    """Route dependencies demanding ``Authorization: Bearer <api_key>``; none when ``api_key`` is empty."""
+    """Route dependencies demanding ``Authorization: Bearer <api_key>``; none when ``api_key`` is empty.
+
+    They run before the route, after the body-size cap (413) and after FastAPI parses a JSON body (malformed JSON
+    is a 400 even unauthenticated); no model code runs either way. Refusals are logged with method, path and reason.
+    """
     if not api_key:
         return []
-    expected = _digest(api_key.encode("utf-8"))
+    expected = SecretDigest(api_key.encode("utf-8"))
 
     async def require_api_key(
         request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
@@ -74,10 +51,10 @@ def api_key_dependencies(api_key: str) -> list[DependsParam]:
                 request, "no API key", "missing API key: send the header `Authorization: Bearer <API key>`", "Bearer"
             )
         try:
-            presented = credentials.credentials.encode("latin-1")  # the header's raw bytes
+            presented = credentials.credentials.encode("latin-1")  # the header's raw bytes (use an ASCII key)
         except UnicodeEncodeError:
             presented = b""
-        if not hmac.compare_digest(_digest(presented), expected):
+        if not expected.matches(presented):
             raise _refuse(request, "wrong API key", "invalid API key", 'Bearer error="invalid_token"')
 
     return [Depends(require_api_key)]

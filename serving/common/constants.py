@@ -21,14 +21,12 @@ CUDA_MEMORY_FRACTION: float | None = (
     float(os.environ["SWIFTSERVE_CUDA_MEMORY_FRACTION"]) if os.environ.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") else None
 )
 
-#: Shared secret for optional API-key auth: when set, every inference route of both apps needs
-#: ``Authorization: Bearer <key>`` (see ``serving.common.auth``); empty or unset means auth is off.
+#: API key of both HTTP apps, enforced by ``serving.common.auth``; empty or unset means auth is off.
 #: Surrounding whitespace (a trailing newline from a secret file) is dropped: HTTP cannot carry it.
 API_KEY: str = os.environ.get("SWIFTSERVE_API_KEY", "").strip()
 
-#: Shared secret between dense replicas and embedding shards: when set, shard servers demand the gRPC call metadata
-#: ``authorization: Bearer <token>`` on lookups and clients send it (see ``disagg.rpc.server``); empty or
-#: unset means no token. Surrounding whitespace is dropped; use printable ASCII (``openssl rand -hex 32``).
+#: Token dense replicas send and embedding shards demand (``disagg.rpc``); empty or unset means no token.
+#: Surrounding whitespace is dropped; use printable ASCII (``openssl rand -hex 32``).
 EMBEDDING_TOKEN: str = os.environ.get("SWIFTSERVE_EMBEDDING_TOKEN", "").strip()
 
 #: Name under which responses identify the server (OIP v2 server metadata, OpenAI ``owned_by``).

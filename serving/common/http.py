@@ -20,40 +20,22 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from serving.common.errors import APIError
 from serving.common.logging import get_logger
 
 logger = get_logger("http")
 
 
-class APIError(Exception):
-    """An error answered to the client: status, message and, when a request field is at fault, its path."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def __reduce__(self):  # travels between Serve replicas intact
-        return (_rebuild_api_error, (self.status_code, self.message, self.param, self.code, self.headers))
-
-
-def _rebuild_api_error(status_code: int, message: str, param: str | None, code: str | None,
-                       headers: dict[str, str] | None) -> APIError:
-    return APIError(status_code, message, param=param, code=code, headers=headers)
-
-
 ErrorRenderer = Callable[[APIError], Response]
+
+
+def app_state(name: str) -> Callable[[Request], Any]:
+    """A FastAPI dependency answering ``request.app.state.<name>``: what the app's builder put there."""
+
+    def from_state(request: Request) -> Any:
+        return getattr(request.app.state, name)
+
+    return from_state
 
 
 def field_path(loc: Sequence[Any]) -> str:
@@ -154,7 +136,10 @@ class _JSONRequest(Request):
         return self._json
 
 
-class _JSONRoute(APIRoute):
+class JSONRoute(APIRoute):
+    """Route class parsing JSON bodies with pydantic's parser (``_JSONRequest``); an ``APIRouter`` included into an
+    app needs it as its own ``route_class`` (routers keep theirs)."""
+
     def get_route_handler(self) -> Callable[[Request], Any]:
         handle = super().get_route_handler()
 
@@ -166,7 +151,8 @@ class _JSONRoute(APIRoute):
 
 def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_bytes: int) -> None:
     """Route every failure of ``app`` through ``render``, cap request bodies at ``max_body_bytes`` and parse JSON
-    bodies of routes added afterwards with pydantic's parser; the OpenAPI schema shows validation errors as 400s."""
+    bodies of routes added to ``app`` afterwards with pydantic's parser (included routers: ``JSONRoute``); the
+    OpenAPI schema shows validation errors as 400s."""
 
     async def on_api_error(_: Request, exc: APIError) -> Response:
         return render(exc)
@@ -186,7 +172,7 @@ def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_byte
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
     app.add_exception_handler(Exception, on_unexpected)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes, render=render)
-    app.router.route_class = _JSONRoute
+    app.router.route_class = JSONRoute
     edit_openapi(app, _drop_validation_error_responses)
 
 

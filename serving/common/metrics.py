@@ -1,18 +1,8 @@
 """swiftserve's own metrics, exported on Ray's Prometheus endpoint next to Ray Serve's.
 
-Code records through a ``Metrics`` object, one method per event; its ``MetricsSink`` decides where the values go:
-
-- ``RaySink`` (``Metrics.for_replica()``, called in a replica's constructor): ``ray.serve.metrics`` objects, created
-  in the process on first use, so inside a Serve replica they carry its ``deployment``, ``replica`` and
-  ``application`` tags. Each node's metrics agent serves them on its ``metrics_export_port`` with Ray's ``ray_``
-  prefix (``ray_swiftserve_request_latency_ms_bucket``; counters end in ``_total``), every
-  ``metrics_report_interval_ms`` (10 s by default).
-- ``InMemorySink``: keeps every record, checked like Ray checks them (tags, positive increments); for tests.
-- no sink (``NO_METRICS``, the default of every component): nothing is recorded. Components built outside Serve
-  (unit tests, benchmarks) record nothing unless given a ``Metrics``.
-
-Outside a Ray worker, ``ray.util.metrics`` objects can be created and recorded without error and record nothing
-(Ray 2.60); the null sink avoids even that work.
+Code records through a ``Metrics`` object, one method per event; its sink decides where the values go: ``RaySink``
+(``Metrics.for_replica()``, in a replica's constructor), ``InMemorySink`` (tests) or none (``NO_METRICS``, every
+component's default: nothing recorded). The metrics and their tags: docs/ARCHITECTURE.md, "Metrics".
 """
 
 from __future__ import annotations

@@ -1,47 +1,56 @@
-"""How the engine reaches ControlNets: ``submit`` one call, get something with ``.result()`` back.
+"""How the engine reaches ControlNets: ``ControlNetClient``, and its in-process and measured implementations.
 
-``LocalControlNets`` runs them in this process on worker threads (tests, a single-process server); the
-Serve deployment's client (``serving.deployments.model``) sends calls to shared ControlNet deployments;
-``MeasuredControlNets`` wraps either and records each call's latency.
+``LocalControlNets`` runs them on worker threads in this process; ``serving.deployments.controlnet`` sends the
+calls to shared ControlNet deployments; ``MeasuredControlNets`` wraps either and records each call's latency.
 """
 
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from serving.common.errors import RequestItemError, retry_after
 from serving.common.metrics import Metrics
 from serving.controlnet.runner import ControlNetCall, ControlNetResiduals, ControlNetRunner
 
 
 class PendingResiduals(Protocol):
+    """A ControlNet call in flight: a ``Future``, or a Serve deployment's reply."""
+
     def result(self) -> ControlNetResiduals: ...
 
 
-class ControlNetNotFound(LookupError):
-    """No ControlNet of that name is served."""
+class ControlNetNotFound(RequestItemError):
+    """No ControlNet of that name is served: 404."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.name = name
+        super().__init__(404, f"ControlNet {name!r} does not exist", field="controlnets", name=name,
+                         code="controlnet_not_found")
 
 
-class ControlNetUnavailable(RuntimeError):
-    """A ControlNet call failed (its replica died, timed out, or raised); ``name`` says which ControlNet."""
+class ControlNetUnavailable(RequestItemError):
+    """A ControlNet call failed (its replica died, timed out, or raised): 503, retry."""
 
     def __init__(self, name: str, cause: BaseException) -> None:
-        super().__init__(f"ControlNet {name!r} is unavailable: {type(cause).__name__}: {cause}")
-        self.name = name
+        super().__init__(503, f"ControlNet {name!r} is unavailable: {type(cause).__name__}: {cause}",
+                         field="controlnets", name=name, code="controlnet_unavailable", headers=retry_after(1))
 
 
-class ControlNetClient(Protocol):
-    def names(self) -> list[str]: ...
+class ControlNetClient(ABC):
+    """The ControlNets an engine can call, wherever they run."""
 
-    def submit(self, name: str, call: ControlNetCall) -> PendingResiduals: ...
+    @abstractmethod
+    def names(self) -> list[str]:
+        """The served ControlNets, sorted."""
+
+    @abstractmethod
+    def submit(self, name: str, call: ControlNetCall) -> PendingResiduals:
+        """Starts ControlNet ``name`` on ``call``; ``ControlNetNotFound`` when none has that name."""
 
 
-class LocalControlNets:
+class LocalControlNets(ControlNetClient):
     """In-process ControlNets, each call on a worker thread so they overlap the UNet's down blocks."""
 
     def __init__(self, runners: dict[str, ControlNetRunner], max_workers: int = 4) -> None:
@@ -70,7 +79,7 @@ class _MeasuredPending:
         return residuals
 
 
-class MeasuredControlNets:
+class MeasuredControlNets(ControlNetClient):
     """``client`` with each call's latency recorded: from ``submit`` until its residuals are in hand (calls that
     fail are not recorded; they fail their requests, which the request latency records)."""
 

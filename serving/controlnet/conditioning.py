@@ -21,11 +21,10 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
+from serving.config import DEFAULT_MAX_SIDE
+
 Preprocess = Literal["canny"]
 _FORMATS = ("PNG", "JPEG")
-#: Default of ``ImageLimits.max_image_side``: a longer side is refused even within the pixel limit (a 1 x 4M image
-#: takes five times the CPU and three times the memory of a square one of as many pixels to edge-detect and resize).
-DEFAULT_MAX_SIDE = 8192
 #: PNG chunks (or JPEG segments and fill bytes before the first scan) a file may have: PIL reads each one in
 #: Python, so a flood of empty ones costs seconds per request; real files have tens.
 MAX_SEGMENTS = 10_000

@@ -7,7 +7,8 @@ from pathlib import Path
 import torch
 from diffusers import ControlNetModel, UNet2DConditionModel
 
-from serving.presets import WeightsChoice, build_preset, preset_weights
+from serving.preset_catalog import WeightsChoice, preset_weights
+from serving.presets import build_preset
 
 # Conditioning-embedding widths: one stride-2 stage per factor of 2 between image and latent.
 _CONDITIONING_CHANNELS = {"tiny": (16, 32, 64), "sd15-shape": (16, 32, 96, 256)}

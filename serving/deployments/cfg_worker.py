@@ -17,13 +17,14 @@ from serving.deployments.controlnet import ServeControlNets
 from serving.deployments.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
 from serving.deployments.wire import PendingReply, WireRows
 from serving.engine import DiffusionEngine, LocalBackend
+from serving.engine.cfg import CFGWorker
 from serving.engine.rows import RowBatch
 
 logger = get_logger("deployments.cfg_worker")
 
 
-class ServeCFGWorker:
-    """The engine's ``CFGWorker`` over the ``CFGWorker`` deployment."""
+class ServeCFGWorker(CFGWorker):
+    """The engine's CFG worker as the ``CFGWorker`` deployment."""
 
     def __init__(self, handle: DeploymentHandle, timeout_s: float) -> None:
         self._handle = handle

@@ -15,7 +15,7 @@ from serving.common.device import DTYPES, placement, resolve_device, set_torch_t
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
 from serving.config import ControlNetConfig
-from serving.controlnet.client import ControlNetNotFound
+from serving.controlnet.client import ControlNetClient, ControlNetNotFound
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
 from serving.controlnet.runner import (
     ControlNetCall,
@@ -34,8 +34,8 @@ def _residuals(wire: WireResiduals) -> ControlNetResiduals:
     return ControlNetResiduals([from_numpy(block) for block in wire.down], from_numpy(wire.mid))
 
 
-class ServeControlNets:
-    """The engine's ``ControlNetClient`` over ControlNet deployments (one handle per ControlNet)."""
+class ServeControlNets(ControlNetClient):
+    """The engine's ControlNets as ControlNet deployments (one handle per ControlNet)."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], timeout_s: float) -> None:
         self._handles = handles

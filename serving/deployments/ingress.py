@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from fastapi import FastAPI
@@ -15,20 +14,17 @@ from serving.api.server import create_images_api
 from serving.common.backpressure import OVERLOADED
 from serving.common.constants import API_KEY
 from serving.common.device import placement
-from serving.common.http import APIError
+from serving.common.errors import APIError, retry_after
 from serving.common.logging import get_logger
 from serving.config import DiffusionAppConfig
-from serving.engine import GenerationParams, GenerationResult, ModelInfo
+from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
 
 logger = get_logger("deployments.ingress")
 
 
-class DeploymentBackend:
-    """``ImageGenerationBackend`` over a handle to ``DiffusionModel``.
-
-    A full model queue and a replica dying under a call are 503s with ``Retry-After``; a dead replica's call is
-    not retried (the generation may be what killed it).
-    """
+class DeploymentBackend(ImageGenerationBackend):
+    """The engine interface over a handle to ``DiffusionModel``. A full model queue and a replica dying under a call
+    are 503s with ``Retry-After``; a dead replica's call is not retried (the generation may be what killed it)."""
 
     def __init__(self, handle: DeploymentHandle) -> None:
         self._handle = handle
@@ -52,13 +48,12 @@ class DeploymentBackend:
         try:
             result = await getattr(self._handle, method).remote(*args)
         except BackPressureError as exc:
-            retry_after = str(max(1, math.ceil(exc.retry_after_s or 1)))
             raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
-                           headers={"Retry-After": retry_after}) from None
+                           headers=retry_after(exc.retry_after_s or 1)) from None
         except RayActorError as exc:
             logger.warning("model replica failed under a %s call: %s", method, exc)
             raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",
-                           headers={"Retry-After": "1"}) from None
+                           headers=retry_after(1)) from None
         except RayTaskError as exc:
             if isinstance(exc.cause, APIError):
                 raise exc.cause from None

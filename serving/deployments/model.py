@@ -8,7 +8,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serving.common.backpressure import OVERLOADED
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
 from serving.common.metrics import Metrics

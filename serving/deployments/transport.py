@@ -1,13 +1,8 @@
 """Moving tensors between Serve replicas without needless copies.
 
-Arrays travel as numpy (Ray's object store hands them over without pickling copies). Large inputs
-that many calls share, such as a request's conditioning image, are ``ray.put`` once by the sender
-(``SharedTensors``) and resolved once per receiving replica (``ResolvedTensors``).
-
-Neither side outlives the requests it serves: the sender's reference lives exactly as long as the
-tensor it was made from (the request's own copy), and the receiver drops a resolved tensor once no
-call has used it for ``idle_s`` or when its byte budget is full. ``put`` and ``get`` default to
-Ray's object store; tests pass their own.
+Arrays travel as numpy. Inputs many calls share (a request's conditioning image) are ``ray.put`` once by the
+sender (``SharedTensors``) and resolved once per receiving replica (``ResolvedTensors``); neither side keeps them
+longer than the requests that use them. ``put`` and ``get`` default to Ray's object store; tests pass their own.
 """
 
 from __future__ import annotations
@@ -38,7 +33,8 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
 
 
 class SharedTensors:
-    """Sender side: one object-store reference per live tensor, dropped when the tensor is freed."""
+    """Sender side: one object-store reference per live tensor, dropped when the tensor is freed (the reference
+    lives exactly as long as the request's own copy)."""
 
     def __init__(self, put: Callable[[np.ndarray], Any] = ray.put) -> None:
         self._put = put
@@ -62,7 +58,8 @@ class SharedTensors:
 
 
 class ResolvedTensors:
-    """Receiver side: each reference fetched once, kept while calls keep using it, within a byte budget."""
+    """Receiver side: each reference fetched once, kept while calls keep using it; a tensor no call used for
+    ``idle_s`` is dropped, and the least recently used go when ``max_bytes`` is exceeded."""
 
     def __init__(self, get: Callable[[Any], np.ndarray] = ray.get, *, max_bytes: int = _RESOLVED_BYTES,
                  idle_s: float = _RESOLVED_IDLE_S, clock: Callable[[], float] = time.monotonic) -> None:

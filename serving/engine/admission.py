@@ -1,21 +1,17 @@
 """Admission by predicted wait: a request that would wait too long for its first step is refused at once.
 
-Under overload, holding every request past a full batch makes all of them slow: each waits for a whole batch
-to finish before it starts. Instead, the engine loop predicts from the steps left to the requests it holds how
-many steps a new request would wait before it first joins a batch, and refuses it when that exceeds a fraction
-of its own steps (``EngineConfig.admission_wait_fraction``). Admitted requests then finish within about
-(1 + fraction) of a full batch's latency; the others learn at once, with the predicted wait as their
-``Retry-After``.
-
-The prediction replays the loop's schedule: the oldest requests whose rows fit ``max_batch_rows`` step
-together (a lone request larger than that still runs), finished requests leave, the next ones join. It
-assumes one image size and no request stopped for its LoRA, so mixed sizes make it optimistic.
+The engine loop replays its own schedule (oldest requests whose rows fit ``max_batch_rows`` step together, finished
+ones leave, the next join) to predict how many steps a new request would wait before it first runs, and refuses it
+when that exceeds ``EngineConfig.admission_wait_fraction`` of its own steps. The replay assumes one image size and
+no request stopped for its LoRA, so mixed sizes make it optimistic.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from serving.common.errors import APIError, retry_after
 
 
 @dataclass(frozen=True)
@@ -26,12 +22,14 @@ class Work:
     steps_left: int
 
 
-class EngineOverloaded(RuntimeError):
-    """The request would wait ``wait_steps`` steps (about ``wait_s`` seconds) before its first: refused."""
+class EngineOverloaded(APIError):
+    """The request would wait ``wait_steps`` steps (about ``wait_s`` seconds) before its first: 503, retry after
+    the predicted wait."""
 
     def __init__(self, wait_steps: int, allowed_steps: float, wait_s: float) -> None:
-        super().__init__(f"the model is at capacity: this request would wait {wait_steps} denoising steps "
-                         f"(about {wait_s:.1f} s) before its first, more than the {allowed_steps:g} allowed")
+        super().__init__(503, f"the model is at capacity: this request would wait {wait_steps} denoising steps "
+                         f"(about {wait_s:.1f} s) before its first, more than the {allowed_steps:g} allowed",
+                         code="overloaded", headers=retry_after(wait_s))
         self.wait_steps = wait_steps
         self.wait_s = wait_s
 

@@ -1,33 +1,25 @@
 """``LocalBackend``: the engine interface over an in-process engine loop (a Serve replica or a test).
 
-This is the boundary where engine and LoRA errors become API errors (status, message, field).
+Engine, LoRA and ControlNet errors are ``APIError``s already; here one naming a request item gets its position.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
 
-from serving.common.http import APIError
+from serving.common.errors import RequestItemError
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
-from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
-from serving.engine.admission import EngineOverloaded
-from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
+from serving.controlnet.client import ControlNetClient
+from serving.engine.cfg import CFGWorker
 from serving.engine.denoiser import DiffusionEngine
-from serving.engine.loop import EngineLoop, LoRALoadFailed, StepCallback
-from serving.engine.types import GenerationParams, GenerationResult, ModelInfo
+from serving.engine.loop import EngineLoop, StepCallback
+from serving.engine.types import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
 from serving.lora.cache import LoRACache
-from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
+from serving.lora.registry import LoRARegistry
 
 
-def _name_param(field: str, specs: tuple, name: str) -> str:
-    """``loras[2].name``: where in the request the named item is."""
-    index = next((i for i, spec in enumerate(specs) if spec.name == name), None)
-    return field if index is None else f"{field}[{index}].name"
-
-
-class LocalBackend:
+class LocalBackend(ImageGenerationBackend):
     """Serves one model: submits requests to the engine loop and awaits their futures."""
 
     def __init__(self, loop: EngineLoop, registry: LoRARegistry | None = None,
@@ -79,32 +71,9 @@ class LocalBackend:
 
     async def _generate(self, params: GenerationParams) -> GenerationResult:
         try:
-            future = self.loop.submit(params)
-        except InvalidLoRAName as exc:
-            raise APIError(400, f"invalid LoRA name: {exc}", param=_name_param("loras", params.loras, exc.name),
-                           code="invalid_lora_name") from None
-        except LoRANotFound as exc:
-            raise APIError(404, f"LoRA {exc.name!r} does not exist",
-                           param=_name_param("loras", params.loras, exc.name), code="lora_not_found") from None
-        except ControlNetNotFound as exc:
-            raise APIError(404, f"ControlNet {exc.name!r} does not exist",
-                           param=_name_param("controlnets", params.controlnets, exc.name),
-                           code="controlnet_not_found") from None
-        except ValueError as exc:
-            raise APIError(400, str(exc), code="invalid_value") from None
-        except EngineOverloaded as exc:
-            raise APIError(503, str(exc), code="overloaded",
-                           headers={"Retry-After": str(max(1, math.ceil(exc.wait_s)))}) from None
-        try:
-            return await asyncio.wrap_future(future)
-        except ControlNetUnavailable as exc:
-            raise APIError(503, str(exc), param=_name_param("controlnets", params.controlnets, exc.name),
-                           code="controlnet_unavailable", headers={"Retry-After": "1"}) from None
-        except CFGWorkerUnavailable as exc:
-            raise APIError(503, str(exc), code="cfg_worker_unavailable", headers={"Retry-After": "1"}) from None
-        except LoRALoadFailed as exc:
-            raise APIError(422, str(exc), param=_name_param("loras", params.loras, exc.name),
-                           code="lora_load_failed") from None
+            return await asyncio.wrap_future(self.loop.submit(params))
+        except RequestItemError as error:  # ``loras[2].name``: where this request names the item
+            raise error.located([item.name for item in getattr(params, error.field)]) from None
 
     def close(self) -> None:
         self.loop.stop()

@@ -1,40 +1,46 @@
-"""Parallel classifier-free guidance: the unconditional rows of a step run on a second worker.
-
-Each step the engine cuts the unconditional rows out of the batch, sends them to the worker, runs
-the conditional rows itself meanwhile, and combines both predictions into the guided noise before
-stepping each request's scheduler. The worker is a second copy of the model on its own device: an
-in-process engine on a thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.model``).
+"""Parallel classifier-free guidance: each step the unconditional rows run on a ``CFGWorker`` while the engine
+runs the conditional rows. The worker is a second copy of the model on its own device: an in-process engine on a
+thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from serving.common.errors import APIError, retry_after
 from serving.engine.rows import RowBatch
 
 if TYPE_CHECKING:
     from serving.engine.denoiser import DiffusionEngine
 
 
-class CFGWorkerUnavailable(RuntimeError):
-    """The CFG worker did not answer a step (its replica died, timed out, or raised)."""
+class CFGWorkerUnavailable(APIError):
+    """The CFG worker did not answer a step (its replica died, timed out, or raised): 503, retry."""
 
     def __init__(self, cause: BaseException) -> None:
-        super().__init__(f"CFG worker is unavailable: {type(cause).__name__}: {cause}")
+        super().__init__(503, f"CFG worker is unavailable: {type(cause).__name__}: {cause}",
+                         code="cfg_worker_unavailable", headers=retry_after(1))
 
 
 class PendingNoise(Protocol):
+    """A CFG worker's step in flight: a ``Future``, or a Serve deployment's reply."""
+
     def result(self) -> torch.Tensor: ...
 
 
-class CFGWorker(Protocol):
-    def submit(self, batch: RowBatch) -> PendingNoise: ...
+class CFGWorker(ABC):
+    """Predicts the noise of the rows an engine hands off, on a second copy of its model."""
+
+    @abstractmethod
+    def submit(self, batch: RowBatch) -> PendingNoise:
+        """Starts the UNet's noise prediction for every row of ``batch``."""
 
 
-class LocalCFGWorker:
+class LocalCFGWorker(CFGWorker):
     """A second engine in this process, on its own thread (and device, when given one)."""
 
     def __init__(self, engine: DiffusionEngine) -> None:

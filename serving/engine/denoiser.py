@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
+from serving.common.errors import APIError
 from serving.common.logging import get_logger
 from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
@@ -37,6 +38,13 @@ from serving.presets import DiffusionComponents, build_preset, load_local
 logger = get_logger("engine")
 
 _DEVICE_LORA_COPIES = 16
+
+
+class InvalidImageSize(APIError, ValueError):
+    """An image side that is not a multiple of the model's ``size_multiple``: 400."""
+
+    def __init__(self, multiple: int) -> None:
+        super().__init__(400, f"width and height must be multiples of {multiple}", code="invalid_value")
 
 
 def load_components(config: DiffusionModelConfig) -> DiffusionComponents:
@@ -102,9 +110,10 @@ class DiffusionEngine:
     # -- request lifecycle -------------------------------------------------------------------------
 
     def validate(self, params: GenerationParams) -> None:
+        """Refuses what this model cannot serve: ``InvalidImageSize``, ``ControlNetNotFound``."""
         multiple = self.info.size_multiple
         if params.width % multiple or params.height % multiple:
-            raise ValueError(f"width and height must be multiples of {multiple}")
+            raise InvalidImageSize(multiple)
         served = set(self.controlnets.names()) if self.controlnets is not None else set()
         for spec in params.controlnets:
             if spec.name not in served:

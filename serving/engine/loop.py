@@ -1,11 +1,9 @@
 """The engine loop: step-level (continuous) batching of requests in one thread.
 
-At every step boundary the loop admits new requests, applies LoRAs whose loads finished, and runs
-one UNet step for the oldest runnable request together with every other runnable request of the
-same image size (up to ``max_batch_rows`` rows). Finished requests leave at once. A request whose
-LoRA is still loading keeps denoising without it until its deadline step, then waits there while
-the others go on. A request that would wait too long for its first step is refused at submission
-(``serving.engine.admission``).
+At every step boundary the loop admits new requests, applies LoRAs whose loads finished, and runs one UNet step
+for the oldest runnable request with every other runnable one of the same image size (up to ``max_batch_rows``
+rows). A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
+A request that would wait too long for its first step is refused at submission (``serving.engine.admission``).
 """
 
 from __future__ import annotations
@@ -17,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from serving.common.errors import RequestItemError
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import EngineConfig
@@ -33,12 +32,12 @@ logger = get_logger("engine.loop")
 StepCallback = Callable[[RequestState], None]
 
 
-class LoRALoadFailed(RuntimeError):
-    """A request's LoRA could not be loaded; ``name`` says which."""
+class LoRALoadFailed(RequestItemError):
+    """A request's LoRA file failed to load or to validate: 422."""
 
     def __init__(self, name: str, cause: BaseException) -> None:
-        super().__init__(f"LoRA {name!r} could not be loaded: {cause}")
-        self.name = name
+        super().__init__(422, f"LoRA {name!r} could not be loaded: {cause}", field="loras", name=name,
+                         code="lora_load_failed")
 
 
 @dataclass

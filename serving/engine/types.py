@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -81,13 +81,22 @@ class ModelInfo:
     size_multiple: int
 
 
-class ImageGenerationBackend(Protocol):
-    """The engine interface the HTTP API talks to (an in-process engine or a Serve handle)."""
+class ImageGenerationBackend(ABC):
+    """The engine interface the HTTP API talks to: an in-process engine (``LocalBackend``) or a handle to the
+    model deployment (``DeploymentBackend``). Refusals raise ``APIError``s."""
 
-    async def model_info(self) -> ModelInfo: ...
+    @abstractmethod
+    async def model_info(self) -> ModelInfo:
+        """The served model's name and image size rules."""
 
-    async def list_loras(self) -> list[str]: ...
+    @abstractmethod
+    async def list_loras(self) -> list[str]:
+        """The LoRAs a request may name, sorted."""
 
-    async def list_controlnets(self) -> list[str]: ...
+    @abstractmethod
+    async def list_controlnets(self) -> list[str]:
+        """The ControlNets a request may name, sorted."""
 
-    async def generate(self, params: GenerationParams) -> GenerationResult: ...
+    @abstractmethod
+    async def generate(self, params: GenerationParams) -> GenerationResult:
+        """Runs one request to its images."""

@@ -1,9 +1,7 @@
-"""``UNet2DConditionModel.forward`` cut in two around the ControlNet injection point.
+"""``UNet2DConditionModel.forward`` cut in two around the ControlNet injection point, so the engine runs the down
+blocks while remote ControlNets compute the same step's residuals.
 
-``down`` runs the time embedding, ``conv_in`` and the down blocks; ``up`` adds ControlNet residuals to
-the skip connections and the mid-block output, then runs the mid and up blocks. The engine runs
-``down`` while remote ControlNets compute the residuals of the same step. The arithmetic is
-diffusers' own for Stable-Diffusion-style UNets (no class/addition embeddings, attention masks,
+The arithmetic is diffusers' own for Stable-Diffusion-style UNets (no class/addition embeddings, attention masks,
 adapters or GLIGEN); other UNets are refused at construction.
 """
 
@@ -46,6 +44,7 @@ class SplitUNet:
         self.unet = unet
 
     def down(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> DownPass:
+        """The time embedding, ``conv_in`` and the down blocks."""
         unet = self.unet
         up_factor = 2**unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])
@@ -64,6 +63,8 @@ class SplitUNet:
 
     def up(self, state: DownPass, down_residuals: Sequence[torch.Tensor] | None = None,
            mid_residual: torch.Tensor | None = None) -> torch.Tensor:
+        """ControlNet residuals added to the skip connections and the mid-block output, then the mid and up blocks
+        to the noise prediction; ``ValueError`` if the residuals do not match the skips."""
         unet = self.unet
         skips = state.skips
         if down_residuals is not None:

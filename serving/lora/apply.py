@@ -1,18 +1,9 @@
-"""Per-request LoRA application without touching base weights: one forward serves rows with
-different LoRAs, scales, or none.
+"""Per-request LoRA application without touching base weights: one forward serves rows with different LoRAs,
+scales, or none.
 
-Two paths, chosen per forward (the dLoRA idea of switching between merged and unmerged inference):
-
-- **unmerged** (rows differ): for each LoRA in the batch, ``scale_row * layer.scale * up(down(x_rows))``
-  is added to the rows that use it (gather, two small matmuls, scatter-add: Punica/S-LoRA without
-  custom kernels);
-- **merged copy** (every row has the same LoRAs and scales, e.g. one request, possibly with CFG):
-  once a combination has run ``merge_after`` forwards unmerged (building a copy costs about as much as
-  a few unmerged steps), the module runs with ``W + sum(scale * layer.scale * up @ down)``, a separate
-  tensor kept in a byte-bounded LRU, so later steps and later requests with it cost nothing extra.
-
-Targeted ``nn.Linear`` / ``nn.Conv2d`` modules get their ``forward`` wrapped on first use; while no
-plan is active the wrapper calls the original forward directly.
+Unmerged when rows differ (gather, two small matmuls, scatter-add per LoRA: Punica/S-LoRA without custom
+kernels); when every row has the same LoRAs, after ``merge_after`` forwards, a merged copy of each touched weight
+from a byte-bounded LRU (dLoRA's switch between merged and unmerged inference). Base weights are never modified.
 """
 
 from __future__ import annotations
@@ -94,7 +85,8 @@ def _delta(module: nn.Module, layer: LoRALayer, x: torch.Tensor) -> torch.Tensor
 
 
 class _MergedWeights:
-    """Byte-bounded LRU of merged weight copies, per uniform LoRA combination, built module by module."""
+    """Byte-bounded LRU of merged weight copies (``W + sum(scale * layer.scale * up @ down)``), per uniform LoRA
+    combination, built module by module once the combination has run ``merge_after`` forwards unmerged."""
 
     def __init__(self, budget_bytes: int, merge_after: int) -> None:
         self.budget_bytes = budget_bytes
@@ -142,7 +134,11 @@ class _MergedWeights:
 
 
 class LoRAHooks:
-    """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged."""
+    """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged.
+
+    Targeted ``nn.Linear`` / ``nn.Conv2d`` modules get their ``forward`` wrapped on first use; outside
+    :meth:`active` the wrapper calls the original forward directly.
+    """
 
     def __init__(self, model: nn.Module, *, merged_cache_bytes: int = 0, merge_after: int = 8) -> None:
         self._modules = dict(model.named_modules())

@@ -20,7 +20,8 @@ import torch
 
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, LoRALookup, Metrics
-from serving.lora.format import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS, LoRATargets, load_lora_file
+from serving.config import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
+from serving.lora.format import LoRATargets, load_lora_file
 from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
 from serving.lora.weights import LoRAWeights
 

@@ -31,6 +31,7 @@ from diffusers.utils import (
 from safetensors import safe_open
 from torch import nn
 
+from serving.config import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
 from serving.lora.weights import LoRALayer, LoRAWeights
 
 #: Where diffusers' ``save_lora_weights(..., *_lora_adapter_metadata=...)`` stores the LoRA config (JSON).
@@ -54,10 +55,6 @@ _UNSUPPORTED_MARKERS = (
     ("hada_", "LoHa"),
 )
 
-#: Defaults of ``LoRAConfig.max_header_bytes`` / ``max_tensors``: a kohya SDXL LoRA with both text encoders has
-#: about 3,500 tensors and a header well under 1 MiB (its training metadata included).
-DEFAULT_MAX_HEADER_BYTES = 8 * 2**20
-DEFAULT_MAX_TENSORS = 16384
 _HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian u64 header size, then the JSON header
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 _JSON_DECODER = json.JSONDecoder()

@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 
+from serving.common.errors import RequestItemError
 from serving.common.logging import get_logger
 
 logger = get_logger("lora.registry")
@@ -14,21 +15,19 @@ SUFFIX = ".safetensors"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-class InvalidLoRAName(ValueError):
-    """A LoRA name that is not a plain file stem (path separators, ``..``, NUL, too long, ...)."""
-
-    def __init__(self, name: str, reason: str = "names are 1-128 of [A-Za-z0-9_.-], starting alphanumeric, "
-                                                "without '..'") -> None:
-        super().__init__(f"{name!r}: {reason}")
-        self.name = name
-
-
-class LoRANotFound(LookupError):
-    """No servable ``<name>.safetensors`` in the LoRA directory."""
+class InvalidLoRAName(RequestItemError):
+    """A LoRA name that is not a plain file stem (path separators, ``..``, NUL, too long, ...): 400."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"no LoRA named {name!r}")
-        self.name = name
+        super().__init__(400, f"invalid LoRA name: {name!r}: names are 1-128 of [A-Za-z0-9_.-], starting "
+                         "alphanumeric, without '..'", field="loras", name=name, code="invalid_lora_name")
+
+
+class LoRANotFound(RequestItemError):
+    """No servable ``<name>.safetensors`` in the LoRA directory: 404."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(404, f"LoRA {name!r} does not exist", field="loras", name=name, code="lora_not_found")
 
 
 def is_valid_name(name: object) -> bool:

@@ -6,8 +6,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from disagg.api.backend import DLRMBackend
 from disagg.config import DLRMAppConfig, DLRMLimits
-from disagg.model import DLRMSpec, preset_spec
+from disagg.spec import DLRMSpec, preset_spec
 
 MAX_BODY_BYTES = 32 * 1024
 MAX_ROWS = 16
@@ -26,7 +27,7 @@ def expected_scores(dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
     return (dense.sum(axis=1, dtype=np.float64) + np.where(ids >= 0, ids, 0).sum(axis=1)).reshape(-1, 1)
 
 
-class FakeBackend:
+class FakeBackend(DLRMBackend):
     """Scores rows with ``expected_scores`` and records what reached it."""
 
     spec: DLRMSpec = preset_spec("tiny")

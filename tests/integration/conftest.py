@@ -24,7 +24,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config, load_serve_config
 from serving.common.net import free_port
-from serving.presets import preset_weights
+from serving.preset_catalog import preset_weights
 from tests.helpers import REPO
 from tests.helpers.pki import PKI, SERVER_NAME, make_pki
 

@@ -10,8 +10,9 @@ import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import build_preset, preset_weights
+from disagg.api.codec import encode_dlrm_request
+from disagg.model import build_preset
+from disagg.spec import preset_weights
 from disagg.synthetic import SyntheticRequests
 from tests.helpers.replicas import answers_from_replicas, kill_replica, named_replicas
 from tests.integration.conftest import DLRM_LOOKUP_TIMEOUT_S, POOLS

@@ -13,10 +13,10 @@ from httpx import Client
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import preset_spec
+from disagg.api.codec import encode_dlrm_request
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.client import ShardClient, ShardUnavailable
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from tests.helpers.pki import PKI, SERVER_NAME, trusting
 from tests.integration.conftest import SECURE_TOKEN

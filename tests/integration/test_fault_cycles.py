@@ -25,8 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import preset_spec
+from disagg.api.codec import encode_dlrm_request
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
 from tests.helpers.images import encode_b64, square

@@ -22,8 +22,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import preset_spec
+from disagg.api.codec import encode_dlrm_request
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.metrics import (
     ALL_METRICS,

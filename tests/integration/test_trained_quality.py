@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.api.protocol import encode_dlrm_request
-from disagg.model import build_preset, preset_weights
+from disagg.api.codec import encode_dlrm_request
+from disagg.model import build_preset
+from disagg.spec import preset_weights
 from tests.helpers.images import decode_png, encode_b64
 from training.click_logs import ClickLogs, roc_auc
 from training.shapes import evaluation

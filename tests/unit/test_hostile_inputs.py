@@ -42,12 +42,13 @@ import serving.lora.format as lora_format
 from autoconfig.bank import ModelDescription
 from disagg.config import DLRMAppConfig, DLRMModelConfig
 from disagg.model import build_preset as build_dlrm
-from disagg.model import preset_weights as dlrm_preset_weights
+from disagg.spec import preset_weights as dlrm_preset_weights
 from serving.config import ControlNetConfig, DiffusionModelConfig, LoRAConfig
 from serving.controlnet.conditioning import MAX_JPEG_SCANS, MAX_SEGMENTS, ConditioningImageError, decode_image
 from serving.controlnet.models import build_controlnet_preset, controlnet_preset_weights, load_controlnet
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, load_lora_file
-from serving.presets import WEIGHTS_ROOT, build_preset, load_local, preset_weights
+from serving.preset_catalog import WEIGHTS_ROOT, preset_weights
+from serving.presets import build_preset, load_local
 from tests.helpers import REPO
 from tests.helpers.images import encode_b64, grey_png, png_chunk, progressive_jpeg, square
 from tests.helpers.images_api import images_client

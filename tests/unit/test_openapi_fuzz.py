@@ -23,13 +23,14 @@ from fastapi import FastAPI
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from disagg.api.binary import BINARY_MEDIA_TYPE
+from disagg.api.protocol import BINARY_MEDIA_TYPE
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMLimits
-from disagg.model import DLRM, build_preset, preset_spec, preset_weights
+from disagg.model import DLRM, build_preset
+from disagg.spec import preset_spec, preset_weights
 from serving.api.server import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
-from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, LocalBackend, ModelInfo
 from tests.helpers.lora_files import write_lora
 
 API_KEY = "fuzz-key-8d1e"
@@ -50,7 +51,7 @@ DLRM_CONFIG = DLRMAppConfig(
 RESPONSES: Counter[tuple[str, str, int, str]] = Counter()
 
 
-class PluggedImagesBackend:
+class PluggedImagesBackend(ImageGenerationBackend):
     """The diffusion backend of the images apps: calls the ``LocalBackend`` that ``images_backend`` plugs in."""
 
     backend: LocalBackend | None = None

@@ -36,18 +36,18 @@ from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from autoconfig.space import KNOB_NAMES, SearchSpace, SpaceError
-from disagg.api.binary import (
-    BINARY_DATA_SIZE,
-    HEADER_LENGTH,
+from disagg.api.codec import (
     WIRE_DTYPES,
     BinaryOutputs,
+    decode_dlrm_request,
+    encode_dlrm_request,
     encode_infer_response,
     parse_infer_request,
 )
-from disagg.api.protocol import InferRequest, InferResponse, InferTensor, decode_dlrm_request, encode_dlrm_request
+from disagg.api.protocol import BINARY_DATA_SIZE, HEADER_LENGTH, InferRequest, InferResponse, InferTensor
 from disagg.config import DLRMLimits
-from disagg.model import preset_spec
-from serving.common.http import APIError
+from disagg.spec import preset_spec
+from serving.common.errors import APIError
 from serving.controlnet.conditioning import ConditioningImageError, decode_image
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, LoRATargets, load_lora_file
 from serving.lora.registry import is_valid_name

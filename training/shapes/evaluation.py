@@ -1,14 +1,8 @@
 """Scoring generated images against what was asked: the quality checks of the trained ``tiny`` preset.
 
-A ``Brief`` is what one generation asks for (a caption, and the sample whose edge map conditions it). Scores
-are the shapes-world measures over a batch of images:
-
-- ``fidelity``: the share of images whose dominant colour / classified shape is the one the caption names;
-- ``control_iou``: the mean IoU between each image's silhouette and the silhouette its edge map came from;
-- ``style``: mean ``outline_score`` and ``darkness`` (what the ``outlined`` and ``dark`` LoRAs change).
-
-The generator of the images is the caller's (a diffusers pipeline, our engine, an HTTP client), so the same
-scores judge every serving path.
+A ``Brief`` is what one generation asks for; ``fidelity``, ``control_iou`` and ``style`` score a batch of images
+with the shapes-world measures. The images come from the caller (a diffusers pipeline, our engine, an HTTP
+client), so the same scores judge every serving path.
 """
 
 from __future__ import annotations
@@ -105,7 +99,7 @@ def control_iou(images: Sequence[np.ndarray], wanted: Sequence[Brief]) -> float:
 
 
 def style(images: Sequence[np.ndarray]) -> dict[str, float]:
-    """Mean outline score and darkness of the images."""
+    """Mean outline score and darkness of the images (what the ``outlined`` and ``dark`` LoRAs change)."""
     return {"outline": float(np.mean([outline_score(image) for image in images])),
             "darkness": float(np.mean([darkness(image) for image in images]))}
 

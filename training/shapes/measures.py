@@ -1,17 +1,8 @@
 """Explainable measures of a shapes-world image: colour, silhouette, shape class, style, background.
 
-Every measure starts from one rule: the background is the median colour of the image border, and a
-pixel is foreground ("ink") when its RGB distance to the background exceeds a threshold. From there:
-
-- ``shape_mask``: the largest ink component with its holes filled (the silhouette);
-- ``colour_votes`` / ``dominant_colour``: each saturated ink pixel votes for the palette colour of
-  nearest hue; the share of votes is the confidence;
-- ``clarity``: the fraction of pixels near the background or the ink's median colour (1 clean, low
-  for noise): how far the other measures can be trusted;
-- ``outline_score``: the fraction of the silhouette left unpainted (0 filled, toward 1 outlined);
-- ``darkness``: 1 - median luma of the border (0 white, about 0.92 for the dark background);
-- ``ShapeClassifier``: a small random forest on silhouette features (extent, solidity, circularity,
-  polygon corner count, Hu moments, the silhouette cropped and resized to 12x12).
+Every measure starts from one rule: the background is the median colour of the image border, and a pixel is
+foreground ("ink") when its RGB distance to the background exceeds a threshold. ``describe`` measures every
+attribute a caption names; ``ShapeClassifier`` is a small random forest on silhouette features.
 """
 
 from __future__ import annotations

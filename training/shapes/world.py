@@ -1,18 +1,9 @@
 """The "shapes" world: small seeded images of one coloured geometric shape, their captions and maps.
 
-Each sample is one shape (circle, square, triangle, star, cross) in a named colour, filled or outlined,
-on a white or dark background, at a random centre and size. Besides the RGB image it carries the
-shape's silhouette ``mask`` and the ``edges`` map the serving path would compute (OpenCV canny with
-the thresholds of ``serving.controlnet.conditioning.preprocess``). ``ShapeSample.control`` gives either
-map as ControlNet conditioning images expect them: RGB uint8, white on black.
-
-Captions follow one grammar (``caption`` / ``parse_caption``)::
-
-    a red circle on a white background
-    an outlined blue square on a dark background
-
-Sample ``i`` of a dataset is drawn from its own generator ``(seed, i)``, so datasets are
-reproducible, order-independent and randomly accessible. numpy + OpenCV only (no torch).
+Each sample is one shape in a named colour, filled or outlined, on a white or dark background, with its silhouette
+``mask`` and the canny ``edges`` the serving path would compute; captions follow one grammar (``caption`` /
+``parse_caption``: "an outlined blue square on a dark background"). Sample ``i`` of stream ``seed`` has its own
+generator ``(seed, i)``: reproducible, order-independent, randomly accessible. numpy + OpenCV only (no torch).
 """
 
 from __future__ import annotations

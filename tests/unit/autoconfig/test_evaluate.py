@@ -5,7 +5,7 @@ import pytest
 from autoconfig.bank import save_bank
 from autoconfig.cli import main
 from autoconfig.space import SearchSpace
-from autoconfig.surfaces import synthetic_bank
+from tests.helpers.surfaces import synthetic_bank
 
 SPACE = SearchSpace.parse({"knobs": {
     "max_batch_size": {"values": [1, 4, 16]},

@@ -9,7 +9,7 @@ from autoconfig.bank import BankEntry, BankError, ProfileRecord, load_bank, save
 from autoconfig.replay import replay
 from autoconfig.searchers import SEARCHERS, GridSearcher, MetaParams, meta_factory
 from autoconfig.space import SearchSpace
-from autoconfig.surfaces import synthetic_bank
+from tests.helpers.surfaces import synthetic_bank
 
 TINY = SearchSpace.parse(
     {

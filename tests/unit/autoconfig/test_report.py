@@ -11,7 +11,7 @@ from autoconfig.searchers import meta_factory
 from autoconfig.searchers.base import Observation
 from autoconfig.space import Configuration, SearchSpace
 from autoconfig.study import TuningStudy
-from autoconfig.surfaces import synthetic_bank
+from tests.helpers.surfaces import synthetic_bank
 
 SPACE = SearchSpace.parse({"knobs": {
     "max_batch_size": {"values": [1, 4]},

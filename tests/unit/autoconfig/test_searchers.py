@@ -18,7 +18,7 @@ from autoconfig.searchers import (
 )
 from autoconfig.searchers.meta import bank_surfaces
 from autoconfig.space import Configuration, SearchSpace, SpaceError
-from autoconfig.surfaces import synthetic_bank
+from tests.helpers.surfaces import synthetic_bank
 
 FAST_META = MetaParams(meta_iterations=20, meta_batch=4, adapt_steps=5)
 

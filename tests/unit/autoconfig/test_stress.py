@@ -8,9 +8,10 @@ import pytest
 
 from autoconfig.stress import ClientSettings, SearchSettings, StressClient, arrival_offsets
 from autoconfig.workloads import Workload, dlrm_workload, parse_workload_options, workload_for_app
-from disagg.api.protocol import InferRequest, decode_dlrm_request
+from disagg.api.codec import decode_dlrm_request
+from disagg.api.protocol import InferRequest
 from disagg.config import DLRMLimits
-from disagg.model import preset_spec
+from disagg.spec import preset_spec
 from serving.api.protocol import ImageGenerationRequest
 
 WORKLOAD = Workload("POST", "/models/m/infer", lambda index: f'{{"i": {index}}}'.encode())

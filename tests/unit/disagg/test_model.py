@@ -6,15 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from disagg.model import (
-    CRITEO_KAGGLE_TABLE_SIZES,
-    DLRM,
-    PRESETS,
-    DLRMSpec,
-    build_preset,
-    materialize_,
-    preset_spec,
-)
+from disagg.model import DLRM, build_preset, materialize_
+from disagg.spec import CRITEO_KAGGLE_TABLE_SIZES, PRESETS, DLRMSpec, preset_spec
 
 
 @pytest.fixture(scope="module")

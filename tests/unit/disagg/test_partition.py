@@ -5,8 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.model import DLRM, build_preset, preset_spec
+from disagg.model import DLRM, build_preset
 from disagg.partition import Partition, build_dense_part, build_embedding_shard, dense_stages, partition_embeddings
+from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 
 SEED = 3

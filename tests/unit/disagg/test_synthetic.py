@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.model import DLRMSpec, preset_spec
+from disagg.spec import DLRMSpec, preset_spec
 from disagg.synthetic import SyntheticRequests
 
 SPEC = DLRMSpec(num_dense=5, table_sizes=(3, 1000, 100_000), embedding_dim=4, bottom_mlp=(4,), top_mlp=(1,))

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from serving.presets import PRESET_NAMES, build_preset, load_local, preset_weights
+from serving.preset_catalog import PRESET_NAMES, preset_weights
+from serving.presets import build_preset, load_local
 
 
 def _state(components) -> dict[str, torch.Tensor]:

@@ -26,7 +26,8 @@ from serving.engine.types import ControlNetSpec
 from serving.lora.cache import LoRACache
 from serving.lora.format import load_lora_file
 from serving.lora.registry import LoRARegistry
-from serving.presets import build_preset, preset_weights
+from serving.preset_catalog import preset_weights
+from serving.presets import build_preset
 from tests.helpers.images import decode_png
 from training.shapes import evaluation
 from training.shapes.evaluation import EVALUATION_GUIDANCE, EVALUATION_STEPS

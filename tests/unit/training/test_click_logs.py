@@ -10,11 +10,12 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from disagg.api.protocol import encode_dlrm_request
+from disagg.api.codec import encode_dlrm_request
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMModelConfig
-from disagg.model import DLRM, DLRMSpec, build_preset, preset_spec, preset_weights
+from disagg.model import DLRM, build_preset
 from disagg.partition import build_dense_part, build_embedding_shard
+from disagg.spec import DLRMSpec, preset_spec, preset_weights
 from training.click_logs import ClickLogs, best_achievable_auc, roc_auc
 from training.tiny_dlrm import HELDOUT_STREAM, TRAIN_STREAM, main, predict, shipped_report, train
 

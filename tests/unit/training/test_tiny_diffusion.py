@@ -11,7 +11,8 @@ from pydantic import ValidationError
 from serving.config import DiffusionAppConfig
 from serving.controlnet.models import load_controlnet
 from serving.lora.format import LoRATargets, load_lora_file
-from serving.presets import build_preset, load_local, preset_weights
+from serving.preset_catalog import preset_weights
+from serving.presets import build_preset, load_local
 from training.shapes import evaluation, parse_caption, short_caption
 from training.shapes.world import COLOURS, SHAPES, STYLE_WORLDS, Description
 from training.tiny_diffusion import StageSettings, main

@@ -7,9 +7,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from fastapi.routing import iter_route_contexts
 from fastapi.testclient import TestClient
 
-from disagg.api.protocol import encode_dlrm_request
+from disagg.api.codec import encode_dlrm_request
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig
 from tests.helpers.oip_fakes import (
@@ -494,9 +495,11 @@ def test_health_probes_need_no_key(keyed_client: TestClient, backend: FakeBacken
 
 def test_every_route_but_the_probes_and_docs_needs_the_key(keyed_client: TestClient) -> None:
     open_paths = {"/health/live", "/health/ready", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
-    for route in keyed_client.app.routes:
+    routes = list(iter_route_contexts(keyed_client.app.routes))  # the app's own routes and those of its routers
+    assert set(keyed_client.app.openapi()["paths"]) <= {route.path for route in routes}
+    for route in routes:
         path = route.path.replace("{model_name}", "ctr").replace("{model_version}", "1")
-        for method in getattr(route, "methods", set()) - {"HEAD"}:
+        for method in (route.methods or set()) - {"HEAD"}:
             status = keyed_client.request(method, path).status_code
             assert (status == 401) == (route.path not in open_paths), (method, route.path, status)
 

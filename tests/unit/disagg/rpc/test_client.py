@@ -2,6 +2,7 @@
 
 import asyncio
 import contextlib
+import pickle
 import time
 
 import grpc
@@ -10,6 +11,7 @@ import torch
 
 from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
 from disagg.rpc.server import EmbeddingServer
+from serving.common.errors import APIError
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
 
 
@@ -173,7 +175,7 @@ def test_refused_input_name_is_a_request_error_not_retried_and_the_server_keeps_
         ):
             with pytest.raises(EmbeddingRequestError) as info:
                 await client.lookup({"ids_a": torch.tensor([1]), "bogus": torch.tensor([1])}, timeout_s=5)
-            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.grpc_code == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.shard_index == 0
             assert "unknown input 'bogus'" in str(info.value) and "missing input 'ids_b'" in str(info.value)
             assert client.stats.failovers == 0 and client.stats.request_errors == 1
@@ -210,8 +212,8 @@ def test_oversized_request_is_a_request_error_and_the_server_keeps_serving():
         ):
             with pytest.raises(EmbeddingRequestError) as info:
                 await client.lookup(big, timeout_s=5)
-            assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "larger than max" in info.value.message
+            assert info.value.grpc_code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "larger than max" in info.value.details
             await client.lookup(toy_inputs(shard), timeout_s=5)
 
     asyncio.run(body())
@@ -233,3 +235,24 @@ def test_unavailable_shard_fails_the_lookup_at_once_and_cancels_the_others():
         assert client.stats.unavailable == 1
 
     asyncio.run(body())
+
+
+def test_shard_unavailable_answers_503_with_retry_after_and_keeps_the_diagnosis_for_logs():
+    error = ShardUnavailable(2, "10.0.0.7:50051: UNAVAILABLE: connection refused")
+    assert isinstance(error, APIError)
+    assert (error.status_code, error.code, error.headers) == (503, "embedding_shard_unavailable", {"Retry-After": "1"})
+    assert error.message == "embedding shard 2 is unavailable, retry later"  # no replica address for the client
+    assert str(error) == "embedding shard 2 unavailable: 10.0.0.7:50051: UNAVAILABLE: connection refused"
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is ShardUnavailable and (copy.shard_index, copy.last_error) == (2, error.last_error)
+
+
+def test_embedding_request_error_answers_500_and_keeps_the_diagnosis_for_logs():
+    error = EmbeddingRequestError(1, grpc.StatusCode.INVALID_ARGUMENT, "unknown input 'x'")
+    assert isinstance(error, APIError)
+    assert (error.status_code, error.code, error.headers) == (500, "internal_error", None)
+    assert error.message == "internal error in the embedding lookup"
+    assert str(error) == "embedding shard 1 refused the request (INVALID_ARGUMENT): unknown input 'x'"
+    assert str(EmbeddingRequestError(None, grpc.StatusCode.INVALID_ARGUMENT, "x")).startswith("embedding request ")
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is EmbeddingRequestError and str(copy) == str(error)

@@ -17,13 +17,14 @@ from pydantic import ValidationError
 
 from disagg.config import DLRMAppConfig, EmbeddingServiceConfig
 from disagg.deployments.shards import EmbeddingShardServer
-from disagg.model import preset_spec
 from disagg.partition import build_embedding_shard
 from disagg.rpc import server as embedding_server
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.client import ShardClient, ShardUnavailable
-from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, ServerTLS, exposure_problem
+from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, exposure_problem
+from disagg.rpc.tls import ServerTLS, channel_credentials, server_tls
+from disagg.spec import preset_spec
 from serving.common import constants
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
 from tests.helpers.pki import PKI, make_pki, trusting
@@ -41,7 +42,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def server_tls(pki: PKI, *, mutual: bool = False) -> ServerTLS:
+def tls_material(pki: PKI, *, mutual: bool = False) -> ServerTLS:
     return ServerTLS(pki.cert.read_bytes(), pki.key.read_bytes(), pki.ca.read_bytes() if mutual else None)
 
 
@@ -78,7 +79,7 @@ async def assert_refused(address: str, **client_options) -> ShardUnavailable:
 def test_tls_answers_clients_trusting_its_ca_only(pki: PKI):
     async def body():
         shard = toy_shard()
-        async with serving(shard, tls=server_tls(pki)) as server:
+        async with serving(shard, tls=tls_material(pki)) as server:
             assert_same(
                 await lookup_via(server.address, credentials=trusting(pki.ca)), shard.module(**toy_inputs(shard))
             )
@@ -93,8 +94,8 @@ def test_mutual_tls_refuses_clients_without_a_certificate_its_ca_signed(pki: PKI
     async def body():
         config = tls_config(pki, tls_client_auth=True)  # the path deployments take
         shard = toy_shard()
-        async with serving(shard, tls=config.server_tls()) as server:
-            outputs = await lookup_via(server.address, credentials=config.channel_credentials())
+        async with serving(shard, tls=server_tls(config)) as server:
+            outputs = await lookup_via(server.address, credentials=channel_credentials(config))
             await assert_refused(server.address, credentials=trusting(pki.ca))  # no client certificate
             await assert_refused(server.address, credentials=trusting(pki.ca, pki.other_cert, pki.other_key))
         assert_same(outputs, shard.module(**toy_inputs(shard)))
@@ -145,20 +146,20 @@ def test_incomplete_or_relative_tls_settings_are_refused(settings: dict, error: 
 
 def test_plaintext_config_has_no_tls_material():
     config = EmbeddingServiceConfig()
-    assert (config.tls, config.server_tls(), config.channel_credentials()) == (False, None, None)
+    assert (config.tls, server_tls(config), channel_credentials(config)) == (False, None, None)
 
 
 @pytest.mark.parametrize("field", ["tls_cert_file", "tls_key_file", "tls_ca_file"])
 def test_a_missing_or_non_pem_tls_file_is_refused_naming_its_field(pki: PKI, tmp_path: Path, field: str):
     missing = tls_config(pki, tls_client_auth=True).model_copy(update={field: str(tmp_path / "absent.pem")})
     with pytest.raises(ValueError, match=rf"^embedding\.{field}: cannot read .*absent\.pem: No such file"):
-        missing.server_tls()
+        server_tls(missing)
     with pytest.raises(ValueError, match=rf"^embedding\.{field}: cannot read"):
-        missing.channel_credentials()
+        channel_credentials(missing)
     (tmp_path / "text.pem").write_text("not a certificate")
     garbled = missing.model_copy(update={field: str(tmp_path / "text.pem")})
     with pytest.raises(ValueError, match=rf"^embedding\.{field}: .*text\.pem holds no PEM block"):
-        garbled.server_tls()
+        server_tls(garbled)
 
 
 # --- shared token -------------------------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_the_server_refuses_an_exposed_address_without_tls_or_a_token(pki: PKI):
     with pytest.raises(ValueError, match=r"^host: '0\.0\.0\.0' is neither a loopback nor a private address"):
         EmbeddingServer(toy_shard(), host="0.0.0.0")
     EmbeddingServer(toy_shard(), host="0.0.0.0", token=TOKEN)  # accepted (not started: tests bind loopback only)
-    EmbeddingServer(toy_shard(), host="0.0.0.0", tls=server_tls(pki))
+    EmbeddingServer(toy_shard(), host="0.0.0.0", tls=tls_material(pki))
 
 
 CLI = ["--shard", "0", "--num-shards", "2"]

@@ -266,7 +266,7 @@ def test_stop_is_idempotent_and_stops_serving():
 @pytest.mark.slow
 def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm():
     from disagg import partition
-    from disagg.model import preset_spec
+    from disagg.spec import preset_spec
 
     command = [sys.executable, "-m", "disagg.rpc.server", "--preset", "tiny", "--seed", "3"]
     command += ["--shard", "1", "--num-shards", "2", "--port", "0", "--torch-threads", "1"]

@@ -3,7 +3,7 @@ import pytest
 from pydantic import ValidationError
 
 from serving.api.protocol import MAX_SEED, ImageGenerationRequest
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits
 from serving.engine import ModelInfo
 from tests.helpers.images import encode_b64

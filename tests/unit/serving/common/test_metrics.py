@@ -14,7 +14,7 @@ import torch
 from disagg.deployments.ingress import BatchedDLRM
 from disagg.rpc.client import EmbeddingRequestError, ShardClient, ShardUnavailable
 from disagg.rpc.server import EmbeddingServer
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.common.metrics import (
     ALL_METRICS,
     BATCH_SIZE,

@@ -233,7 +233,7 @@ def test_failing_controlnet_fails_only_its_requests(controlnets):
 def test_failing_cfg_worker_is_503_for_guided_requests_only():
     import asyncio
 
-    from serving.common.http import APIError
+    from serving.common.errors import APIError
     from serving.config import DiffusionAppConfig
     from serving.engine import LocalBackend
     from serving.engine.cfg import LocalCFGWorker

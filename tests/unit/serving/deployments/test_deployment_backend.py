@@ -6,7 +6,7 @@ import pytest
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.deployments.ingress import DeploymentBackend
 from serving.engine import GenerationParams
 

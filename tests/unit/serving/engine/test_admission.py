@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from serving.config import EngineConfig
 from serving.engine import EngineLoop, EngineOverloaded, GenerationParams, LocalBackend
 from serving.engine.admission import Work, wait_steps

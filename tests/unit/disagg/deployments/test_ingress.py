@@ -1,9 +1,9 @@
-"""Cross-request batching: every caller gets exactly its own rows back (no Ray)."""
+"""Cross-request batching of the DLRM ingress: every caller gets exactly its own rows back (no Ray cluster)."""
 
 import pytest
 import torch
 
-from disagg.deployments.batching import merge_requests, split_rows
+from disagg.deployments.ingress import merge_requests, split_rows
 from disagg.model import build_preset
 
 

@@ -7,16 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from disagg.api.protocol import (
-    InferRequest,
-    decode_dlrm_request,
-    dlrm_model_metadata,
-    encode_dlrm_request,
-    encode_dlrm_response,
-)
+from disagg.api.codec import decode_dlrm_request, dlrm_model_metadata, encode_dlrm_request, encode_dlrm_response
+from disagg.api.protocol import InferRequest
 from disagg.config import DLRMLimits
-from disagg.model import preset_spec
-from serving.common.http import APIError
+from disagg.spec import preset_spec
+from serving.common.errors import APIError
 
 SPEC = preset_spec("tiny")
 MAX_ROWS = 8

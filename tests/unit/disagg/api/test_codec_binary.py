@@ -1,4 +1,4 @@
-"""OIP v2 binary tensor data: splitting request bodies, encoding responses, and every refusal."""
+"""OIP v2 binary tensor data codec: splitting request bodies, encoding responses, and every refusal."""
 
 import json
 from typing import Any
@@ -6,9 +6,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from disagg.api.binary import BinaryOutputs, encode_infer_response, parse_infer_request
+from disagg.api.codec import BinaryOutputs, encode_infer_response, parse_infer_request
 from disagg.api.protocol import InferResponse, InferTensor
-from serving.common.http import APIError
+from serving.common.errors import APIError
 from tests.helpers.oip_fakes import binary_body
 
 DENSE = np.arange(6, dtype=np.float32).reshape(2, 3) / 4
