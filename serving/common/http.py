@@ -32,7 +32,7 @@ ErrorRenderer = Callable[[APIError], Response]
 def app_state(name: str) -> Callable[[Request], Any]:
     """A FastAPI dependency answering ``request.app.state.<name>``: what the app's builder put there."""
 
-    def from_state(request: Request) -> Any:
+    async def from_state(request: Request) -> Any:  # async: FastAPI runs a sync dependency in a thread
         return getattr(request.app.state, name)
 
     return from_state
