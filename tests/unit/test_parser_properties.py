@@ -3,8 +3,7 @@
 Each parser either returns exactly what was encoded or refuses with its own documented error, whose message
 names the field at fault; no other exception may escape, whatever the input:
 
-* OIP v2 JSON tensors (``disagg.api.protocol``): ``ValidationError`` / ``APIError``;
-* OIP v2 binary tensor data (``disagg.api.binary``): ``APIError``;
+* OIP v2 JSON tensors and binary tensor data (``disagg.api.codec``): ``ValidationError`` / ``APIError``;
 * base64 conditioning images (``serving.controlnet.conditioning``): ``ConditioningImageError``;
 * LoRA names (``serving.lora.registry``): ``InvalidLoRAName`` / ``LoRANotFound``;
 * LoRA files (``serving.lora.format``): ``LoRAFormatError``;

@@ -1,6 +1,6 @@
 """Tuning loop over Optuna storage (no Ray): budget, persistence, resume without repeats, refusals.
 
-Kills at many points (SIGKILL, SIGTERM, Ctrl-C of the CLI): test_autoconfig_durability.py.
+Kills at many points (SIGKILL, SIGTERM, Ctrl-C of the CLI): test_durability.py.
 """
 
 import pytest
