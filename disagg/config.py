@@ -93,17 +93,9 @@ class BatchingConfig(BaseModel):
 
 
 class EmbeddingServiceConfig(BaseModel):
-    """The embedding shards of a disaggregated DLRM: gRPC servers, one Serve deployment per shard.
-
-    Where shard replicas run is Serve's business: give the `EmbeddingShard_<i>` deployments
-    `ray_actor_options.resources` (e.g. a custom resource that only CPU nodes have) in the Serve config.
-
-    Access (docs/DEPLOYMENT.md, "Exposing the embedding service"): TLS with `tls_*`; a shared token from
-    `SWIFTSERVE_EMBEDDING_TOKEN` in the environment of every replica. A `bind_host` that is neither loopback nor
-    private needs one of the two: the shard replica refuses to start otherwise. The TLS files are read
-    (``disagg.rpc.tls``) when a replica starts, wherever it runs; one that is missing or unreadable fails the replica
-    with an error naming its field.
-    """
+    """The embedding shards of a disaggregated DLRM: gRPC servers, one Serve deployment per shard (placed by the
+    Serve config's `ray_actor_options.resources`). Access, TLS and the shared token: docs/DEPLOYMENT.md, "Exposing
+    the embedding service"; the TLS files are read (``disagg.rpc.tls``) when a replica starts."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,23 +1,8 @@
 """Cutting any ``nn.Module`` once, after its embedding lookups, into a CPU half and a dense half (torch.fx).
 
-Node roles in the traced graph:
-
-- *input-only* nodes: placeholders, ``get_attr`` constants, and parameter-free functions/methods of those (e.g.
-  ``ids.clamp(min=0)``, ``ids >= 0``). They are request preprocessing: each half recomputes the ones it needs,
-  so they never cross the cut.
-- *embedding side*: every embedding operator (``nn.Embedding`` / ``nn.EmbeddingBag`` modules,
-  ``F.embedding`` / ``F.embedding_bag``) and every other node it depends on, so this side never waits for a
-  dense value. Then, in graph order, a parameter-free function/method joins it when (a) each input is an
-  embedding-side value, a constant, or an input-only value over request inputs this side already reads, and
-  (b) at least one of its embedding-side inputs has no other user outside this side. So the cut never gains a
-  tensor and the CPU side never reads another request input: pooling after ``F.embedding`` joins it, a concat
-  of the pooled vectors with a bottom-MLP output does not.
-- *dense side*: the rest. The cut is the embedding-side values it (or the model output) uses, in graph order,
-  named after their nodes.
-
-``build_embedding_shard`` and ``build_dense_part`` build one part of a DLRM alone: the model is built on the meta
-device, cut, and only the wanted part is materialized, with the full model's values for the same seed (or the same
-trained weights file, of which only the part's tensors are read).
+``partition_embeddings`` makes the cut; ``build_embedding_shard`` and ``build_dense_part`` build one part of a DLRM
+alone: the model is built on the meta device, cut, and only the wanted part is materialized, with the full model's
+values for the same seed (or the same trained weights file, of which only the part's tensors are read).
 """
 
 from __future__ import annotations
@@ -133,7 +118,23 @@ def dense_stages(partition: Partition) -> DenseStages:
 
 
 def partition_embeddings(model: nn.Module) -> Partition:
-    """Traces ``model`` with ``torch.fx.symbolic_trace`` (meta parameters are fine) and cuts it as the module says."""
+    """Traces ``model`` with ``torch.fx.symbolic_trace`` (meta parameters are fine) and cuts it.
+
+    Node roles in the traced graph:
+
+    - *input-only* nodes: placeholders, ``get_attr`` constants, and parameter-free functions/methods of those (e.g.
+      ``ids.clamp(min=0)``, ``ids >= 0``). They are request preprocessing: each half recomputes the ones it needs,
+      so they never cross the cut.
+    - *embedding side*: every embedding operator (``nn.Embedding`` / ``nn.EmbeddingBag`` modules,
+      ``F.embedding`` / ``F.embedding_bag``) and every other node it depends on, so this side never waits for a
+      dense value. Then, in graph order, a parameter-free function/method joins it when (a) each input is an
+      embedding-side value, a constant, or an input-only value over request inputs this side already reads, and
+      (b) at least one of its embedding-side inputs has no other user outside this side. So the cut never gains a
+      tensor and the CPU side never reads another request input: pooling after ``F.embedding`` joins it, a concat
+      of the pooled vectors with a bottom-MLP output does not.
+    - *dense side*: the rest. The cut is the embedding-side values it (or the model output) uses, in graph order,
+      named after their nodes.
+    """
     traced = fx.symbolic_trace(model)
     nodes = list(traced.graph.nodes)
     input_only = _input_only_nodes(traced, nodes)

@@ -1,13 +1,6 @@
-"""Embedding shards on Ray Serve: each replica runs a gRPC ``EmbeddingServer`` and announces its address.
-
-``ShardDirectory`` is where dense replicas find shard replicas without host lists: every shard replica
-announces ``(shard, address)`` at start and on every Serve health check; an address not announced for
-``ttl_s`` is dropped, so replicas that died (and their replacements' new addresses) are noticed within a few
-health-check periods. Placement is Serve's: give the shard deployments resources only CPU nodes have.
-
-Shard replicas serve TLS when ``embedding.tls_*`` say so and demand ``SWIFTSERVE_EMBEDDING_TOKEN`` when it is set
-in their environment; one whose ``embedding.bind_host`` (``node`` resolved) is neither loopback nor private
-refuses to start without either, before loading its tables.
+"""Embedding shards on Ray Serve: each replica runs a gRPC ``EmbeddingServer`` (with the TLS and token
+``embedding`` asks for) and announces its address to the ``ShardDirectory`` at start and on every health check;
+an address not announced for ``ttl_s`` is dropped. Placement is Serve's: give shards resources only CPU nodes have.
 """
 
 from __future__ import annotations
