@@ -66,11 +66,21 @@ class ControlNetConfig(_ModelSource):
     batch_wait_timeout_s: float = Field(0.002, ge=0.0, description="How long a call waits for others to batch.")
 
 
+#: ``async``: a request whose LoRA is not in memory starts without it and takes it from the first step after its
+#: load (``engine.lora_wait_fraction``); ``exact``: it waits for its LoRAs before its first step, so the image is
+#: the one a warm cache gives for the same seed.
+LoRAMode = Literal["async", "exact"]
+
+
 class GenerationDefaults(_Config):
     """Values used when a request leaves the field out."""
 
     num_inference_steps: int = Field(20, ge=1, description="Denoising steps.")
     guidance_scale: float = Field(7.5, ge=0.0, description="Classifier-free guidance scale.")
+    lora_mode: LoRAMode = Field(
+        "async", description="`async`: a LoRA not in memory loads while the request denoises without it, applied "
+                             "from the first step after the load; `exact`: the request waits for its LoRAs before "
+                             "its first step (seed-reproducible images).")
 
 
 class ImageLimits(_Config):

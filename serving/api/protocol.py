@@ -16,7 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from serving.common.errors import APIError
-from serving.config import DiffusionAppConfig, ImageLimits
+from serving.config import DiffusionAppConfig, ImageLimits, LoRAMode
 from serving.controlnet.conditioning import ConditioningImageError, decode_image, preprocess
 from serving.engine import GenerationParams, GenerationResult, LoRASpec, ModelInfo
 from serving.engine.types import ControlNetSpec
@@ -65,6 +65,11 @@ class ImageGenerationRequest(BaseModel):
     guidance_scale: float | None = Field(None, ge=0.0, description="Classifier-free guidance scale.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Image i uses seed + i; random if absent.")
     loras: list[LoRARequest] = Field(default_factory=list, description="LoRAs applied to this request only.")
+    lora_mode: LoRAMode | None = Field(
+        None, description="`async`: a LoRA not in memory loads while denoising starts without it, applied from the "
+                          "first step after the load; `exact`: wait for the LoRAs before the first step, so the image "
+                          "is the same whether or not they were cached. Default: the server's (`async` unless "
+                          "configured).")
     controlnets: list[ControlNetRequest] = Field(default_factory=list, description="Spatial conditioning.")
 
     def to_params(self, info: ModelInfo, config: DiffusionAppConfig) -> GenerationParams:
@@ -101,6 +106,7 @@ class ImageGenerationRequest(BaseModel):
             seed=seed,
             loras=loras,
             controlnets=controlnets,
+            lora_mode=self.lora_mode or defaults.lora_mode,
         )
 
 
@@ -165,6 +171,7 @@ class LoRAUsage(BaseModel):
     """How the request's LoRAs were served."""
 
     names: list[str]
+    mode: LoRAMode = Field(description="How the LoRAs were waited for: `async` or `exact` (see the request field).")
     cache_hits: int = Field(description="LoRAs already in host memory when the request arrived.")
     applied_at_step: int | None = Field(description="First denoising step that ran with the LoRAs (0 = all).")
     wait_s: float = Field(description="Seconds the request stood still waiting for a LoRA load.")
@@ -188,6 +195,7 @@ class ImageGenerationResponse(BaseModel):
             timings={**result.timings, "total_s": total_s},
             lora=None if result.lora is None else LoRAUsage(
                 names=list(result.lora.names),
+                mode=result.lora.mode,
                 cache_hits=result.lora.cache_hits,
                 applied_at_step=result.lora.applied_at_step,
                 wait_s=result.lora.wait_s,

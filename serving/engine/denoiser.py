@@ -122,7 +122,8 @@ class DiffusionEngine:
     @torch.inference_mode()
     def start(self, params: GenerationParams, loras: Sequence[PendingLoRA] = (),
               lora_wait_fraction: float = 0.4) -> RequestState:
-        """Tokenise and encode the prompts, draw the initial noise, set up the request's own scheduler."""
+        """Tokenise and encode the prompts, draw the initial noise, set up the request's own scheduler. The request
+        waits for LoRAs still loading at step ``lora_wait_fraction * steps`` (``async``) or 0 (``exact``)."""
         self.validate(params)
         scheduler = type(self.base_scheduler).from_config(self.base_scheduler.config)
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
@@ -143,7 +144,7 @@ class DiffusionEngine:
             controls=[(spec.name, to_controlnet_input(spec.image, params.width, params.height).to(self.device),
                        spec.scale) for spec in params.controlnets],
             loras=list(loras),
-            lora_step=math.floor(lora_wait_fraction * params.num_inference_steps + 1e-9),
+            lora_step=_lora_deadline(params, lora_wait_fraction),
         )
 
     @torch.inference_mode()
@@ -280,3 +281,10 @@ class DiffusionEngine:
         if params.uses_cfg:
             return encoded[:params.n], encoded[params.n:]
         return encoded, None
+
+
+def _lora_deadline(params: GenerationParams, lora_wait_fraction: float) -> int:
+    """The step at which a request stops for LoRAs that are still loading."""
+    if params.lora_mode == "exact":
+        return 0
+    return math.floor(lora_wait_fraction * params.num_inference_steps + 1e-9)

@@ -166,7 +166,7 @@ class EngineLoop:
                 continue
             if state.blocked and state.blocked_since is None:
                 state.blocked_since = now
-            if not all(pending.load.done() for pending in state.loras):
+            if not state.loras_loaded:
                 continue
             failed = next((p for p in state.loras if p.load.exception() is not None), None)
             if failed is not None:
@@ -184,8 +184,7 @@ class EngineLoop:
             self._metrics.lora_wait_steps(state.lora_applied_at)
 
     def _loras_ready(self) -> bool:
-        return any(active.state.loras_pending and all(p.load.done() for p in active.state.loras)
-                   for active in self._active)
+        return any(active.state.loras_pending and active.state.loras_loaded for active in self._active)
 
     def _runnable(self) -> list[_Active]:
         return [active for active in self._active if not active.state.blocked]
@@ -234,6 +233,8 @@ class EngineLoop:
                 self._on_step(active.state)
             if active.state.done:
                 self._finish(active)
+            elif active.state.blocked and not active.state.loras_loaded:  # at its LoRA deadline: it waits from now
+                active.state.blocked_since = time.perf_counter()
 
     def _finish(self, active: _Active, error: BaseException | None = None) -> None:
         self._active.remove(active)
@@ -254,6 +255,7 @@ class EngineLoop:
         if state.loras:
             report = LoRAReport(
                 names=tuple(p.name for p in state.loras),
+                mode=state.params.lora_mode,
                 cache_hits=sum(p.cache_hit for p in state.loras),
                 applied_at_step=state.lora_applied_at,
                 wait_s=state.lora_wait_s,

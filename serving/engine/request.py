@@ -53,6 +53,11 @@ class RequestState:
         return bool(self.loras) and not self.active_loras
 
     @property
+    def loras_loaded(self) -> bool:
+        """Every LoRA load has finished (or failed)."""
+        return all(pending.load.done() for pending in self.loras)
+
+    @property
     def blocked(self) -> bool:
         """Reached its LoRA deadline step without its LoRAs: it must not step until they are applied."""
         return self.loras_pending and self.step_index >= self.lora_step

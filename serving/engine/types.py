@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from serving.config import LoRAMode
+
 
 @dataclass(frozen=True)
 class LoRASpec:
@@ -40,6 +42,7 @@ class GenerationParams:
     negative_prompt: str | None = None
     loras: tuple[LoRASpec, ...] = ()
     controlnets: tuple[ControlNetSpec, ...] = ()
+    lora_mode: LoRAMode = "async"
 
     @property
     def uses_cfg(self) -> bool:
@@ -54,9 +57,10 @@ class GenerationParams:
 
 @dataclass(frozen=True)
 class LoRAReport:
-    """How a request's LoRAs were served: cache hit or load, when they took effect, how long it waited."""
+    """How a request's LoRAs were served: the mode, cache hits, when they took effect, how long it waited."""
 
     names: tuple[str, ...]
+    mode: LoRAMode
     cache_hits: int
     applied_at_step: int | None
     wait_s: float

@@ -149,6 +149,7 @@ def test_body_that_is_not_utf8_is_400_naming_the_body(client):
         ({"prompt": "x", "n": True}, "n"),
         ({"prompt": "x", "num_inference_steps": "2"}, "num_inference_steps"),
         ({"prompt": "x", "loras": [{"name": "outlined", "scale": True}]}, "loras[0].scale"),
+        ({"prompt": "x", "lora_mode": "eventually"}, "lora_mode"),
     ],
 )
 def test_bad_fields_are_400_naming_the_field(client, body, param):
@@ -184,7 +185,10 @@ def test_lora_request_reports_cache_use_and_step(client):
     assert first.status_code == 200, first.text
     assert first.json()["lora"]["names"] == ["outlined"]
     second = client.post("/v1/images/generations", json=body).json()
-    assert second["lora"] == {"names": ["outlined"], "cache_hits": 1, "applied_at_step": 0, "wait_s": 0.0}
+    assert second["lora"] == {"names": ["outlined"], "mode": "async", "cache_hits": 1, "applied_at_step": 0,
+                              "wait_s": 0.0}
+    exact = client.post("/v1/images/generations", json=body | {"lora_mode": "exact"}).json()
+    assert exact["lora"]["mode"] == "exact" and exact["data"] == second["data"]
     plain = client.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 5}).json()
     assert plain["lora"] is None and plain["data"] != second["data"]
 

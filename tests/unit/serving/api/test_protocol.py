@@ -26,6 +26,15 @@ def test_defaults_come_from_model_and_config():
     assert (params.seed, params.n, params.negative_prompt) == (5, 1, None)
 
 
+def test_lora_mode_comes_from_the_request_else_the_config_default():
+    assert _params().lora_mode == "async"
+    assert _params(lora_mode="exact").lora_mode == "exact"
+    exact_by_default = CONFIG.model_copy(update={"defaults": CONFIG.defaults.model_copy(update={"lora_mode": "exact"})})
+    request = ImageGenerationRequest.model_validate({"prompt": "a red circle"})
+    assert request.to_params(INFO, exact_by_default).lora_mode == "exact"
+    assert _params(lora_mode="async").lora_mode == "async"
+
+
 def test_explicit_fields_are_used():
     params = _params(size="128x64", n=2, num_inference_steps=3, guidance_scale=0.0, seed=9,
                      negative_prompt="blue", model="tiny")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -137,10 +138,15 @@ def test_a_cold_lora_reached_at_its_deadline_step_records_the_steps_it_waited(si
         assert release.wait(WAIT)
         return load_lora_file(path, tiny_engine.lora_targets, max_file_bytes=2**30)
 
+    def release_once_blocked(state):
+        deadline = time.monotonic() + WAIT
+        while state.blocked_since is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        release.set()
+
     def on_step(state):
-        if state.step_index == 2:  # the request ran steps 0 and 1 without its LoRA
-            release.set()
-            state.loras[0].load.result(timeout=WAIT)
+        if state.step_index == 3:  # steps 0-2 ran without the LoRA; step 3 is its deadline (0.5 of 6)
+            threading.Thread(target=release_once_blocked, args=(state,)).start()
 
     metrics = Metrics(sink)
     cache = LoRACache(LoRARegistry(lora_dir), tiny_engine.lora_targets, budget_bytes=2**30, max_file_bytes=2**30,
@@ -152,8 +158,9 @@ def test_a_cold_lora_reached_at_its_deadline_step_records_the_steps_it_waited(si
     finally:
         loop.stop()
         cache.close()
-    assert result.lora is not None and result.lora.applied_at_step == 2
-    assert sink.values(LORA_WAIT_STEPS) == [2]
+    assert result.lora is not None and result.lora.applied_at_step == 3
+    assert result.lora.wait_s > 0  # it stood still at its deadline step until the load finished
+    assert sink.values(LORA_WAIT_STEPS) == [3]
     assert sink.values(BATCH_SIZE, kind="diffusion_step") == [1] * 6  # no CFG: one row per image
     assert len(sink.values(STEP_LATENCY)) == 6
     assert sink.total(LORA_CACHE_MISSES, load="new") == 1

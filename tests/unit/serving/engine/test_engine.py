@@ -3,6 +3,7 @@
 import hashlib
 import io
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,7 +166,7 @@ def _loop(engine, lora_dir, *, loader=None, on_step=None, **config) -> EngineLoo
     return EngineLoop(engine, EngineConfig(**config), cache, on_step=on_step)
 
 
-def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
+def test_lora_arriving_before_the_deadline_applies_from_the_next_step(tiny_engine, lora_dir):
     release = threading.Event()
 
     def slow_loader(path):
@@ -183,7 +184,77 @@ def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
     finally:
         loop.stop()
     assert result.lora is not None
-    assert (result.lora.applied_at_step, result.lora.cache_hits) == (2, 0)
+    assert (result.lora.mode, result.lora.applied_at_step, result.lora.cache_hits, result.lora.wait_s) == (
+        "async", 2, 0, 0.0)
+
+
+def _release_once_blocked(state, release: threading.Event) -> None:
+    """Lets a held LoRA load finish only after the engine loop marked ``state`` as stopped for it."""
+    deadline = time.monotonic() + 30
+    while state.blocked_since is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    release.set()
+
+
+def _held_loader(engine: DiffusionEngine, release: threading.Event):
+    def load(path):
+        assert release.wait(timeout=30)
+        return load_lora_file(path, engine.lora_targets, max_file_bytes=2**30)
+
+    return load
+
+
+def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
+    release = threading.Event()
+
+    def on_step(state):
+        if state.step_index == 3:  # steps 0-2 ran without the LoRA; step 3 is the deadline (0.5 of 6)
+            threading.Thread(target=_release_once_blocked, args=(state, release)).start()
+
+    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release), on_step=on_step,
+                 lora_wait_fraction=0.5)
+    try:
+        result = loop.submit(_params(num_inference_steps=6, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
+    finally:
+        loop.stop()
+    assert result.lora is not None
+    assert (result.lora.mode, result.lora.applied_at_step, result.lora.cache_hits) == ("async", 3, 0)
+    assert result.lora.wait_s > 0  # it stood still at the deadline step until the load finished
+
+
+def test_exact_mode_waits_for_a_cold_lora_and_gives_the_warm_image(tiny_engine, lora_dir):
+    release = threading.Event()
+    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release))
+    try:
+        cold = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),), lora_mode="exact"))
+        deadline = time.monotonic() + 30
+        while not loop._active and time.monotonic() < deadline:  # admitted: it stops before its first step
+            time.sleep(0.002)
+        _release_once_blocked(loop._active[0].state, release)
+        cold = cold.result(timeout=60)
+        warm = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
+    finally:
+        loop.stop()
+    assert (cold.lora.mode, cold.lora.applied_at_step, cold.lora.cache_hits) == ("exact", 0, 0)
+    assert cold.lora.wait_s > 0
+    assert (warm.lora.mode, warm.lora.applied_at_step, warm.lora.cache_hits) == ("async", 0, 1)
+    assert cold.images == warm.images  # the same PNG bytes: the LoRA applied from the first step both times
+
+
+def test_cold_lora_in_async_mode_starts_without_it(tiny_engine, lora_dir):
+    release = threading.Event()
+
+    def on_step(state):
+        if state.step_index == 1:  # step 0 ran without the LoRA
+            release.set()
+            state.loras[0].load.result(timeout=30)
+
+    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release), on_step=on_step)
+    try:
+        result = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
+    finally:
+        loop.stop()
+    assert (result.lora.mode, result.lora.applied_at_step, result.lora.cache_hits) == ("async", 1, 0)
 
 
 def test_warm_lora_applies_from_step_zero(tiny_engine, lora_dir):
