@@ -112,7 +112,8 @@ class EngineConfig(_Config):
         True, description="Admit requests at every step boundary; off: only when the replica is idle.")
     remote_timeout_s: float = Field(
         30.0, gt=0.0, description="Deadline of one step's call to a ControlNet or CFG worker deployment; past it "
-                                  "the requests using it fail with 503 and the replica goes on.")
+                                  "the requests using the ControlNet fail with 503 (the CFG worker's rows are "
+                                  "computed by the replica itself) and the replica goes on.")
     cfg_parallel: bool = Field(
         False, description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment, "
                            "its own device) while this replica runs the conditional ones.")

@@ -85,6 +85,10 @@ CONTROLNET_CALL_LATENCY = MetricSpec(
     "The engine asks for them after its own UNet down blocks, so this is at least their time.",
     ("controlnet",), CALL_LATENCY_MS,
 )
+CFG_LOCAL_FALLBACKS = MetricSpec(
+    "swiftserve_cfg_local_fallbacks", "counter",
+    "Denoising steps whose unconditional rows the model replica computed itself because the CFG worker failed.",
+)
 EMBEDDING_RPC_LATENCY = MetricSpec(
     "swiftserve_embedding_rpc_latency_ms", "histogram",
     "One gRPC call to an embedding shard, failovers to its other replicas included; "
@@ -99,7 +103,7 @@ EMBEDDING_FAILOVERS = MetricSpec(
 
 ALL_METRICS = (
     REQUEST_LATENCY, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
-    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
+    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
 )
 
 
@@ -168,6 +172,9 @@ class Metrics:
 
     def controlnet_call(self, name: str, seconds: float) -> None:
         self._record(CONTROLNET_CALL_LATENCY, seconds * 1e3, controlnet=name)
+
+    def cfg_local_fallback(self) -> None:
+        self._record(CFG_LOCAL_FALLBACKS, 1)
 
     def embedding_rpc(self, shard: int, method: str, status: RPCStatus, seconds: float) -> None:
         self._record(EMBEDDING_RPC_LATENCY, seconds * 1e3, shard=str(shard), method=method, status=status)

@@ -32,7 +32,7 @@ class LocalBackend(ImageGenerationBackend):
     def from_config(cls, config: DiffusionAppConfig, *, controlnets: ControlNetClient | None = None,
                     cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None,
                     metrics: Metrics = NO_METRICS) -> LocalBackend:
-        engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker)
+        engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker, metrics)
         return cls.for_engine(engine, config, on_step=on_step, metrics=metrics)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """Parallel classifier-free guidance: each step the unconditional rows run on a ``CFGWorker`` while the engine
 runs the conditional rows. The worker is a second copy of the model on its own device: an in-process engine on a
-thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``).
+thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``). A step whose worker fails
+is finished by the engine alone.
 """
 
 from __future__ import annotations
@@ -11,19 +12,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from serving.common.errors import APIError, retry_after
 from serving.engine.rows import RowBatch
 
 if TYPE_CHECKING:
     from serving.engine.denoiser import DiffusionEngine
-
-
-class CFGWorkerUnavailable(APIError):
-    """The CFG worker did not answer a step (its replica died, timed out, or raised): 503, retry."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(503, f"CFG worker is unavailable: {type(cause).__name__}: {cause}",
-                         code="cfg_worker_unavailable", headers=retry_after(1))
 
 
 class PendingNoise(Protocol):

@@ -21,11 +21,12 @@ from PIL import Image
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.errors import APIError
 from serving.common.logging import get_logger
+from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
 from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall
-from serving.engine.cfg import CFGWorker, CFGWorkerUnavailable
+from serving.engine.cfg import CFGWorker
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
@@ -68,7 +69,7 @@ class DiffusionEngine:
     def __init__(self, name: str, components: DiffusionComponents, device: torch.device,
                  dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
-                 cfg_worker: CFGWorker | None = None) -> None:
+                 cfg_worker: CFGWorker | None = None, metrics: Metrics = NO_METRICS) -> None:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple)
         self.device, self.dtype = device, dtype
@@ -86,6 +87,7 @@ class DiffusionEngine:
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         self.controlnets = controlnets
         self.cfg_worker = cfg_worker
+        self.metrics = metrics
         self._split_unet = SplitUNet(self.unet) if controlnets is not None else None
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
@@ -94,14 +96,14 @@ class DiffusionEngine:
     @classmethod
     def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None,
                     controlnets: ControlNetClient | None = None, cfg_worker: CFGWorker | None = None,
-                    ) -> DiffusionEngine:
+                    metrics: Metrics = NO_METRICS) -> DiffusionEngine:
         device = resolve_device(config.device)
         set_torch_threads(config.torch_threads)
         lora = lora or LoRAConfig()
         started = time.perf_counter()
         engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
                      merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards,
-                     controlnets=controlnets, cfg_worker=cfg_worker)
+                     controlnets=controlnets, cfg_worker=cfg_worker, metrics=metrics)
         source = f"preset={config.preset}" if config.preset else f"path={config.path}"
         logger.info("diffusion model %r loaded (%s, device=%s, dtype=%s) in %.1fs on %s",
                     config.name, source, device, config.dtype, time.perf_counter() - started, placement())
@@ -162,7 +164,8 @@ class DiffusionEngine:
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
         """One denoising step for every request in ``states``: all rows in one UNet forward, or with a CFG
-        worker, the unconditional rows there and the rest here, at the same time."""
+        worker, the unconditional rows there and the rest here, at the same time. When the worker fails, this
+        engine computes its rows too (logged and counted): the step is slower, no request fails for it."""
         batch = RowBatch.for_states(states)
         if self.cfg_worker is None or not any(state.params.uses_cfg for state in states):
             noise = self.predict_noise(batch)
@@ -180,7 +183,10 @@ class DiffusionEngine:
             try:
                 noise[remote] = pending.result().to(noise.device, noise.dtype)
             except Exception as exc:
-                raise CFGWorkerUnavailable(exc) from exc
+                logger.warning("CFG worker failed (%s: %s); computing its %d rows here", type(exc).__name__, exc,
+                               len(remote))
+                self.metrics.cfg_local_fallback()
+                noise[remote] = self.predict_noise(batch.select(remote))
         offset = 0
         for state in states:
             prediction = noise[offset:offset + state.rows]

@@ -230,29 +230,35 @@ def test_failing_controlnet_fails_only_its_requests(controlnets):
         loop.stop()
 
 
-def test_failing_cfg_worker_is_503_for_guided_requests_only():
-    import asyncio
+def _denoise_together(engine: DiffusionEngine, requests: list[GenerationParams]) -> list[np.ndarray]:
+    """The requests stepped as one batch from start to end."""
+    states = [engine.start(params) for params in requests]
+    while not all(state.done for state in states):
+        engine.step(states)
+    return [engine.decode(state) for state in states]
 
-    from serving.common.errors import APIError
-    from serving.config import DiffusionAppConfig
-    from serving.engine import LocalBackend
+
+def test_a_failing_cfg_worker_leaves_its_rows_to_the_engine():
+    """A guided and an unguided request in one batch: both finish, the guided rows computed by the engine itself,
+    each step counted as a fallback."""
+    from serving.common.metrics import CFG_LOCAL_FALLBACKS, InMemorySink, Metrics
     from serving.engine.cfg import LocalCFGWorker
 
     class Broken(LocalCFGWorker):
         def submit(self, batch):
-            raise_later: Future = Future()
-            raise_later.set_exception(RuntimeError("worker died"))
-            return raise_later
+            failed: Future = Future()
+            failed.set_exception(RuntimeError("worker died"))
+            return failed
 
+    sink = InMemorySink()
     worker = Broken(DiffusionEngine("tiny", build_preset("tiny"), CPU))
-    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, cfg_worker=worker)
-    backend = LocalBackend.for_engine(engine, DiffusionAppConfig())
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, cfg_worker=worker, metrics=Metrics(sink))
+    requests = [_params(guidance_scale=5.0, seed=1), _params(guidance_scale=1.0, seed=2)]
     try:
-        with pytest.raises(APIError) as caught:
-            asyncio.run(backend.generate(_params(guidance_scale=5.0)))
-        assert caught.value.status_code == 503 and caught.value.headers == {"Retry-After": "1"}
-        unguided = asyncio.run(backend.generate(_params(guidance_scale=1.0)))  # no CFG rows: no worker needed
-        assert len(unguided.images) == 1
+        images = _denoise_together(engine, requests)
     finally:
-        backend.close()
         worker.close()
+    expected = _denoise_together(DiffusionEngine("tiny", build_preset("tiny"), CPU), requests)
+    for ours, reference in zip(images, expected, strict=True):
+        assert np.abs(ours - reference).max() <= TOLERANCE
+    assert sink.total(CFG_LOCAL_FALLBACKS) == requests[0].num_inference_steps

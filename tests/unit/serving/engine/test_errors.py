@@ -11,7 +11,6 @@ import pytest
 from serving.common.errors import APIError, RequestItemError
 from serving.controlnet.client import ControlNetNotFound, ControlNetUnavailable
 from serving.engine import EngineOverloaded, GenerationParams, LocalBackend, LoRALoadFailed, LoRASpec
-from serving.engine.cfg import CFGWorkerUnavailable
 from serving.engine.denoiser import InvalidImageSize
 from serving.engine.types import ControlNetSpec
 from serving.lora.registry import InvalidLoRAName, LoRANotFound
@@ -36,9 +35,6 @@ ANSWERS = [
     (ControlNetUnavailable("edges", TimeoutError("no answer")),
      (503, "ControlNet 'edges' is unavailable: TimeoutError: no answer", "controlnets[0].name",
       "controlnet_unavailable", {"Retry-After": "1"})),
-    (CFGWorkerUnavailable(RuntimeError("replica died")),
-     (503, "CFG worker is unavailable: RuntimeError: replica died", None, "cfg_worker_unavailable",
-      {"Retry-After": "1"})),
     (EngineOverloaded(28, 7.5, 2.2),
      (503, "the model is at capacity: this request would wait 28 denoising steps (about 2.2 s) before its first, "
       "more than the 7.5 allowed", None, "overloaded", {"Retry-After": "3"})),
