@@ -66,9 +66,7 @@ class ControlNetConfig(_ModelSource):
     batch_wait_timeout_s: float = Field(0.002, ge=0.0, description="How long a call waits for others to batch.")
 
 
-#: ``async``: a request whose LoRA is not in memory starts without it and takes it from the first step after its
-#: load (``engine.lora_wait_fraction``); ``exact``: it waits for its LoRAs before its first step, so the image is
-#: the one a warm cache gives for the same seed.
+#: How a request waits for LoRAs not in memory (``GenerationDefaults.lora_mode`` describes both).
 LoRAMode = Literal["async", "exact"]
 
 
