@@ -28,6 +28,7 @@ from disagg.synthetic import SyntheticRequests
 from serving.common.metrics import (
     ALL_METRICS,
     BATCH_SIZE,
+    CFG_LOCAL_FALLBACKS,
     CONTROLNET_CALL_LATENCY,
     EMBEDDING_FAILOVERS,
     EMBEDDING_RPC_LATENCY,
@@ -122,7 +123,8 @@ def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:
 
 
 def test_every_swiftserve_metric_is_exported_non_zero_after_traffic(http, probe_lora):
-    assert {metric for metric, _ in EXPECTED} == set(ALL_METRICS) - {EMBEDDING_FAILOVERS}  # failovers: below
+    # failovers and CFG fallbacks need a replica killed: the two tests below
+    assert {metric for metric, _ in EXPECTED} == set(ALL_METRICS) - {EMBEDDING_FAILOVERS, CFG_LOCAL_FALLBACKS}
     missing = list(EXPECTED)
     deadline = time.monotonic() + DEADLINE_S
     seed = 0
@@ -171,3 +173,38 @@ def test_a_killed_shard_replica_is_counted_as_embedding_failovers(http):
     while (after := _value(_scrape(), EMBEDDING_FAILOVERS, shard)) <= before:
         assert time.monotonic() < deadline, f"failovers stayed at {after} (statuses {sorted(set(statuses))})"
         time.sleep(1.0)
+
+
+def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
+    """Guided requests to the parallel-CFG app while its CFGWorker replica is killed: every one is answered 200 (the
+    model replicas compute the unconditional rows themselves until the replacement answers), and it is counted."""
+    app = {"application": "diffusion-cfg"}
+    before = _value(_scrape(), CFG_LOCAL_FALLBACKS, app)
+    body = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 6, "guidance_scale": 5.0}
+    statuses: list[int] = []
+    stop = threading.Event()
+
+    def stream(first_seed: int) -> None:
+        seed = first_seed
+        while not stop.is_set():
+            statuses.append(http.post("/cfg/v1/images/generations", json=body | {"seed": seed}).status_code)
+            seed += 2
+
+    threads = [threading.Thread(target=stream, args=(first,)) for first in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        time.sleep(2.0)  # both base replicas are stepping guided requests with the worker
+        kill_replica(named_replicas("diffusion-cfg", "CFGWorker")[0])
+        time.sleep(3.0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+
+    deadline = time.monotonic() + DEADLINE_S
+    while (after := _value(_scrape(), CFG_LOCAL_FALLBACKS, app)) <= before:
+        assert time.monotonic() < deadline, f"CFG fallbacks stayed at {after}"
+        time.sleep(1.0)
+
