@@ -20,7 +20,7 @@ import torch
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
-from serving.common.errors import APIError
+from serving.common.errors import APIError, retry_after
 from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -54,7 +54,7 @@ class ShardUnavailable(APIError):
 
     def __init__(self, shard_index: int, last_error: str) -> None:
         super().__init__(503, f"embedding shard {shard_index} is unavailable, retry later",
-                         code="embedding_shard_unavailable", headers={"Retry-After": "1"})
+                         code="embedding_shard_unavailable", headers=retry_after(1))
         self.shard_index = shard_index
         self.last_error = last_error
 

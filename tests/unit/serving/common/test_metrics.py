@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -40,9 +39,9 @@ from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LocalBackend, LoRASpec
 from serving.engine.types import ControlNetSpec
 from serving.lora import LoRACache, LoRALayer, LoRARegistry, LoRAWeights
-from serving.lora.format import load_lora_file
 from serving.presets import build_preset
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
+from tests.helpers.held_loras import held_loader, release_once_blocked
 from tests.helpers.images import square
 from tests.helpers.lora_files import write_lora
 
@@ -134,23 +133,13 @@ def test_generations_record_steps_rows_controlnet_calls_lora_cache_and_request_l
 def test_a_cold_lora_reached_at_its_deadline_step_records_the_steps_it_waited(sink, tiny_engine, lora_dir):
     release = threading.Event()
 
-    def slow_loader(path):
-        assert release.wait(WAIT)
-        return load_lora_file(path, tiny_engine.lora_targets, max_file_bytes=2**30)
-
-    def release_once_blocked(state):
-        deadline = time.monotonic() + WAIT
-        while state.blocked_since is None and time.monotonic() < deadline:
-            time.sleep(0.002)
-        release.set()
-
     def on_step(state):
         if state.step_index == 3:  # steps 0-2 ran without the LoRA; step 3 is its deadline (0.5 of 6)
-            threading.Thread(target=release_once_blocked, args=(state,)).start()
+            threading.Thread(target=release_once_blocked, args=(state, release)).start()
 
     metrics = Metrics(sink)
     cache = LoRACache(LoRARegistry(lora_dir), tiny_engine.lora_targets, budget_bytes=2**30, max_file_bytes=2**30,
-                      loader=slow_loader, metrics=metrics)
+                      loader=held_loader(tiny_engine, release), metrics=metrics)
     loop = EngineLoop(tiny_engine, EngineConfig(lora_wait_fraction=0.5), cache, on_step=on_step, metrics=metrics)
     try:
         result = loop.submit(_params(num_inference_steps=6, guidance_scale=1.0,

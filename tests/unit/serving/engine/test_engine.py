@@ -20,6 +20,7 @@ from serving.lora.cache import LoRACache
 from serving.lora.format import load_lora_file
 from serving.lora.registry import LoRANotFound, LoRARegistry
 from serving.presets import build_preset
+from tests.helpers.held_loras import held_loader, release_once_blocked
 from tests.helpers.lora_files import write_lora
 
 TOLERANCE = 1e-3  # max abs pixel difference on a 0..1 scale
@@ -169,16 +170,13 @@ def _loop(engine, lora_dir, *, loader=None, on_step=None, **config) -> EngineLoo
 def test_lora_arriving_before_the_deadline_applies_from_the_next_step(tiny_engine, lora_dir):
     release = threading.Event()
 
-    def slow_loader(path):
-        release.wait(timeout=30)
-        return load_lora_file(path, tiny_engine.lora_targets, max_file_bytes=2**30)
-
     def on_step(state):
         if state.step_index == 2:  # the request has run steps 0 and 1 without its LoRA
             release.set()
             state.loras[0].load.result(timeout=30)
 
-    loop = _loop(tiny_engine, lora_dir, loader=slow_loader, on_step=on_step, lora_wait_fraction=0.5)
+    loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release), on_step=on_step,
+                 lora_wait_fraction=0.5)
     try:
         result = loop.submit(_params(num_inference_steps=6, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
     finally:
@@ -188,30 +186,14 @@ def test_lora_arriving_before_the_deadline_applies_from_the_next_step(tiny_engin
         "async", 2, 0, 0.0)
 
 
-def _release_once_blocked(state, release: threading.Event) -> None:
-    """Lets a held LoRA load finish only after the engine loop marked ``state`` as stopped for it."""
-    deadline = time.monotonic() + 30
-    while state.blocked_since is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    release.set()
-
-
-def _held_loader(engine: DiffusionEngine, release: threading.Event):
-    def load(path):
-        assert release.wait(timeout=30)
-        return load_lora_file(path, engine.lora_targets, max_file_bytes=2**30)
-
-    return load
-
-
 def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
     release = threading.Event()
 
     def on_step(state):
         if state.step_index == 3:  # steps 0-2 ran without the LoRA; step 3 is the deadline (0.5 of 6)
-            threading.Thread(target=_release_once_blocked, args=(state, release)).start()
+            threading.Thread(target=release_once_blocked, args=(state, release)).start()
 
-    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release), on_step=on_step,
+    loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release), on_step=on_step,
                  lora_wait_fraction=0.5)
     try:
         result = loop.submit(_params(num_inference_steps=6, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
@@ -224,13 +206,13 @@ def test_cold_lora_waits_at_deadline_step_and_reports_it(tiny_engine, lora_dir):
 
 def test_exact_mode_waits_for_a_cold_lora_and_gives_the_warm_image(tiny_engine, lora_dir):
     release = threading.Event()
-    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release))
+    loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release))
     try:
         cold = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),), lora_mode="exact"))
         deadline = time.monotonic() + 30
         while not loop._active and time.monotonic() < deadline:  # admitted: it stops before its first step
             time.sleep(0.002)
-        _release_once_blocked(loop._active[0].state, release)
+        release_once_blocked(loop._active[0].state, release)
         cold = cold.result(timeout=60)
         warm = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
     finally:
@@ -249,7 +231,7 @@ def test_cold_lora_in_async_mode_starts_without_it(tiny_engine, lora_dir):
             release.set()
             state.loras[0].load.result(timeout=30)
 
-    loop = _loop(tiny_engine, lora_dir, loader=_held_loader(tiny_engine, release), on_step=on_step)
+    loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release), on_step=on_step)
     try:
         result = loop.submit(_params(seed=9, loras=(LoRASpec("dark", 1.0),))).result(timeout=60)
     finally:
