@@ -1,164 +1,506 @@
-"""ControlNets and LoRAs per request: vanilla diffusers against swiftserve's engine, Katz's rows.
+"""Latency of one request in each Katz row (issue 19): swiftserve's engine against diffusers' own pipelines.
 
-In one run, on the ``sd15-shape`` preset at 256x256 with a few steps, for each row of the Katz table
-(0c-0l, 1c-1l, 2c-2l, 3c-2l: ControlNets - LoRAs):
+One core = one device (on CPU, as ``BENCHMARKING.md`` asks), every thread with one torch thread and pinned:
 
-- diffusers: ``StableDiffusionControlNetPipeline`` (``MultiControlNetModel`` for several), the
-  request's LoRAs loaded and fused before it and unloaded after it (what a shared server must do);
-- swiftserve: the engine loop with in-process ControlNet services and the LoRA cache (LoRAs
-  cached: the steady state of a server whose popular LoRAs are warm).
+- device 0 (core 0): diffusers (the main thread); swiftserve's engine loop (UNet steps) and its stage thread
+  (text encoder, VAE, PNG);
+- device 1 (core 1): swiftserve's ControlNet worker, its CFG worker (a second copy of the model) and its LoRA file
+  loads (host work, kept off device 0's core).
 
-Cases run interleaved (round robin); medians and the ratio diffusers / swiftserve are printed and
-written to ``benchmarks/results/bench_diffusion.{json,md}``.
+So swiftserve's ControlNet and parallel-CFG rows use two devices against diffusers' one, as Katz compare latency
+(the extra device is the technique). The pools' threads start during the warm-up and are pinned after it; the cores
+of every thread, read back after the warm-up and at the end, are the results' ``device_map``, and a thread off its
+device aborts the run. On CUDA the same command runs everything on cuda:0 (one GPU = one device) in float16,
+unpinned. The same prompt and seed in every row, guidance 7.5 (CFG on), rank-``--rank`` attention LoRAs at 0.8.
 
-    .venv/bin/python -m benchmarks.bench_diffusion [--steps 4] [--size 256] [--repeats 3]
+- swiftserve (``EngineLoop`` + ``DiffusionEngine``, ``LocalControlNets``, ``LocalCFGWorker``, ``LoRACache``; the
+  server's default settings, one LoRA loader thread): 0c-0l; 1c-0l; 0c-1l cold (a LoRA file never requested
+  before, written untimed before each run and evicted from the page cache: read from the local disk); 0c-1l cold
+  remote (the same, fetched from an emulated remote LoRA store at ``--lora-store-mb-per-s``, so it loads while the
+  request denoises: ``summary.ratio_cold_lora_to_0c0l``; each run's ``applied_at_step`` is recorded and one that
+  applied it at step 0 is flagged); 0c-1l warm (the LoRA cached and on the device, its
+  merged copy built during the warm-up); 1c-1l (the warm LoRA); 0c-0l with parallel CFG.
+- diffusers (``StableDiffusionPipeline``, ``StableDiffusionControlNetPipeline``): 0c-0l; 1c-0l; 0c-1l cold and
+  cold remote (the same fetch time, then ``load_lora_weights`` + ``fuse_lora`` inside the request; unfused and
+  unloaded untimed after it); 0c-1l warm and
+  1c-1l each twice, the adapter kept loaded (``set_adapters``, unfused) and kept loaded fused once: the faster is
+  diffusers' warm. The LoRA state a case needs is set up untimed before it. Parallel CFG has no diffusers
+  counterpart: diffusers' 0c-0l stands beside it.
+
+Every case runs once to warm up, then ``--repeats`` rounds run them interleaved (round robin). Per case: median,
+min and max; per row: diffusers / swiftserve and whether the two ranges overlap (a tie). A failed request aborts
+the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_diffusion.{json,md}``.
+
+    .venv/bin/python -m benchmarks.bench_diffusion [--preset sd15-shape] [--steps 4] [--size 256] [--repeats 5]
+        [--rank 64] [--lora-store-mb-per-s 20] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import itertools
+import os
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
+from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
 from benchmarks.common import (
+    RESULTS,
     conditioning_image,
     diffusion_arguments,
+    evict_from_page_cache,
     machine,
+    provenance,
     summary,
     timed,
     write_attention_lora,
     write_results,
 )
-from serving.config import EngineConfig
+from serving.common.device import pin_process, resolve_device
+from serving.config import EngineConfig, LoRAConfig
 from serving.controlnet.client import LocalControlNets
-from serving.controlnet.models import build_controlnet_preset
+from serving.controlnet.models import CONTROLNET_PRESETS, build_controlnet_preset
 from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRASpec
+from serving.engine.cfg import LocalCFGWorker
 from serving.engine.types import ControlNetSpec
 from serving.lora.cache import LoRACache
-from serving.lora.format import LoRATargets
+from serving.lora.format import LoRATargets, load_lora_file
 from serving.lora.registry import LoRARegistry
+from serving.lora.weights import LoRAWeights
 from serving.presets import build_preset
 
-ROWS = ((0, 0), (1, 1), (2, 2), (3, 2))  # (ControlNets, LoRAs), as in the Katz logs
-CPU = torch.device("cpu")
+NAME = "bench_diffusion"
+OURS, THEIRS = "swiftserve", "diffusers"
+CONTROLNET, WARM, COLD = "cn0", "warm", "cold"  # diffusers' cold adapter; swiftserve's cold LoRAs are cold<i>
+REMOTE = "remote"  # LoRA names read from the (emulated) remote store
+SCALE = 0.8  # every LoRA's strength
+DEVICE_1_THREADS = ("controlnet", "cfg-worker", "lora-load")  # name prefixes of the pool threads on device 1
+ENGINE_LOOP_THREAD = "diffusion-engine-loop"
+NATIVE = "native thread "  # how threads Python did not start are named in the device map
+GOALS = {"ratio_1c1l_to_0c0l": 1.10, "ratio_cfg_parallel": 0.65, "ratio_cold_lora_to_0c0l": 1.05}  # issue 19: <=
+
+#: One round, in order: each swiftserve row beside its diffusers counterpart; diffusers' LoRA cases grouped so its
+#: untimed LoRA set-up changes three times a round.
+ROUND: tuple[tuple[str, str], ...] = (
+    (OURS, "0c-0l"), (THEIRS, "0c-0l"), (OURS, "0c-0l parallel CFG"),
+    (OURS, "1c-0l"), (THEIRS, "1c-0l"),
+    (OURS, "0c-1l cold"), (THEIRS, "0c-1l cold"),
+    (OURS, "0c-1l cold remote"), (THEIRS, "0c-1l cold remote"),
+    (OURS, "0c-1l warm"), (THEIRS, "0c-1l warm (adapter)"),
+    (OURS, "1c-1l"), (THEIRS, "1c-1l (adapter)"),
+    (THEIRS, "0c-1l warm (fused)"), (THEIRS, "1c-1l (fused)"),
+)
+
+#: The table's rows: (row, swiftserve's case, diffusers' cases: the fastest by median is its figure).
+COMPARISONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("0c-0l", "0c-0l", ("0c-0l",)),
+    ("1c-0l", "1c-0l", ("1c-0l",)),
+    ("0c-1l cold", "0c-1l cold", ("0c-1l cold",)),
+    ("0c-1l cold remote", "0c-1l cold remote", ("0c-1l cold remote",)),
+    ("0c-1l warm", "0c-1l warm", ("0c-1l warm (adapter)", "0c-1l warm (fused)")),
+    ("1c-1l", "1c-1l", ("1c-1l (adapter)", "1c-1l (fused)")),
+    ("0c-0l parallel CFG", "0c-0l parallel CFG", ("0c-0l",)),
+)
+
+#: summary key: (numerator, denominator), each (system, row of COMPARISONS: diffusers' fastest case).
+SUMMARY: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "ratio_1c1l_to_0c0l": ((OURS, "1c-1l"), (OURS, "0c-0l")),
+    "ratio_cfg_parallel": ((OURS, "0c-0l parallel CFG"), (OURS, "0c-0l")),
+    "ratio_cold_lora_to_0c0l": ((OURS, "0c-1l cold remote"), (OURS, "0c-0l")),
+    "ratio_cold_local_lora_to_0c0l": ((OURS, "0c-1l cold"), (OURS, "0c-0l")),
+    "diffusers_over_ours_1c1l": ((THEIRS, "1c-1l"), (OURS, "1c-1l")),
+    "diffusers_ratio_1c1l_to_0c0l": ((THEIRS, "1c-1l"), (THEIRS, "0c-0l")),
+}
 
 
 @dataclass(frozen=True)
-class Row:
-    controlnets: int
-    loras: int
+class Case:
+    """One request of a row: ``prepare`` runs untimed before it, ``run`` is timed and returns what to record."""
 
-    @property
-    def label(self) -> str:
-        return f"{self.controlnets}c-{self.loras}l"
+    run: Callable[[], dict]
+    prepare: Callable[[], None] = lambda: None
 
 
-class Diffusers:
-    def __init__(self, controlnets: list, lora_dir: Path, params: GenerationParams) -> None:
-        components = build_preset("sd15-shape")
-        self.controlnets, self.lora_dir, self.params = controlnets, lora_dir, params
-        self.pipes = {}
-        for count in {controlnet_count for controlnet_count, _ in ROWS if controlnet_count}:
-            self.pipes[count] = components.as_controlnet_pipeline(controlnets[:count])
-            self.pipes[count].set_progress_bar_config(disable=True)
-        self.plain = components.as_pipeline()
-        self.plain.set_progress_bar_config(disable=True)
+@dataclass
+class LoRAFiles:
+    """The LoRA directory both systems read, and fresh PEFT attention LoRAs written into it."""
 
-    def run(self, row: Row) -> None:
-        pipe = self.pipes.get(row.controlnets, self.plain)
-        names = [f"lora{i}" for i in range(row.loras)]
-        for name in names:
-            pipe.load_lora_weights(str(self.lora_dir), weight_name=f"{name}.safetensors", adapter_name=name,
-                                   local_files_only=True)
-        if names:
-            pipe.set_adapters(names, [0.8] * len(names))
-            pipe.fuse_lora(adapter_names=names)
-        kwargs = {}
-        if row.controlnets:
-            images = [Image.fromarray(conditioning_image(self.params.width, i)) for i in range(row.controlnets)]
-            kwargs = {"image": images[0] if row.controlnets == 1 else images,
-                      "controlnet_conditioning_scale": 1.0 if row.controlnets == 1 else [1.0] * row.controlnets}
-        pipe(prompt=self.params.prompt, width=self.params.width, height=self.params.height,
-             num_inference_steps=self.params.num_inference_steps, guidance_scale=self.params.guidance_scale,
-             generator=torch.Generator().manual_seed(0), output_type="np", **kwargs)
-        if names:
-            pipe.unfuse_lora()
-            pipe.unload_lora_weights()
+    directory: Path
+    targets: LoRATargets
+    rank: int
+    store_bytes_per_s: float
+    written: int = 0
+
+    def fetch(self, name: str) -> None:
+        """Waits as long as fetching ``<name>.safetensors`` from the remote LoRA store takes, for names of the
+        remote-store rows (``remote...``); the local-disk rows read the disk only."""
+        if name.startswith(REMOTE):
+            time.sleep((self.directory / f"{name}.safetensors").stat().st_size / self.store_bytes_per_s)
+
+    def write(self, name: str) -> int:
+        """``<name>.safetensors`` with weights of its own (a new seed each), evicted from the page cache so its
+        first load reads the disk, as a cold LoRA would; its size in bytes."""
+        self.written += 1
+        path = self.directory / f"{name}.safetensors"
+        size = write_attention_lora(path, self.targets, self.rank, seed=self.written)
+        evict_from_page_cache(path)
+        return size
+
+
+class Devices:
+    """On CPU one core = one device: the pool threads named in ``DEVICE_1_THREADS`` on core 1, every other thread
+    on core 0, one torch thread each. On CUDA every thread drives cuda:0 and nothing is pinned."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self.pinned = device.type == "cpu"
+        if self.pinned:
+            pin_process([0])  # every thread so far, and those started from here on, begin on core 0
+
+    @staticmethod
+    def core(thread_name: str) -> int:
+        return 1 if thread_name.startswith(DEVICE_1_THREADS) else 0
+
+    def place(self) -> None:
+        """Pins every live Python thread to its core (the pools start their threads on first use)."""
+        if self.pinned:
+            for thread in threading.enumerate():
+                os.sched_setaffinity(thread.native_id, {self.core(thread.name)})
+
+    @staticmethod
+    def snapshot() -> dict[str, list[int]]:
+        """The cores every thread of the process may run on, as the kernel has them: Python threads by name, the
+        others (native libraries' threads) by thread id."""
+        names = {thread.native_id: thread.name for thread in threading.enumerate()}
+        cores = {}
+        for task in sorted(os.listdir("/proc/self/task"), key=int):
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                cores[names.get(int(task), f"{NATIVE}{task}")] = sorted(os.sched_getaffinity(int(task)))
+        return cores
+
+    def check(self, snapshot: dict[str, list[int]]) -> None:
+        """Aborts the run when a thread that does device work is missing or off its device, or any thread may run
+        on both cores (a native thread inherits the core of the thread that started it)."""
+        if not self.pinned:
+            return
+        missing = [prefix for prefix in (*DEVICE_1_THREADS, ENGINE_LOOP_THREAD)
+                   if not any(name.startswith(prefix) for name in snapshot)]
+        misplaced = [f"{name} on cores {cores}" for name, cores in snapshot.items()
+                     if len(cores) != 1 or (not name.startswith(NATIVE) and cores != [self.core(name)])]
+        if missing or misplaced:
+            raise RuntimeError(f"device placement broken: missing threads {missing}, misplaced {misplaced}")
+
+    def device_map(self, after_warmup: dict[str, list[int]], at_end: dict[str, list[int]]) -> dict[str, object]:
+        if not self.pinned:
+            return {"device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."), "pinned": False,
+                    "roles": "every thread (diffusers, engine loop, stage, ControlNet, CFG worker, LoRA loads) drives "
+                             f"{self.device}: one GPU = one device", "threads_at_end": at_end}
+        return {
+            "device": "cpu: one core = one device, one torch thread per thread",
+            "pinned": True,
+            "device 0 (core 0)": "MainThread: diffusers; diffusion-engine-loop: swiftserve's UNet steps; "
+                                 "diffusion-stage_*: its text encoder, VAE and PNG encoding",
+            "device 1 (core 1)": "controlnet_*: swiftserve's ControlNet; cfg-worker_*: its CFG worker (a second "
+                                 "model copy); lora-load_*: its LoRA file loads (host work)",
+            "threads_after_warmup": after_warmup,
+            "threads_at_end": at_end,
+        }
 
 
 class Swiftserve:
-    def __init__(self, controlnets: list, lora_dir: Path, params: GenerationParams) -> None:
-        client = LocalControlNets({f"cn{i}": ControlNetRunner(net, CPU) for i, net in enumerate(controlnets)})
-        engine = DiffusionEngine("sd15-shape", build_preset("sd15-shape"), CPU, controlnets=client)
-        self.cache = LoRACache(LoRARegistry(lora_dir), engine.lora_targets, budget_bytes=2**32, max_file_bytes=2**31)
-        self.loop = EngineLoop(engine, EngineConfig(), self.cache)
-        self.params = params
-        self.reports: list[dict] = []
+    """The serving path in-process: engine loop, ControlNet and CFG worker clients, LoRA cache; the server's
+    default engine and LoRA settings, one LoRA loader thread."""
 
-    def run(self, row: Row) -> None:
-        loras = tuple(LoRASpec(f"lora{i}", 0.8) for i in range(row.loras))
-        controls = tuple(ControlNetSpec(f"cn{i}", conditioning_image(self.params.width, i), 1.0)
-                         for i in range(row.controlnets))
-        result = self.loop.submit(replace(self.params, loras=loras, controlnets=controls)).result()
-        if result.lora is not None:
-            self.reports.append({"row": row.label, **asdict(result.lora)})
+    def __init__(self, preset: str, device: torch.device, dtype: torch.dtype, controlnet: torch.nn.Module,
+                 files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
+        lora = LoRAConfig(load_workers=1)
+        controlnets = LocalControlNets({CONTROLNET: ControlNetRunner(controlnet, device, dtype)}, max_workers=1)
+        self.engine = DiffusionEngine(preset, build_preset(preset), device, dtype,
+                                      merged_lora_bytes=lora.merged_cache_bytes,
+                                      lora_merge_after=lora.merge_after_forwards, controlnets=controlnets)
+        self.cfg_worker = LocalCFGWorker(DiffusionEngine(preset, build_preset(preset), device, dtype))
+        def load(path: Path) -> LoRAWeights:  # the LoRA cache's own loader, after the remote store's fetch time
+            files.fetch(path.stem)
+            return load_lora_file(path, self.engine.lora_targets, max_file_bytes=lora.max_file_bytes)
+
+        self.cache = LoRACache(LoRARegistry(files.directory), self.engine.lora_targets, budget_bytes=lora.cache_bytes,
+                               max_file_bytes=lora.max_file_bytes, max_workers=lora.load_workers, loader=load)
+        self.loop = EngineLoop(self.engine, EngineConfig(), self.cache)
+        self._controlnets, self._files, self._params, self._image = controlnets, files, params, image
+        self._merge_after = lora.merge_after_forwards
+        self._fresh = itertools.count()
+        self._cold = ""
+        self.cases = {
+            "0c-0l": Case(self.generate),
+            "1c-0l": Case(lambda: self.generate(controlnet=True)),
+            "0c-1l cold": Case(lambda: self.generate(lora=self._cold), prepare=self._write_cold),
+            "0c-1l cold remote": Case(lambda: self.generate(lora=self._cold),
+                                      prepare=lambda: self._write_cold(REMOTE)),
+            "0c-1l warm": Case(lambda: self.generate(lora=WARM)),
+            "1c-1l": Case(lambda: self.generate(controlnet=True, lora=WARM)),
+            "0c-0l parallel CFG": Case(lambda: self.generate(parallel_cfg=True)),
+        }
+
+    def generate(self, *, controlnet: bool = False, lora: str = "", parallel_cfg: bool = False) -> dict:
+        params = replace(self._params, loras=(LoRASpec(lora, SCALE),) if lora else (),
+                         controlnets=(ControlNetSpec(CONTROLNET, self._image, 1.0),) if controlnet else ())
+        self.engine.cfg_worker = self.cfg_worker if parallel_cfg else None  # read each step; no request runs now
+        try:
+            result = self.loop.submit(params).result()
+        finally:
+            self.engine.cfg_worker = None
+        return {"timings": result.timings, "lora": asdict(result.lora) if result.lora is not None else None}
+
+    def _write_cold(self, prefix: str = COLD) -> None:
+        self._cold = f"{prefix}{next(self._fresh)}"  # a name never requested before: the cache must load it
+        self._files.write(self._cold)
+
+    def settle_warm_lora(self) -> None:
+        """After the warm-up round (both warm-LoRA cases once), runs the warm LoRA until the engine has built its
+        merged copy (after ``merge_after_forwards`` forwards), so the timed runs see the steady state."""
+        forwards = 2 * self._params.num_inference_steps
+        while forwards <= self._merge_after:
+            self.generate(lora=WARM)
+            forwards += self._params.num_inference_steps
 
     def close(self) -> None:
         self.loop.stop()
         self.cache.close()
+        self.cfg_worker.close()
+        self._controlnets.close()
+
+
+class Diffusers:
+    """diffusers' pipelines over a model copy of their own, on the calling thread. The UNet's LoRA state (``none``;
+    ``adapter``: the warm LoRA loaded, active at ``SCALE``; ``fused``: it fused too; ``cold``: the cold case's LoRA
+    fused) changes untimed between cases."""
+
+    def __init__(self, preset: str, device: torch.device, dtype: torch.dtype, controlnet: torch.nn.Module,
+                 files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
+        components = build_preset(preset)
+        self.plain = components.as_pipeline().to(device=device, dtype=dtype)
+        self.controlled = components.as_controlnet_pipeline([controlnet]).to(device=device, dtype=dtype)
+        for pipe in (self.plain, self.controlled):
+            pipe.set_progress_bar_config(disable=True)
+        self._files, self._params, self._image = files, params, Image.fromarray(image)
+        self.state = "none"
+        self.cases = {
+            "0c-0l": self._case(controlled=False, state="none"),
+            "1c-0l": self._case(controlled=True, state="none"),
+            "0c-1l cold": Case(lambda: self._cold(COLD), prepare=lambda: self._prepare_cold(COLD)),
+            "0c-1l cold remote": Case(lambda: self._cold(REMOTE), prepare=lambda: self._prepare_cold(REMOTE)),
+            "0c-1l warm (adapter)": self._case(controlled=False, state="adapter"),
+            "1c-1l (adapter)": self._case(controlled=True, state="adapter"),
+            "0c-1l warm (fused)": self._case(controlled=False, state="fused"),
+            "1c-1l (fused)": self._case(controlled=True, state="fused"),
+        }
+
+    def _case(self, *, controlled: bool, state: str) -> Case:
+        return Case(lambda: self.generate(controlled), prepare=lambda: self.set_lora(state))
+
+    def generate(self, controlled: bool) -> dict:
+        p = self._params
+        extra = {"image": self._image, "controlnet_conditioning_scale": 1.0} if controlled else {}
+        (self.controlled if controlled else self.plain)(
+            prompt=p.prompt, width=p.width, height=p.height, num_inference_steps=p.num_inference_steps,
+            guidance_scale=p.guidance_scale, generator=torch.Generator().manual_seed(p.seed), output_type="np",
+            **extra)
+        return {"lora_state": self.state}
+
+    def _prepare_cold(self, name: str) -> None:
+        self.set_lora("none")
+        evict_from_page_cache(self._files.directory / f"{name}.safetensors")
+
+    def _cold(self, name: str) -> dict:
+        self._files.fetch(name)
+        self._load(name)
+        self.plain.fuse_lora(lora_scale=SCALE, adapter_names=[name])
+        self.state = "cold"
+        return self.generate(controlled=False)
+
+    def _load(self, name: str) -> None:
+        self.plain.load_lora_weights(str(self._files.directory), weight_name=f"{name}.safetensors", adapter_name=name,
+                                     local_files_only=True)
+
+    def set_lora(self, state: str) -> None:
+        """Brings the UNet (shared by both pipelines) to LoRA ``state``."""
+        if state == self.state:
+            return
+        if (self.state, state) == ("adapter", "fused"):
+            self.plain.fuse_lora(adapter_names=[WARM])
+            self.state = state
+            return
+        if self.state in ("fused", "cold"):
+            self.plain.unfuse_lora()
+        if self.state != "none":
+            self.plain.unload_lora_weights()
+        self.state = "none"
+        if state != "none":
+            self._load(WARM)
+            self.plain.set_adapters([WARM], [SCALE])
+            self.state = "adapter"
+            self.set_lora(state)
+
+
+def run_case(case: Case) -> dict:
+    """``case`` once: its untimed preparation, then the timed request; its seconds and record."""
+    case.prepare()
+    record: dict = {}
+    seconds = timed(lambda: record.update(case.run()), 1)[0]
+    return {"seconds": seconds, **record}
+
+
+def overlap(a: dict, b: dict) -> bool:
+    """Whether two cases' [min, max] ranges overlap: their ratio is a tie."""
+    return a["min_s"] <= b["max_s"] and b["min_s"] <= a["max_s"]
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="sd15-shape", choices=CONTROLNET_PRESETS,
+                        help="model preset (tiny: a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
+    parser.add_argument("--lora-store-mb-per-s", type=float, default=20.0,
+                        help="read rate of the emulated remote LoRA store of the `cold remote` rows (both systems)")
 
 
 def main() -> None:
-    args, params = diffusion_arguments(__doc__, steps=4, repeats=3)
-    rows = [Row(*row) for row in ROWS]
-    controlnets = [build_controlnet_preset("sd15-shape", seed=i) for i in range(3)]
+    args, params = diffusion_arguments(__doc__, steps=4, repeats=5, options=_options)
+    diffusers_logging.set_verbosity_error()  # not a warning per LoRA load that the file has no text-encoder part
+    device = resolve_device("auto")
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    devices = Devices(device, dtype)
+    controlnet = build_controlnet_preset(args.preset)  # one model, used by each system on its own device
+    image = conditioning_image(args.size, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        lora_dir = Path(tmp)
-        vanilla = Diffusers(controlnets, lora_dir, params)
-        targets = LoRATargets.from_modules(vanilla.plain.unet, vanilla.plain.text_encoder)
-        for i in range(2):
-            write_attention_lora(lora_dir / f"lora{i}.safetensors", targets, args.rank, seed=i)
-        ours = Swiftserve(controlnets, lora_dir, params)
-        systems: dict[str, Callable[[Row], None]] = {"diffusers": vanilla.run, "swiftserve": ours.run}
-        print(f"sd15-shape, {args.size}x{args.size}, {args.steps} steps, CFG, rank-{args.rank} LoRAs; "
-              f"{torch.get_num_threads()} torch threads", flush=True)
+        model = build_preset(args.preset)
+        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.unet, model.text_encoder), args.rank,
+                          args.lora_store_mb_per_s * 2**20)
+        del model
+        lora_bytes = files.write(WARM)
+        files.write(COLD)
+        files.write(REMOTE)
+        vanilla = Diffusers(args.preset, device, dtype, controlnet, files, params, image)
+        ours = Swiftserve(args.preset, device, dtype, controlnet, files, params, image)
+        systems = {OURS: ours.cases, THEIRS: vanilla.cases}
+        cases = {(system, row): systems[system][row] for system, row in ROUND}
+        print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.guidance_scale}, rank-"
+              f"{args.rank} LoRAs ({lora_bytes / 2**20:.1f} MiB), {device} {str(dtype).removeprefix('torch.')}, "
+              f"{torch.get_num_threads()} torch thread(s) per thread", flush=True)
         try:
-            for run in systems.values():  # warm-up, and every LoRA into swiftserve's cache
-                run(Row(3, 2))
-            seconds = {(system, row.label): [] for system in systems for row in rows}
+            ours.cache.get(WARM).result()  # the warm LoRA in the cache
+            for case in cases.values():  # warm-up: every case once (and each pool starts its thread)
+                run_case(case)
+            ours.settle_warm_lora()
+            devices.place()
+            after_warmup = devices.snapshot()
+            devices.check(after_warmup)
+            runs: dict[tuple[str, str], list[dict]] = {key: [] for key in cases}
             for repeat in range(args.repeats):
-                for row in rows:
-                    for system, run in systems.items():
-                        seconds[(system, row.label)] += timed(lambda run=run, row=row: run(row), 1)
-                        print(f"  [{repeat + 1}/{args.repeats}] {system:<10} {row.label}  "
-                              f"{seconds[(system, row.label)][-1]:6.2f} s", flush=True)
+                for key, case in cases.items():
+                    runs[key].append(run_case(case))
+                    lora = runs[key][-1].get("lora")
+                    applied = f"  LoRA applied at step {lora['applied_at_step']}" if lora else ""
+                    print(f"  [{repeat + 1}/{args.repeats}] {key[0]:<10} {key[1]:<22} "
+                          f"{runs[key][-1]['seconds']:7.2f} s{applied}", flush=True)
+            at_end = devices.snapshot()
+            devices.check(at_end)
         finally:
             ours.close()
 
-    lines = [
-        f"# ControlNets and LoRAs: sd15-shape, {args.size}x{args.size}, {args.steps} steps, "
-        f"{machine()['device']}, {torch.get_num_threads()} threads",
-        "",
-        "| row | diffusers median (s) | swiftserve median (s) | diffusers / swiftserve | swiftserve vs its 0c-0l |",
-        "|---|---|---|---|---|",
-    ]
-    payload: dict[str, object] = {"machine": machine(), "args": vars(args), "rows": [],
-                                  "swiftserve_lora_reports": ours.reports}
-    base = summary(seconds[("swiftserve", "0c-0l")])["median_s"]
-    for row in rows:
-        theirs, mine = summary(seconds[("diffusers", row.label)]), summary(seconds[("swiftserve", row.label)])
-        ratio = theirs["median_s"] / mine["median_s"]
-        lines.append(f"| {row.label} | {theirs['median_s']:.2f} | {mine['median_s']:.2f} | {ratio:.2f}x | "
-                     f"{mine['median_s'] / base:.2f}x |")
-        payload["rows"].append({"row": row.label, "diffusers": theirs, "swiftserve": mine, "ratio": ratio})
-    table = "\n".join(lines)
+    stats = {key: summary([run["seconds"] for run in repeats]) for key, repeats in runs.items()}
+    flags = []
+    applied_cold = {case: [run["lora"]["applied_at_step"] for run in runs[(OURS, case)]]
+                    for case in ("0c-1l cold", "0c-1l cold remote")}
+    cold = runs[(OURS, "0c-1l cold remote")]
+    if any(step == 0 for step in applied_cold["0c-1l cold remote"]) or any(run["lora"]["cache_hits"] for run in cold):
+        flags.append(f"swiftserve 0c-1l cold remote: not asynchronous in every run (applied at steps "
+                     f"{applied_cold['0c-1l cold remote']}, cache hits {[run['lora']['cache_hits'] for run in cold]})")
+    figures: dict[tuple[str, str], dict] = {}  # (system, row of COMPARISONS): its case's statistics
+    comparisons = []
+    for row, mine, theirs in COMPARISONS:
+        best = min(theirs, key=lambda case: stats[(THEIRS, case)]["median_s"])
+        figures[(OURS, row)], figures[(THEIRS, row)] = stats[(OURS, mine)], stats[(THEIRS, best)]
+        comparisons.append({
+            "row": row, "swiftserve_case": mine, "diffusers_case": best,
+            "diffusers_over_swiftserve": stats[(THEIRS, best)]["median_s"] / stats[(OURS, mine)]["median_s"],
+            "ranges_overlap": overlap(stats[(THEIRS, best)], stats[(OURS, mine)]),
+            "swiftserve_over_its_0c0l": stats[(OURS, mine)]["median_s"] / stats[(OURS, "0c-0l")]["median_s"],
+        })
+    ratios = {key: figures[top]["median_s"] / figures[bottom]["median_s"] for key, (top, bottom) in SUMMARY.items()}
+    ties = {key: overlap(figures[top], figures[bottom]) for key, (top, bottom) in SUMMARY.items()}
+
+    payload = {
+        **provenance(),
+        "machine": machine(),
+        "device_map": devices.device_map(after_warmup, at_end),
+        "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        "request": {"prompt": params.prompt, "size": args.size, "steps": args.steps,
+                    "guidance_scale": params.guidance_scale, "seed": params.seed, "lora_scale": SCALE},
+        "lora_file_bytes": lora_bytes,
+        "errors": 0,  # a failed request aborts the run
+        "flags": flags,
+        "rows": [{"system": system, "case": case, **stats[(system, case)], "repeats": runs[(system, case)]}
+                 for system, case in ROUND],
+        "comparisons": comparisons,
+        "summary": ratios,
+        "summary_ranges_overlap": ties,
+        "goals": {key: f"<= {goal}" for key, goal in GOALS.items()},
+    }
+    table = _table(args, device, payload, stats, applied_cold)
     print(table)
-    write_results("bench_diffusion", payload, table)
+    write_results(NAME, payload, table, args.out)
+
+
+def _range(stats: dict) -> str:
+    return f"{stats['median_s']:.2f} ({stats['min_s']:.2f}-{stats['max_s']:.2f})"
+
+
+def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats: dict,
+           applied_cold: dict[str, list[int]]) -> str:
+    where = "one core = one device" if device.type == "cpu" else f"{device}, float16"
+    lines = [
+        f"# Katz rows: {args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG, rank-{args.rank} LoRA; "
+        f"{payload['machine']['cpu'] if device.type == 'cpu' else payload['machine']['device']} ({where})",
+        "",
+        f"Commit {payload['commit']}, {payload['date']}: `{payload['command']}`. Seconds per request: median "
+        f"(min-max) of {args.repeats} interleaved runs. swiftserve runs its ControlNet, CFG worker and LoRA loads "
+        "on device 1; diffusers runs on device 0 alone.",
+        "",
+        "| row | swiftserve (s) | diffusers (s) | diffusers case | diffusers / swiftserve | tie (ranges overlap) "
+        "| swiftserve / its 0c-0l |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in payload["comparisons"]:
+        lines.append(
+            f"| {row['row']} | {_range(stats[(OURS, row['swiftserve_case'])])} | "
+            f"{_range(stats[(THEIRS, row['diffusers_case'])])} | {row['diffusers_case']} | "
+            f"{row['diffusers_over_swiftserve']:.2f}x | {'tie' if row['ranges_overlap'] else 'no'} | "
+            f"{row['swiftserve_over_its_0c0l']:.2f}x |")
+    lines += ["", "| summary (issue 19) | value | goal | tie (ranges overlap) |", "|---|---|---|---|"]
+    for key, value in payload["summary"].items():
+        lines.append(f"| `{key}` | {value:.3f} | {payload['goals'].get(key, '')} | "
+                     f"{'tie' if payload['summary_ranges_overlap'][key] else 'no'} |")
+    lines += ["", "| system | case | median (s) | min (s) | max (s) | runs |", "|---|---|---|---|---|---|"]
+    for system, case in ROUND:
+        s = stats[(system, case)]
+        lines.append(f"| {system} | {case} | {s['median_s']:.2f} | {s['min_s']:.2f} | {s['max_s']:.2f} | "
+                     f"{s['runs']} |")
+    lines += [""] + [f"swiftserve {case}: LoRA applied at steps {steps} (0: ready before the first step)."
+                     for case, steps in applied_cold.items()]
+    lines.append(f"The remote LoRA store is emulated: a fetch takes file size / {args.lora_store_mb_per_s:g} MB/s, "
+                 "for both systems (swiftserve on its loader thread, diffusers inline before `load_lora_weights`).")
+    lines += [f"**Flag:** {flag}" for flag in payload["flags"]]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -1,28 +1,51 @@
-"""Throughput under a production-like mix: swiftserve's Serve app against vanilla diffusers in Serve.
+"""Throughput under a production-like mix on equal cores: swiftserve's Serve app against diffusers in Serve.
 
-Both run on one Ray cluster of the same size (``--cpus``), one system after the other, driven by the
-same seeded request sequence from ``--clients`` concurrent clients: a Zipf mix of ControlNets (few
-dominate) and LoRAs (a long tail, from ``--loras`` files), ``sd15-shape`` at 256x256.
+Four systems, each a Ray Serve app on a local 2-CPU Ray cluster, deployed one at a time behind the same HTTP
+front end (``ImagesIngress``: the OpenAI Images API, request validation and PNG answers), each on cores 0 and 1:
 
-- swiftserve: the diffusion app (``DiffusionModel`` with step-level batching and its LoRA cache, one
-  ``ControlNetService`` deployment per ControlNet), called through its deployment handle;
-- vanilla: one deployment holding ``StableDiffusionControlNetPipeline`` with every ControlNet, one
-  request at a time, the request's LoRAs loaded and fused before it and unloaded after it.
+- ``vanilla``: diffusers as users serve it: one replica on both cores (2 torch threads) holding the base pipeline
+  and every ControlNet; a pipeline serves one call at a time, so ``max_ongoing_requests=1`` (the rest queue in
+  Serve); each request's LoRAs are loaded from disk and fused before it, unfused and unloaded after it;
+- ``strongest_vanilla``: two such replicas, one per core (1 torch thread each), every LoRA loaded once as a PEFT
+  adapter and picked per request with ``set_adapters`` (nothing fused), the ControlNet pipelines prebuilt;
+- ``ours``: ``serving.app:build_app`` with its ``device_map``: the model replica on core 0 (its LoRA loads run in
+  its process, so on core 0 too), every ControlNet service on core 1; step-level batching and admission control
+  as configured by default;
+- ``ours_cb_off``: the same with ``engine.continuous_batching: false``.
 
-Prints requests per minute, p50 and p99 latency, and the throughput ratio; writes
-``benchmarks/results/bench_diffusion_throughput.{json,md}``.
+Every system gets the same seeded trace: ``--requests`` requests, each with 0-2 ControlNets (Zipf over
+``--controlnets``, s=1.5) and 0-2 LoRAs (Zipf over ``--loras`` files, s=1.1), sent by an open-loop client at
+Poisson arrival times of ``--rate`` per second. Without ``--rate`` the rate is ``--overload`` times the capacity of
+``vanilla``, measured once before the first run on the trace's first requests: enough to saturate ours as well
+unless it beats vanilla by more than that factor (a run of ours with no refusal says it may not have been
+saturated). Each system is warmed up first (every ControlNet and LoRA used once, one request at a time). Repeats
+are interleaved: ``for r in repeats: vanilla, strongest_vanilla, ours, ours_cb_off``.
 
-    .venv/bin/python -m benchmarks.bench_diffusion_throughput [--requests 16] [--clients 4] [--steps 3]
+Per run: successes (200 with an image), refusals (429/503: the server was overloaded), errors and timeouts, each
+counted apart; throughput = successes / wall time (first scheduled send to last answer); p50 and p99 latency of
+the successes from their scheduled send (from fewer than 100 the p99 is the maximum, and labelled so).
+``engine_busy_fraction``: seconds the model replica of ``ours`` spent in denoising steps during the run (its
+engine loop's ``busy_s``, read through ``DiffusionModel.engine_busy_s`` before and after; Ray's step-latency
+histogram will not do: it rebuilds sums from bucket midpoints) over the run's wall time. Results:
+``<--out>/bench_diffusion_throughput.{json,md}``.
+
+    .venv/bin/python -m benchmarks.bench_diffusion_throughput [--preset sd15-shape] [--size 128] [--steps 4]
+        [--requests 64] [--repeats 3] [--rate R | --overload 3] [--out benchmarks/results]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
+import io
+import itertools
+import json
+import statistics
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,20 +53,56 @@ import ray
 import torch
 from PIL import Image
 from ray import serve
+from ray.serve import Application
 
-from benchmarks.common import conditioning_image, machine, write_attention_lora, write_results
+from autoconfig.workloads import Workload
+from benchmarks.common import (
+    RESULTS,
+    Outcomes,
+    conditioning_image,
+    machine,
+    open_loop,
+    poisson_offsets,
+    provenance,
+    ranges_overlap,
+    write_attention_lora,
+    write_results,
+)
 from serving.app import build_app
-from serving.config import ControlNetConfig, DiffusionAppConfig, DiffusionModelConfig, GenerationDefaults, LoRAConfig
-from serving.engine import GenerationParams, LoRASpec
-from serving.engine.types import ControlNetSpec
+from serving.common.device import DTYPES, resolve_device
+from serving.common.net import free_port
+from serving.config import (
+    ControlNetConfig,
+    DeviceMap,
+    DiffusionAppConfig,
+    DiffusionModelConfig,
+    EngineConfig,
+    GenerationDefaults,
+    LoRAConfig,
+)
+from serving.controlnet.models import build_controlnet_preset, load_controlnet
+from serving.deployments.ingress import ImagesIngress
+from serving.deployments.pinning import pin_replica
+from serving.engine import GenerationParams, GenerationResult, ModelInfo, encode_png, load_components
 from serving.lora.format import LoRATargets
-from serving.presets import build_preset
+from serving.preset_catalog import PRESET_NAMES
 
-CONTROLNETS = 3
+NAME = "bench_diffusion_throughput"
+SYSTEMS = ("vanilla", "strongest_vanilla", "ours", "ours_cb_off")
+PATH = "/v1/images/generations"
+PROMPT = "a red circle on a white background"
+#: What every successful answer body holds (one base64 image per requested image).
+IMAGE = b'"b64_json"'
+#: Trace requests sent one at a time to ``vanilla`` to measure its capacity when no ``--rate`` is given.
+CALIBRATION_REQUESTS = 4
 
+
+# -- the trace ---------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Job:
+class TraceRequest:
+    """Which ControlNets and LoRAs (indices) one request names."""
+
     controlnets: tuple[int, ...]
     loras: tuple[int, ...]
 
@@ -53,145 +112,416 @@ def zipf_choice(rng: np.random.Generator, n: int, exponent: float) -> int:
     return int(rng.choice(n, p=weights / weights.sum()))
 
 
-def request_mix(count: int, lora_files: int, seed: int = 0) -> list[Job]:
-    """Per request 0-2 ControlNets (Zipf over 3, s=1.5) and 0-2 LoRAs (Zipf over the files, s=1.1)."""
+def request_mix(count: int, controlnets: int, loras: int, seed: int) -> list[TraceRequest]:
+    """Per request 0-2 ControlNets (Zipf, s=1.5) and 0-2 LoRAs (Zipf, s=1.1), each count with p 0.3/0.5/0.2."""
     rng = np.random.default_rng(seed)
-    jobs = []
+    trace = []
     for _ in range(count):
-        controlnets = {zipf_choice(rng, CONTROLNETS, 1.5) for _ in range(int(rng.choice(3, p=[0.3, 0.5, 0.2])))}
-        loras = {zipf_choice(rng, lora_files, 1.1) for _ in range(int(rng.choice(3, p=[0.3, 0.5, 0.2])))}
-        jobs.append(Job(tuple(sorted(controlnets)), tuple(sorted(loras))))
-    return jobs
+        nets = {zipf_choice(rng, controlnets, 1.5) for _ in range(int(rng.choice(3, p=[0.3, 0.5, 0.2])))}
+        adapters = {zipf_choice(rng, loras, 1.1) for _ in range(int(rng.choice(3, p=[0.3, 0.5, 0.2])))}
+        trace.append(TraceRequest(tuple(sorted(nets)), tuple(sorted(adapters))))
+    return trace
 
 
-def to_params(job: Job, base: GenerationParams) -> GenerationParams:
-    return replace(
-        base,
-        loras=tuple(LoRASpec(f"lora{i}", 0.8) for i in job.loras),
-        controlnets=tuple(ControlNetSpec(f"cn{i}", conditioning_image(base.width, i), 1.0) for i in job.controlnets),
+def warm_up_requests(controlnets: int, loras: int) -> list[TraceRequest]:
+    """Every ControlNet and every LoRA at least once, one ControlNet and two LoRAs per request."""
+    count = max(controlnets, -(-loras // 2))
+    return [TraceRequest((i % controlnets,), tuple(sorted({2 * i % loras, (2 * i + 1) % loras})))
+            for i in range(count)]
+
+
+def request_body(request: TraceRequest, seed: int, args: argparse.Namespace) -> bytes:
+    """The OpenAI Images request for ``request``: its conditioning images inline as base64 PNG."""
+    return json.dumps({
+        "prompt": PROMPT, "size": f"{args.size}x{args.size}", "num_inference_steps": args.steps,
+        "guidance_scale": 7.5, "seed": seed,
+        "controlnets": [{"name": f"cn{i}", "image": _png_b64(conditioning_image(args.size, i)),
+                         "conditioning_scale": 1.0} for i in request.controlnets],
+        "loras": [{"name": f"lora{i}", "scale": 0.8} for i in request.loras],
+    }).encode()
+
+
+def _png_b64(image: np.ndarray) -> str:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _workload(bodies: list[bytes]) -> Workload:
+    return Workload("POST", PATH, bodies.__getitem__)
+
+
+# -- the diffusers baseline --------------------------------------------------------------------------------------
+
+@serve.deployment(max_ongoing_requests=1)
+class VanillaDiffusers:
+    """diffusers pipelines over ``config``'s model and ControlNets (the same weights as ours), one request at a time
+    per replica: a pipeline holds per-call state and the active LoRAs. ``adapters``: every LoRA loaded once as a
+    PEFT adapter and picked per request with ``set_adapters``; otherwise each request's LoRAs are loaded from disk
+    and fused before it, unfused and unloaded after it. Answers like ``DiffusionModel``, behind the same ingress."""
+
+    def __init__(self, config: DiffusionAppConfig, cores: list[list[int]], adapters: bool) -> None:
+        import diffusers
+
+        pin_replica(cores, "VanillaDiffusers")
+        diffusers.utils.logging.set_verbosity_error()  # "no LoRA keys for the text encoder", once per load
+        device, dtype = resolve_device(config.model.device), DTYPES[config.model.dtype]
+        components = load_components(config.model)
+        # A seeded ControlNet copies its encoder from the preset's seeded UNet: pass ours instead of building another.
+        nets = [build_controlnet_preset(net.preset, net.seed, weights=net.weights, unet=components.unet)
+                if net.preset else load_controlnet(net.path) for net in config.controlnets]
+        for module in [*components.modules().values(), *nets]:
+            module.to(device, dtype)
+        self._index = {net.name: i for i, net in enumerate(config.controlnets)}
+        self._pipelines = {(): components.as_pipeline()} | {
+            combo: components.as_controlnet_pipeline([nets[i] for i in combo])
+            for size in range(1, len(nets) + 1) for combo in itertools.combinations(range(len(nets)), size)}
+        for pipe in self._pipelines.values():
+            pipe.set_progress_bar_config(disable=True)
+        self._info = ModelInfo(config.model.name, components.default_size, components.size_multiple)
+        self._lora_dir = config.lora_directory()
+        self._loras = sorted(path.stem for path in self._lora_dir.glob("*.safetensors"))
+        self._adapters = adapters
+        if adapters:
+            for name in self._loras:
+                self._load_lora(self._pipelines[()], name)
+
+    async def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def list_loras(self) -> list[str]:
+        return self._loras
+
+    async def list_controlnets(self) -> list[str]:
+        return sorted(self._index)
+
+    async def generate(self, params: GenerationParams) -> GenerationResult:
+        return await asyncio.to_thread(self._generate, params)
+
+    def _load_lora(self, pipe, name: str) -> None:
+        pipe.load_lora_weights(str(self._lora_dir), weight_name=f"{name}.safetensors", adapter_name=name,
+                               local_files_only=True)
+
+    def _generate(self, params: GenerationParams) -> GenerationResult:
+        controls = sorted(params.controlnets, key=lambda spec: self._index[spec.name])
+        pipe = self._pipelines[tuple(self._index[spec.name] for spec in controls)]
+        extra = {}
+        if controls:
+            images = [Image.fromarray(spec.image) for spec in controls]
+            scales = [spec.scale for spec in controls]
+            extra = {"image": images if len(images) > 1 else images[0],
+                     "controlnet_conditioning_scale": scales if len(scales) > 1 else scales[0]}
+        names, scales = [spec.name for spec in params.loras], [spec.scale for spec in params.loras]
+        if self._adapters:
+            if names:
+                pipe.enable_lora()
+                pipe.set_adapters(names, scales)
+            else:
+                pipe.disable_lora()
+            return self._run(pipe, params, extra)
+        for name in names:
+            self._load_lora(pipe, name)
+        if names:
+            pipe.set_adapters(names, scales)
+            pipe.fuse_lora(adapter_names=names)
+        try:
+            return self._run(pipe, params, extra)
+        finally:
+            if names:
+                pipe.unfuse_lora()
+                pipe.unload_lora_weights()
+
+    @staticmethod
+    def _run(pipe, params: GenerationParams, extra: dict) -> GenerationResult:
+        output = pipe(prompt=params.prompt, negative_prompt=params.negative_prompt, width=params.width,
+                      height=params.height, num_inference_steps=params.num_inference_steps,
+                      guidance_scale=params.guidance_scale, num_images_per_prompt=params.n,
+                      generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
+                      output_type="np", **extra)
+        return GenerationResult(images=[encode_png(image) for image in output.images], seed=params.seed)
+
+
+# -- the systems -------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class System:
+    """One contender: how to build its app and where its replicas run (for the results)."""
+
+    name: str
+    description: str
+    device_map: dict[str, list[list[int]]]
+    build: Callable[[], Application]
+
+
+def vanilla_app(config: DiffusionAppConfig, cores: list[list[int]], adapters: bool) -> Application:
+    """One ``VanillaDiffusers`` replica per entry of ``cores``. Ray's CPU count only places the replicas (0.9 per
+    core leaves room for the ingress); pinning decides where they run."""
+    model = VanillaDiffusers.options(num_replicas=len(cores),
+                                     ray_actor_options={"num_cpus": 0.9 * len(cores[0])}).bind(config, cores, adapters)
+    return ImagesIngress.bind(model, config)
+
+
+def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching: bool = True) -> DiffusionAppConfig:
+    """Ours: the model on core 0, every ControlNet on core 1; seeded weights, as the baseline builds them."""
+    source = {"preset": args.preset, "weights": "seeded", "device": args.device, "dtype": args.dtype}
+    names = [f"cn{i}" for i in range(args.controlnets)]
+    return DiffusionAppConfig(
+        model=DiffusionModelConfig(name=args.preset, **source),
+        defaults=GenerationDefaults(num_inference_steps=args.steps),
+        engine=EngineConfig(continuous_batching=continuous_batching,
+                            admission_wait_fraction=args.admission_wait_fraction),
+        lora=LoRAConfig(directory=lora_dir),
+        controlnets=[ControlNetConfig(name=name, seed=i, **source) for i, name in enumerate(names)],
+        device_map=DeviceMap(model=[[0]], controlnets={name: [[1]] for name in names}),
     )
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 2}, max_ongoing_requests=64)
-class VanillaDiffusers:
-    """diffusers as a shared server must use it: every ControlNet loaded, LoRAs fused per request."""
-
-    def __init__(self, lora_dir: str, threads: int) -> None:
-        from serving.controlnet.models import build_controlnet_preset
-
-        torch.set_num_threads(threads)
-        components = build_preset("sd15-shape")
-        self.nets = [build_controlnet_preset("sd15-shape", seed=i) for i in range(CONTROLNETS)]
-        self.components, self.lora_dir = components, lora_dir
-        self.plain = components.as_pipeline()
-        self.lock = threading.Lock()
-
-    def generate(self, params: GenerationParams) -> int:
-        with self.lock:
-            if params.controlnets:
-                pipe = self.components.as_controlnet_pipeline(
-                    [self.nets[int(spec.name[2:])] for spec in params.controlnets])
-                images = [Image.fromarray(spec.image) for spec in params.controlnets]
-                extra = {"image": images[0] if len(images) == 1 else images,
-                         "controlnet_conditioning_scale": 1.0 if len(images) == 1 else [1.0] * len(images)}
-            else:
-                pipe, extra = self.plain, {}
-            pipe.set_progress_bar_config(disable=True)
-            names = [spec.name for spec in params.loras]
-            for name in names:
-                pipe.load_lora_weights(self.lora_dir, weight_name=f"{name}.safetensors", adapter_name=name,
-                                       local_files_only=True)
-            if names:
-                pipe.set_adapters(names, [spec.scale for spec in params.loras])
-                pipe.fuse_lora(adapter_names=names)
-            try:
-                pipe(prompt=params.prompt, width=params.width, height=params.height,
-                     num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
-                     generator=torch.Generator().manual_seed(params.seed), output_type="np", **extra)
-            finally:
-                if names:
-                    pipe.unfuse_lora()
-                    pipe.unload_lora_weights()
-            return len(names)
+def systems(args: argparse.Namespace, lora_dir: Path) -> list[System]:
+    config = app_config(args, lora_dir)
+    ours_map = {"DiffusionModel": config.device_map.model,
+                **{f"ControlNet_{name}": cores for name, cores in config.device_map.controlnets.items()}}
+    return [
+        System("vanilla", "diffusers, 1 replica x 2 cores, LoRAs loaded + fused per request",
+               {"VanillaDiffusers": [[0, 1]]}, lambda: vanilla_app(config, [[0, 1]], adapters=False)),
+        System("strongest_vanilla", "diffusers, 2 replicas x 1 core, LoRAs kept loaded as adapters",
+               {"VanillaDiffusers": [[0], [1]]}, lambda: vanilla_app(config, [[0], [1]], adapters=True)),
+        System("ours", "swiftserve, continuous batching", ours_map, lambda: build_app(config)),
+        System("ours_cb_off", "swiftserve, continuous batching off", ours_map,
+               lambda: build_app(app_config(args, lora_dir, continuous_batching=False))),
+    ]
 
 
-def drive(handle, jobs: list[Job], base: GenerationParams, clients: int) -> dict[str, float]:
-    latencies: list[float] = []
+# -- measuring ---------------------------------------------------------------------------------------------------
 
-    def one(job: Job) -> None:
-        started = time.perf_counter()
-        handle.generate.remote(to_params(job, base)).result(timeout_s=3600)
-        latencies.append(time.perf_counter() - started)
+def one_at_a_time(url: str, bodies: list[bytes], timeout_s: float) -> list[float]:
+    """Sends ``bodies`` one after another; their latencies. A system that fails one is broken: raises."""
+    seconds = []
+    for body in bodies:
+        out = asyncio.run(open_loop(url, _workload([body]), [0.0], timeout_s=timeout_s, expect=IMAGE))
+        if out.statuses != [200]:
+            raise RuntimeError(f"a request sent alone got status {out.statuses[0]}")
+        seconds += out.seconds
+    return seconds
 
-    started = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(one, jobs))
-    elapsed = time.perf_counter() - started
-    return {"requests": len(jobs), "seconds": elapsed, "requests_per_minute": 60 * len(jobs) / elapsed,
-            "p50_s": float(np.percentile(latencies, 50)), "p99_s": float(np.percentile(latencies, 99))}
+
+def engine_busy_s(app: str) -> float:
+    """Seconds ``app``'s model replica has spent in denoising steps since it started."""
+    return serve.get_deployment_handle("DiffusionModel", app_name=app).engine_busy_s.remote().result()
+
+
+def run_row(system: str, repeat: int, out: Outcomes) -> dict:
+    """One run's figures: outcome counts, throughput, latency of the successes."""
+    wall, ok, counts = out.wall_s(), out.ok_seconds(), out.counts()
+    tail = "p99" if len(ok) >= 100 else "max"
+    return {
+        "system": system, "repeat": repeat, "sent": len(out.statuses), **counts, "wall_s": wall,
+        "throughput_per_min": 60 * counts["ok"] / wall,
+        "p50_s": float(np.median(ok)) if len(ok) else None,
+        "tail_s": (float(np.percentile(ok, 99)) if tail == "p99" else float(ok.max())) if len(ok) else None,
+        "tail": tail, "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
+    }
+
+
+def aggregate(rows: list[dict]) -> dict:
+    """Per system: throughput median/min/max and every repeat, latency medians, outcome totals."""
+    figures = {}
+    for name in SYSTEMS:
+        mine = [row for row in rows if row["system"] == name]
+        if not mine:
+            continue
+        throughput = [row["throughput_per_min"] for row in mine]
+        figures[name] = {
+            "throughput_per_min": {"median": statistics.median(throughput), "min": min(throughput),
+                                   "max": max(throughput), "repeats": throughput},
+            "p50_s_median": _median([row["p50_s"] for row in mine]),
+            "tail_s_median": _median([row["tail_s"] for row in mine]),
+            "tail": "p99" if all(row["tail"] == "p99" for row in mine) else "max",
+            **{key: sum(row[key] for row in mine) for key in ("sent", "ok", "refused", "errors", "timed_out")},
+        }
+        busy = [row["engine_busy_fraction"] for row in mine if "engine_busy_fraction" in row]
+        if busy:
+            figures[name]["engine_busy_fraction"] = {"median": statistics.median(busy), "min": min(busy),
+                                                     "max": max(busy)}
+    return figures
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+#: Summary key -> (numerator system, denominator system) of the throughput ratio.
+RATIOS = {"ratio_vs_vanilla": ("ours", "vanilla"), "ratio_vs_strongest_vanilla": ("ours", "strongest_vanilla"),
+          "ratio_cb_on_vs_off": ("ours", "ours_cb_off")}
+
+
+def summarize(figures: dict) -> tuple[dict, dict]:
+    """The issue's summary (ratios of median throughputs, ours' median busy fraction) and which ratios are ties."""
+    summary, ties = {}, {}
+    for key, (top, bottom) in RATIOS.items():
+        a, b = figures[top]["throughput_per_min"], figures[bottom]["throughput_per_min"]
+        summary[key] = a["median"] / b["median"] if b["median"] else None
+        ties[key] = ranges_overlap(a["repeats"], b["repeats"])
+    summary["engine_busy_fraction"] = figures["ours"]["engine_busy_fraction"]["median"]
+    return summary, ties
+
+
+# -- main --------------------------------------------------------------------------------------------------------
+
+def _arguments() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="sd15-shape", choices=PRESET_NAMES)
+    parser.add_argument("--size", type=int, default=128, help="image side in pixels")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=64, help="requests per run")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every system")
+    parser.add_argument("--controlnets", type=int, default=3, help="ControlNets served")
+    parser.add_argument("--loras", type=int, default=8, help="LoRA files served")
+    parser.add_argument("--rank", type=int, default=64, help="rank of the LoRA files")
+    parser.add_argument("--rate", type=float, default=None, help="arrivals per second; default: --overload x "
+                                                                 "vanilla's capacity, measured before the first run")
+    parser.add_argument("--overload", type=float, default=3.0, help="arrival rate over vanilla's capacity")
+    parser.add_argument("--admission-wait-fraction", type=lambda text: None if text == "none" else float(text),
+                        default=EngineConfig().admission_wait_fraction,
+                        help="ours' engine.admission_wait_fraction ('none': no admission control)")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="client timeout of one request")
+    parser.add_argument("--device", default="auto", help="torch device of every model")
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--seed", type=int, default=0, help="seed of the trace and its arrival times")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--size", type=int, default=256)
-    parser.add_argument("--loras", type=int, default=12, help="LoRA files in the pool (rank 64)")
-    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the Ray cluster, for each system")
-    args = parser.parse_args()
-    base = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
-                            num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
-    jobs = request_mix(args.requests, args.loras)
-    results = {}
+    args = _arguments()
+    started = time.monotonic()
+    trace = request_mix(args.requests, args.controlnets, args.loras, args.seed)
+    bodies = [request_body(request, seed, args) for seed, request in enumerate(trace)]
+    warm = [request_body(request, seed, args)
+            for seed, request in enumerate(warm_up_requests(args.controlnets, args.loras))]
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         lora_dir = Path(tmp)
-        components = build_preset("sd15-shape")
+        components = load_components(DiffusionModelConfig(preset=args.preset, weights="seeded"))
         targets = LoRATargets.from_modules(components.unet, components.text_encoder)
         del components
-        for i in range(args.loras):
-            write_attention_lora(lora_dir / f"lora{i}.safetensors", targets, rank=64, seed=i)
-        ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=2 * 2**30)
+        lora_bytes = [write_attention_lora(lora_dir / f"lora{i}.safetensors", targets, rank=args.rank, seed=i)
+                      for i in range(args.loras)]
+        contenders = systems(args, lora_dir)
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        rate, offsets = args.rate, None
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30)
         try:
-            config = DiffusionAppConfig(
-                model=DiffusionModelConfig(name="sd15", preset="sd15-shape", torch_threads=args.cpus),
-                defaults=GenerationDefaults(num_inference_steps=args.steps),
-                lora=LoRAConfig(directory=lora_dir),
-                controlnets=[ControlNetConfig(name=f"cn{i}", preset="sd15-shape", seed=i, torch_threads=args.cpus)
-                             for i in range(CONTROLNETS)],
-            )
-            print(f"{len(jobs)} requests, {args.clients} clients, {args.cpus} CPUs, "
-                  f"{args.size}x{args.size}, {args.steps} steps", flush=True)
-            serve.run(build_app(config), name="ours", route_prefix=None)
-            model = serve.get_deployment_handle("DiffusionModel", app_name="ours")
-            model.generate.remote(base).result(timeout_s=3600)  # warm-up
-            results["swiftserve"] = drive(model, jobs, base, args.clients)
-            print("swiftserve", results["swiftserve"], flush=True)
-            serve.delete("ours")
-            vanilla = serve.run(VanillaDiffusers.bind(str(lora_dir), args.cpus), name="vanilla", route_prefix=None)
-            vanilla.generate.remote(base).result(timeout_s=3600)  # warm-up
-            results["vanilla diffusers"] = drive(vanilla, jobs, base, args.clients)
-            print("vanilla", results["vanilla diffusers"], flush=True)
+            serve.start(http_options={"host": "127.0.0.1", "port": port})
+            for repeat, system in itertools.product(range(args.repeats), contenders):
+                phase = time.monotonic()
+                serve.run(system.build(), name=system.name, route_prefix="/")
+                deployed = time.monotonic()
+                one_at_a_time(url, warm, args.timeout_s)
+                if rate is None:
+                    service = one_at_a_time(url, bodies[:CALIBRATION_REQUESTS], args.timeout_s)
+                    rate = args.overload / statistics.fmean(service)
+                    print(f"{system.name}: {statistics.fmean(service):.2f} s per request alone; "
+                          f"arrival rate {rate:.3f}/s", flush=True)
+                if offsets is None:
+                    offsets = poisson_offsets(rate, args.seed, count=args.requests)
+                ours = system.name.startswith("ours")
+                before = engine_busy_s(system.name) if ours else 0.0
+                warmed = time.monotonic()
+                out = asyncio.run(open_loop(url, _workload(bodies), offsets, timeout_s=args.timeout_s, expect=IMAGE))
+                row = run_row(system.name, repeat, out)
+                if ours:
+                    row["step_s"] = engine_busy_s(system.name) - before
+                    row["engine_busy_fraction"] = row["step_s"] / row["wall_s"]
+                serve.delete(system.name)
+                row["phase_s"] = {"deploy": deployed - phase, "warm_up": warmed - deployed,
+                                  "run": row["wall_s"], "total": time.monotonic() - phase}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
         finally:
             serve.shutdown()
             ray.shutdown()
 
-    ratio = results["swiftserve"]["requests_per_minute"] / results["vanilla diffusers"]["requests_per_minute"]
-    lines = [
-        f"# Throughput, Zipf mix of ControlNets and LoRAs: sd15-shape {args.size}x{args.size}, {args.steps} steps, "
-        f"{args.requests} requests from {args.clients} clients, {args.cpus} CPUs ({machine()['device']})",
-        "",
-        "| system | requests/min | p50 (s) | p99 (s) |",
-        "|---|---|---|---|",
-        *[f"| {name} | {r['requests_per_minute']:.2f} | {r['p50_s']:.1f} | {r['p99_s']:.1f} |"
-          for name, r in results.items()],
-        "",
-        f"Throughput ratio swiftserve / vanilla: {ratio:.2f}x",
-    ]
-    table = "\n".join(lines)
+    figures = aggregate(rows)
+    summary, ties = summarize(figures)
+    payload = {
+        **provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+        "device_map": {system.name: system.device_map for system in contenders},
+        "systems": {system.name: system.description for system in contenders},
+        "rate_per_s": rate, "rate_source": "--rate" if args.rate is not None else
+        f"--overload {args.overload:g} x vanilla's capacity ({CALIBRATION_REQUESTS} trace requests alone)",
+        "trace": {"arrival_s": [float(offset) for offset in offsets],
+                  "requests": [{"controlnets": list(r.controlnets), "loras": list(r.loras)} for r in trace]},
+        "lora_file_bytes": lora_bytes, "duration_s": time.monotonic() - started,
+        "rows": rows, "figures": figures, "summary": summary, "summary_ranges_overlap": ties,
+    }
+    table = render(args, payload)
     print(table)
-    write_results("bench_diffusion_throughput", {"machine": machine(), "args": vars(args), "results": results,
-                                                 "ratio": ratio, "jobs": [vars(job) for job in jobs]}, table)
+    write_results(NAME, payload, table, args.out)
+
+
+def render(args: argparse.Namespace, payload: dict) -> str:
+    figures, summary, ties = payload["figures"], payload["summary"], payload["summary_ranges_overlap"]
+    counts = {key: sum(row[key] for row in payload["rows"]) for key in ("refused", "errors", "timed_out")}
+    mix = payload["trace"]["requests"]
+    lines = [
+        f"# Throughput, Zipf mix of ControlNets and LoRAs: {args.preset} {args.size}x{args.size}, {args.steps} steps, "
+        f"2 cores per system ({payload['machine']['device']}, {args.dtype})",
+        "",
+        f"{args.requests} requests per run ({sum(bool(r['controlnets']) for r in mix)} with ControlNets, "
+        f"{sum(bool(r['loras']) for r in mix)} with LoRAs; {args.controlnets} ControlNets, {args.loras} LoRAs of "
+        f"rank {args.rank}), Poisson arrivals at {payload['rate_per_s']:.3f}/s ({payload['rate_source']}), "
+        f"{args.repeats} interleaved repeats. Every system is behind the same HTTP ingress. Latency from each "
+        "request's scheduled send; the tail is the p99, or the max where a run had fewer than 100 successes.",
+        "",
+        "| system | cores | throughput req/min, median [min-max] | p50 s | tail s | ok | refused | errors | "
+        "timed out | engine busy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, figure in figures.items():
+        throughput = figure["throughput_per_min"]
+        busy = figure.get("engine_busy_fraction")
+        lines.append(
+            f"| {name}: {payload['systems'][name]} | {_cores(payload['device_map'][name])} | "
+            f"{throughput['median']:.2f} [{throughput['min']:.2f}-{throughput['max']:.2f}] | "
+            f"{_fmt(figure['p50_s_median'])} | {_fmt(figure['tail_s_median'])} ({figure['tail']}) | "
+            f"{figure['ok']} | {figure['refused']} | {figure['errors']} | {figure['timed_out']} | "
+            f"{_fmt(busy and busy['median'])} |")
+    lines += ["", "| summary | value | ranges overlap (tie) |", "|---|---|---|"]
+    for key, value in summary.items():
+        lines.append(f"| {key} | {_fmt(value)} | {'-' if key not in ties else ('yes' if ties[key] else 'no')} |")
+    lines += ["", "Every run:", "",
+              "| repeat | system | ok | refused | errors | timed out | wall s | req/min | p50 s | tail s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in payload["rows"]:
+        lines.append(f"| {row['repeat']} | {row['system']} | {row['ok']} | {row['refused']} | {row['errors']} | "
+                     f"{row['timed_out']} | {row['wall_s']:.1f} | {row['throughput_per_min']:.2f} | "
+                     f"{_fmt(row['p50_s'])} | {_fmt(row['tail_s'])} ({row['tail']}) |")
+    notes = []
+    if any(counts.values()):
+        notes.append(f"Across all runs: {counts['refused']} refusals, {counts['errors']} errors, "
+                     f"{counts['timed_out']} timeouts; none counts as a success.")
+    else:
+        notes.append("No run had a refusal, an error or a timeout.")
+    if not any(row["refused"] for row in payload["rows"] if row["system"] == "ours"):
+        notes.append("`ours` refused nothing: it may not have been saturated, and its throughput may be the offered "
+                     "rate rather than its capacity (raise `--overload`).")
+    tied = [key for key, tie in ties.items() if tie]
+    notes.append(f"Ratios whose throughput ranges overlap (ties): {', '.join(tied)}." if tied
+                 else "No throughput ranges overlap.")
+    notes.append("`engine_busy_fraction`: seconds ours' model replica spent in denoising steps (its engine loop's "
+                 "`busy_s`) over the run's wall time, median of the runs.")
+    return "\n".join([*lines, "", *notes])
+
+
+def _cores(device_map: dict[str, list[list[int]]]) -> str:
+    return "; ".join(f"{name} {' '.join(','.join(map(str, cores)) for cores in entries)}"
+                     for name, entries in device_map.items())
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

@@ -28,18 +28,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import psutil
 import ray
 from ray import serve
 
 from autoconfig.serve_config import deploy_serve_config, load_serve_config
-from autoconfig.workloads import Workload, diffusion_workload, dlrm_workload
-from benchmarks.common import RESULTS, machine, write_results
+from autoconfig.workloads import diffusion_workload, dlrm_workload
+from benchmarks.common import RESULTS, Outcomes, closed_loop, machine, open_loop, poisson_offsets, write_results
 from disagg.config import DLRMAppConfig
 from disagg.deployments.app import ingress_options
 from serving.common.memory import serve_processes
@@ -49,96 +47,6 @@ from serving.config import EngineConfig
 REPO = Path(__file__).resolve().parents[1]
 #: An open-loop request leaving later than this after its scheduled time means the client could not keep up.
 LATE_CLIENT_MS = 100
-
-
-@dataclass
-class Outcomes:
-    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After; and, open loop,
-    seconds each request left after its scheduled time."""
-
-    statuses: list[int] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-    retry_after: list[str | None] = field(default_factory=list)
-    send_lag: list[float] = field(default_factory=list)
-
-    def add(self, status: int, seconds: float, retry_after: str | None) -> None:
-        self.statuses.append(status)
-        self.seconds.append(seconds)
-        self.retry_after.append(retry_after)
-
-    def summary(self, duration_s: float) -> dict[str, float | int | None]:
-        statuses, seconds = np.array(self.statuses), np.array(self.seconds)
-        ok, refused = seconds[statuses == 200], seconds[statuses == 503]
-        with_header = sum(1 for s, r in zip(self.statuses, self.retry_after, strict=True) if s == 503 and r)
-        return {
-            "sent": len(statuses), "ok": len(ok), "refused_503": len(refused),
-            "other": int(np.sum((statuses != 200) & (statuses != 503))),
-            "refused_with_retry_after": with_header, "ok_per_s": len(ok) / duration_s,
-            "ok_p50_ms": _ms(ok, 50), "ok_p99_ms": _ms(ok, 99), "refused_p50_ms": _ms(refused, 50),
-            "refused_p99_ms": _ms(refused, 99), "send_lag_p99_ms": _ms(np.array(self.send_lag), 99),
-        }
-
-
-def _ms(seconds: np.ndarray, percentile: float) -> float | None:
-    return 1e3 * float(np.percentile(seconds, percentile)) if len(seconds) else None
-
-
-async def _send(session: aiohttp.ClientSession, url: str, workload: Workload, index: int, scheduled: float,
-                out: Outcomes) -> None:
-    try:
-        async with session.request(workload.method, url, data=workload.body(index),
-                                   headers=dict(workload.headers)) as response:
-            await response.read()
-            out.add(response.status, time.monotonic() - scheduled, response.headers.get("retry-after"))
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        out.add(-1, time.monotonic() - scheduled, None)
-
-
-def _session(connections: int) -> aiohttp.ClientSession:
-    """The load generator's HTTP client. aiohttp, not httpx: on this machine httpx's pool costs so much CPU per
-    request at hundreds of connections (191 vs 5,042 requests/s at 256 open, same server) that it, not the app,
-    saturated first."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
-                                 timeout=aiohttp.ClientTimeout(total=300))
-
-
-async def closed_loop(base_url: str, workload: Workload, clients: int, duration_s: float) -> Outcomes:
-    """``clients`` callers, each sending its next request when the last is answered."""
-    out, end, url = Outcomes(), time.monotonic() + duration_s, base_url + workload.path
-    async with _session(clients + 8) as session:
-
-        async def caller(offset: int) -> None:
-            index = offset
-            while time.monotonic() < end:
-                await _send(session, url, workload, index, time.monotonic(), out)
-                index += clients
-
-        await asyncio.gather(*(caller(offset) for offset in range(clients)))
-    return out
-
-
-async def open_loop(base_url: str, workload: Workload, rate: float, duration_s: float, seed: int,
-                    on_tick=None) -> Outcomes:
-    """Poisson arrivals at ``rate``/s for ``duration_s``, whatever the answers; ``on_tick()`` runs every second.
-
-    Latency counts from each request's scheduled time, so a client that falls behind its schedule shows it as
-    latency; how late each request left is kept too (``Outcomes.send_lag``): a late client is not an overloaded app.
-    """
-    out, rng, url = Outcomes(), np.random.default_rng(seed), base_url + workload.path
-    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 1))
-    offsets = offsets[offsets < duration_s]
-    async with _session(1024) as session:
-        start, tasks, next_tick = time.monotonic(), [], 0.0
-        for index, offset in enumerate(offsets):
-            while (now := time.monotonic() - start) < offset:
-                if on_tick is not None and now >= next_tick:
-                    on_tick()
-                    next_tick = now + 1.0
-                await asyncio.sleep(min(offset - now, 0.05))
-            out.send_lag.append(now - offset)
-            tasks.append(asyncio.create_task(_send(session, url, workload, index, start + offset, out)))
-        await asyncio.gather(*tasks)
-    return out
 
 
 class RSSSampler:
@@ -248,7 +156,8 @@ def main() -> None:
 
         async def soak() -> list[Outcomes]:
             return await asyncio.gather(*(
-                open_loop(url, workload, args.overload * results[name]["capacity"]["ok_per_s"], duration, seed,
+                open_loop(url, workload, poisson_offsets(args.overload * results[name]["capacity"]["ok_per_s"], seed,
+                                                         duration_s=duration),
                           on_tick=sampler.tick if seed == 0 else None)
                 for seed, (name, (url, workload, _)) in enumerate(apps.items())
             ))

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import platform
+import shlex
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import aiohttp
 import numpy as np
 import torch
 from safetensors.torch import save_file
@@ -17,7 +26,11 @@ from safetensors.torch import save_file
 from serving.engine import GenerationParams
 from serving.lora.format import LoRATargets
 
-RESULTS = Path(__file__).resolve().parent / "results"
+if TYPE_CHECKING:
+    from autoconfig.workloads import Workload
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
 
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -37,6 +50,16 @@ def write_attention_lora(path: Path, targets: LoRATargets, rank: int, seed: int 
     return path.stat().st_size
 
 
+def evict_from_page_cache(path: Path) -> None:
+    """Drops ``path``'s pages from the OS page cache (flushed first), so the next read comes from the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def conditioning_image(size: int, index: int) -> np.ndarray:
     """A white rectangle on black, in one of two places by the parity of ``index``."""
     image = np.zeros((size, size, 3), np.uint8)
@@ -50,11 +73,35 @@ def machine() -> dict[str, object]:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {
         "device": device,
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
         "cuda": torch.cuda.is_available(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    models = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return models[0] if models else platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, str]:
+    """``commit`` (``-dirty`` when the tree has changes), ``date`` (UTC) and the ``command`` that ran."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain"):
+        commit += "-dirty"
+    script = Path(sys.argv[0]).resolve()
+    module = ".".join(script.relative_to(REPO).with_suffix("").parts) if script.is_relative_to(REPO) else str(script)
+    return {"commit": commit, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", module, *sys.argv[1:]])}
 
 
 def timed(run: Callable[[], object], repeats: int) -> list[float]:
@@ -74,21 +121,169 @@ def summary(seconds: list[float]) -> dict[str, float]:
             "min_s": min(seconds), "max_s": max(seconds), "runs": len(seconds)}
 
 
-def write_results(name: str, payload: dict, table: str) -> None:
-    """``results/<name>.json`` (everything) and ``results/<name>.md`` (the table people read)."""
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+def write_results(name: str, payload: dict, table: str, directory: Path = RESULTS) -> None:
+    """``<directory>/<name>.json`` (everything) and ``<name>.md`` (the table people read); ``results/`` by
+    default."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (directory / f"{name}.md").write_text(table + "\n")
 
 
-def diffusion_arguments(doc: str, *, steps: int, repeats: int) -> tuple[argparse.Namespace, GenerationParams]:
-    """Command line shared by the diffusion benchmarks, and the request every case starts from."""
+def diffusion_arguments(doc: str, *, steps: int, repeats: int,
+                        options: Callable[[argparse.ArgumentParser], object] | None = None,
+                        ) -> tuple[argparse.Namespace, GenerationParams]:
+    """Command line shared by the diffusion benchmarks (``options`` adds a script's own), and the request every
+    case starts from."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--rank", type=int, default=64, help="rank of the LoRA files")
     parser.add_argument("--repeats", type=int, default=repeats)
+    if options is not None:
+        options(parser)
     args = parser.parse_args()
     params = GenerationParams(prompt="a red circle on a white background", width=args.size, height=args.size,
                               num_inference_steps=args.steps, guidance_scale=7.5, seed=0)
     return args, params
+
+
+def ranges_overlap(a: Sequence[float], b: Sequence[float]) -> bool:
+    """Whether the [min, max] ranges of two sets of repeats overlap: a ratio of their medians is then a tie."""
+    return min(a) <= max(b) and min(b) <= max(a)
+
+
+# -- HTTP load: closed and open (Poisson) loops ------------------------------------------------------------------
+
+#: Statuses recorded for requests that got no usable HTTP answer.
+TRANSPORT_ERROR = -1  # the connection failed
+TIMED_OUT = -2  # no answer within the client's timeout
+UNEXPECTED_BODY = -3  # a 200 without what the request asked for (``expect``)
+#: The statuses of a refusal: the server said it was overloaded.
+REFUSALS = (429, 503)
+
+
+@dataclass
+class Outcomes:
+    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After, when it came
+    (``time.monotonic``); open loop: seconds each request left after its scheduled time and when the first one
+    was scheduled."""
+
+    statuses: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    retry_after: list[str | None] = field(default_factory=list)
+    answered: list[float] = field(default_factory=list)
+    send_lag: list[float] = field(default_factory=list)
+    first_scheduled: float | None = None
+
+    def add(self, status: int, seconds: float, retry_after: str | None) -> None:
+        self.statuses.append(status)
+        self.seconds.append(seconds)
+        self.retry_after.append(retry_after)
+        self.answered.append(time.monotonic())
+
+    def counts(self) -> dict[str, int]:
+        """Requests by outcome, each counted once: ``ok`` (200), ``refused`` (429/503), ``timed_out``, ``errors``
+        (anything else)."""
+        ok = self.statuses.count(200)
+        refused = sum(self.statuses.count(status) for status in REFUSALS)
+        timed_out = self.statuses.count(TIMED_OUT)
+        return {"ok": ok, "refused": refused, "timed_out": timed_out,
+                "errors": len(self.statuses) - ok - refused - timed_out}
+
+    def ok_seconds(self) -> np.ndarray:
+        return np.array([s for status, s in zip(self.statuses, self.seconds, strict=True) if status == 200])
+
+    def wall_s(self) -> float:
+        """Open loop: from the first scheduled send to the last answer."""
+        assert self.first_scheduled is not None
+        return max(self.answered) - self.first_scheduled
+
+    def summary(self, duration_s: float) -> dict[str, float | int | None]:
+        statuses, seconds = np.array(self.statuses), np.array(self.seconds)
+        ok, refused = seconds[statuses == 200], seconds[statuses == 503]
+        with_header = sum(1 for s, r in zip(self.statuses, self.retry_after, strict=True) if s == 503 and r)
+        return {
+            "sent": len(statuses), "ok": len(ok), "refused_503": len(refused),
+            "other": int(np.sum((statuses != 200) & (statuses != 503))),
+            "refused_with_retry_after": with_header, "ok_per_s": len(ok) / duration_s,
+            "ok_p50_ms": _ms(ok, 50), "ok_p99_ms": _ms(ok, 99), "refused_p50_ms": _ms(refused, 50),
+            "refused_p99_ms": _ms(refused, 99), "send_lag_p99_ms": _ms(np.array(self.send_lag), 99),
+        }
+
+
+def _ms(seconds: np.ndarray, percentile: float) -> float | None:
+    return 1e3 * float(np.percentile(seconds, percentile)) if len(seconds) else None
+
+
+async def _send(session: aiohttp.ClientSession, url: str, workload: Workload, index: int, scheduled: float,
+                out: Outcomes, expect: bytes | None) -> None:
+    try:
+        async with session.request(workload.method, url, data=workload.body(index),
+                                   headers=dict(workload.headers)) as response:
+            body = await response.read()
+            status = UNEXPECTED_BODY if response.status == 200 and expect and expect not in body else response.status
+            out.add(status, time.monotonic() - scheduled, response.headers.get("retry-after"))
+    except asyncio.TimeoutError:
+        out.add(TIMED_OUT, time.monotonic() - scheduled, None)
+    except aiohttp.ClientError:
+        out.add(TRANSPORT_ERROR, time.monotonic() - scheduled, None)
+
+
+def _session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
+    """The load generator's HTTP client. aiohttp, not httpx: on this machine httpx's pool costs so much CPU per
+    request at hundreds of connections (191 vs 5,042 requests/s at 256 open, same server) that it, not the app,
+    saturated first."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections),
+                                 timeout=aiohttp.ClientTimeout(total=timeout_s))
+
+
+async def closed_loop(base_url: str, workload: Workload, clients: int, duration_s: float, *,
+                      timeout_s: float = 300.0, expect: bytes | None = None) -> Outcomes:
+    """``clients`` callers, each sending its next request when the last is answered."""
+    out, end, url = Outcomes(), time.monotonic() + duration_s, base_url + workload.path
+    async with _session(clients + 8, timeout_s) as session:
+
+        async def caller(offset: int) -> None:
+            index = offset
+            while time.monotonic() < end:
+                await _send(session, url, workload, index, time.monotonic(), out, expect)
+                index += clients
+
+        await asyncio.gather(*(caller(offset) for offset in range(clients)))
+    return out
+
+
+def poisson_offsets(rate: float, seed: int, *, duration_s: float | None = None,
+                    count: int | None = None) -> np.ndarray:
+    """Seconds from the start at which Poisson arrivals at ``rate``/s come: the first ``count`` of them, or every
+    one within ``duration_s``."""
+    rng = np.random.default_rng(seed)
+    if count is not None:
+        return np.cumsum(rng.exponential(1.0 / rate, size=count))
+    assert duration_s is not None
+    offsets = np.cumsum(rng.exponential(1.0 / rate, size=int(rate * duration_s * 1.5) + 1))
+    return offsets[offsets < duration_s]
+
+
+async def open_loop(base_url: str, workload: Workload, offsets: Sequence[float], *, on_tick=None,
+                    timeout_s: float = 300.0, expect: bytes | None = None) -> Outcomes:
+    """Request ``i`` sent ``offsets[i]`` seconds after the start, whatever the answers; ``on_tick()`` runs every
+    second. A 200 whose body lacks ``expect`` is recorded as ``UNEXPECTED_BODY``.
+
+    Latency counts from each request's scheduled time, so a client that falls behind its schedule shows it as
+    latency; how late each request left is kept too (``Outcomes.send_lag``): a late client is not an overloaded app.
+    """
+    out, url = Outcomes(), base_url + workload.path
+    async with _session(1024, timeout_s) as session:
+        start, tasks, next_tick = time.monotonic(), [], 0.0
+        out.first_scheduled = start + (float(offsets[0]) if len(offsets) else 0.0)
+        for index, offset in enumerate(offsets):
+            while (now := time.monotonic() - start) < offset:
+                if on_tick is not None and now >= next_tick:
+                    on_tick()
+                    next_tick = now + 1.0
+                await asyncio.sleep(min(offset - now, 0.05))
+            out.send_lag.append(now - offset)
+            tasks.append(asyncio.create_task(_send(session, url, workload, index, start + offset, out, expect)))
+        await asyncio.gather(*tasks)
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
 
 from serving.preset_catalog import PRESET_NAMES, WeightsChoice, preset_weights
 
@@ -102,12 +102,24 @@ class ImageLimits(_Config):
     max_lora_scale: float = Field(4.0, gt=0.0, description="Largest absolute LoRA scale.")
 
 
+class CFGWorkerConfig(_Config):
+    """How the `CFGWorker` deployment merges the calls of every model replica into UNet forwards."""
+
+    max_batch_size: int = Field(
+        8, ge=1, description="Calls (from any model replica and step) merged per forward; calls of other latent "
+                             "sizes in the same batch get their own forward.")
+    batch_wait_timeout_s: float = Field(0.002, ge=0.0, description="How long a call waits for others to batch.")
+
+
 class EngineConfig(_Config):
     """How a model replica schedules denoising work."""
 
     max_batch_rows: int = Field(16, ge=1, description="Most UNet rows per step (an image with CFG takes two).")
     continuous_batching: bool = Field(
         True, description="Admit requests at every step boundary; off: only when the replica is idle.")
+    max_skipped_steps: int = Field(
+        8, ge=1, description="Fairness bound: a runnable request passed over this many steps in a row (its image "
+                             "size is not the one being batched, or its rows did not fit) anchors the next step.")
     remote_timeout_s: float = Field(
         30.0, gt=0.0, description="Deadline of one step's call to a ControlNet or CFG worker deployment; past it "
                                   "the requests using the ControlNet fail with 503 (the CFG worker's rows are "
@@ -115,6 +127,8 @@ class EngineConfig(_Config):
     cfg_parallel: bool = Field(
         False, description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment, "
                            "its own device) while this replica runs the conditional ones.")
+    cfg_worker: CFGWorkerConfig = Field(
+        CFGWorkerConfig(), description="Batching of the `CFGWorker` deployment (with `cfg_parallel`).")
     lora_wait_fraction: float = Field(
         0.4, ge=0.0, le=1.0,
         description="A request whose LoRA is still loading runs without it until this fraction of its steps, "
@@ -132,6 +146,7 @@ class EngineTuning(_Config):
 
     max_batch_rows: int | None = Field(None, ge=1, description="Most UNet rows per step.")
     continuous_batching: bool | None = Field(None, description="Admit requests at every step boundary.")
+    max_skipped_steps: int | None = Field(None, ge=1, description="See `EngineConfig`.")
     lora_wait_fraction: float | None = Field(None, ge=0.0, le=1.0, description="See `EngineConfig`.")
     admission_wait_fraction: float | None = Field(None, ge=0.0, description="See `EngineConfig`.")
 
@@ -168,6 +183,51 @@ class LoRAConfig(_Config):
                     "costs about as much as a few unmerged steps).")
 
 
+#: The CPU cores one replica runs on.
+Cores = list[NonNegativeInt]
+
+
+def _check_core_sets(entries: list[Cores], where: str = "") -> list[Cores]:
+    for index, cores in enumerate(entries):
+        if not cores:
+            raise ValueError(f"{where}entry {index} lists no core")
+        if len(set(cores)) != len(cores):
+            raise ValueError(f"{where}entry {index} lists a core twice: {cores}")
+    return entries
+
+
+class DeviceMap(_Config):
+    """CPU cores per replica, the CPU stand-in for one device per worker: a replica with an entry runs all its
+    threads on those cores with one torch thread per core. A deployment without entries is not pinned. Cores
+    are checked against the machine when the replica starts (it fails with the reason)."""
+
+    model: list[Cores] = Field(
+        default_factory=list,
+        description="Cores of each `DiffusionModel` replica by its rank on its node: replica r uses entry "
+                    "r % len. Empty: not pinned. The model's `torch_threads` must then be null: the core count "
+                    "sets the threads.")
+    cfg_worker: list[Cores] = Field(
+        default_factory=list,
+        description="Cores of each `CFGWorker` replica, by rank as `model`; only with `engine.cfg_parallel`. "
+                    "The model's `torch_threads` must then be null.")
+    controlnets: dict[str, list[Cores]] = Field(
+        default_factory=dict,
+        description="Cores of each `ControlNet_<name>` replica by ControlNet name, by rank as `model`; that "
+                    "ControlNet's `torch_threads` must then be null.")
+
+    @field_validator("model", "cfg_worker")
+    @classmethod
+    def _core_sets(cls, entries: list[Cores]) -> list[Cores]:
+        return _check_core_sets(entries)
+
+    @field_validator("controlnets")
+    @classmethod
+    def _controlnet_core_sets(cls, entries: dict[str, list[Cores]]) -> dict[str, list[Cores]]:
+        for name, core_sets in entries.items():
+            _check_core_sets(core_sets, f"{name}: ")
+        return entries
+
+
 class DiffusionAppConfig(_Config):
     """Everything ``serving.app:build_app`` needs, as written under ``args:`` in a Serve config."""
 
@@ -177,6 +237,8 @@ class DiffusionAppConfig(_Config):
     engine: EngineConfig = EngineConfig()
     lora: LoRAConfig = LoRAConfig()
     controlnets: list[ControlNetConfig] = Field(default_factory=list, description="ControlNet services.")
+    device_map: DeviceMap | None = Field(
+        None, description="CPU cores of each replica (`DeviceMap`); null: replicas are not pinned.")
 
     @model_validator(mode="after")
     def _unique_controlnets(self) -> DiffusionAppConfig:
@@ -190,6 +252,27 @@ class DiffusionAppConfig(_Config):
         if self.lora.directory == "bundled" and self.bundled_lora_directory() is None:
             raise ValueError("lora.directory: `bundled` needs a model with a `loras/` folder (the `tiny` preset "
                              "with weights `auto`, or a local directory that has one)")
+        return self
+
+    @model_validator(mode="after")
+    def _device_map_matches(self) -> DiffusionAppConfig:
+        device_map = self.device_map
+        if device_map is None:
+            return self
+        configured = {controlnet.name: controlnet for controlnet in self.controlnets}
+        unknown = sorted(set(device_map.controlnets) - set(configured))
+        if unknown:
+            raise ValueError(f"device_map.controlnets: {unknown} are not configured controlnets "
+                             f"(configured: {sorted(configured)})")
+        if device_map.cfg_worker and not self.engine.cfg_parallel:
+            raise ValueError("device_map.cfg_worker: there is no CFG worker without engine.cfg_parallel: true")
+        threads = "must be null with a device map, which runs one torch thread per pinned core"
+        if (device_map.model or device_map.cfg_worker) and self.model.torch_threads is not None:
+            raise ValueError(f"model.torch_threads {threads} (device_map.model, device_map.cfg_worker)")
+        for index, controlnet in enumerate(self.controlnets):
+            if device_map.controlnets.get(controlnet.name) and controlnet.torch_threads is not None:
+                raise ValueError(f"controlnets[{index}].torch_threads {threads} "
+                                 f"(device_map.controlnets.{controlnet.name})")
         return self
 
     def bundled_lora_directory(self) -> Path | None:

@@ -1,6 +1,10 @@
-"""Torch device and thread selection for model replicas."""
+"""Torch device and thread selection for model replicas, and CPU core pinning (one core = one device)."""
 
 from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
 
 import torch
 
@@ -26,6 +30,46 @@ def set_torch_threads(threads: int | None) -> None:
     """Pin this process's torch intra-op thread count (``None`` leaves torch's default)."""
     if threads is not None:
         torch.set_num_threads(threads)
+
+
+def pin_thread(cores: Sequence[int]) -> None:
+    """Restrict the calling thread (and the threads it starts from now on) to ``cores``."""
+    _set_affinity(0, _checked(cores))
+
+
+def pin_process(cores: Sequence[int]) -> None:
+    """Restrict every thread of this process (and those it starts later) to ``cores``, with one torch intra-op
+    thread per core: the CPU stand-in for giving the process its own device."""
+    allowed = _checked(cores)
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            _set_affinity(int(task), allowed)
+    torch.set_num_threads(len(allowed))
+
+
+def cores_for(entries: Sequence[Sequence[int]], rank: int) -> list[int] | None:
+    """The cores of replica ``rank`` in a device map's entries (entry ``rank % len(entries)``); None without
+    entries (the replica is not pinned)."""
+    return list(entries[rank % len(entries)]) if entries else None
+
+
+def _checked(cores: Sequence[int]) -> set[int]:
+    allowed = set(cores)
+    if not allowed:
+        raise ValueError("pinning needs at least one core")
+    count = os.cpu_count() or 1
+    if not all(0 <= core < count for core in allowed):
+        raise ValueError(f"cores {sorted(allowed)} do not exist: this machine has cores 0-{count - 1}")
+    return allowed
+
+
+def _set_affinity(task: int, cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(task, cores)
+    except OSError as exc:
+        if isinstance(exc, ProcessLookupError):
+            raise
+        raise ValueError(f"cannot pin to cores {sorted(cores)}: {exc}") from exc
 
 
 def placement() -> str:

@@ -23,6 +23,8 @@ MetricKind = Literal["counter", "gauge", "histogram"]
 RequestKind = Literal["diffusion_generation", "dlrm_infer"]
 LoRALookup = Literal["hit", "new", "shared"]
 RPCStatus = Literal["ok", "request_error", "unavailable"]
+RemotePath = Literal["cfg", "controlnet"]
+Direction = Literal["sent", "received"]
 
 #: Bucket upper bounds (ms) for whole requests: a DLRM batch in milliseconds, an image in seconds to minutes.
 REQUEST_LATENCY_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 60_000, 120_000)
@@ -89,6 +91,18 @@ CFG_LOCAL_FALLBACKS = MetricSpec(
     "swiftserve_cfg_local_fallbacks", "counter",
     "Denoising steps whose unconditional rows the model replica computed itself because the CFG worker failed.",
 )
+CFG_LORA_LOCAL_ROWS = MetricSpec(
+    "swiftserve_cfg_lora_local_rows", "counter",
+    "Unconditional rows the model replica computed itself because the CFG worker had not finished loading their "
+    "LoRAs (the worker computed the step's other rows).",
+)
+REMOTE_BYTES = MetricSpec(
+    "swiftserve_remote_bytes", "counter",
+    "Bytes a replica's denoising steps moved to and from other replicas; path: cfg (the CFG worker) or "
+    "controlnet (ControlNet services); direction=sent: step arrays and new object-store puts (a request's text "
+    "embeddings and conditioning images, once each), received: noise or residuals.",
+    ("path", "direction"),
+)
 EMBEDDING_RPC_LATENCY = MetricSpec(
     "swiftserve_embedding_rpc_latency_ms", "histogram",
     "One gRPC call to an embedding shard, failovers to its other replicas included; "
@@ -103,7 +117,8 @@ EMBEDDING_FAILOVERS = MetricSpec(
 
 ALL_METRICS = (
     REQUEST_LATENCY, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
-    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
+    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, REMOTE_BYTES,
+    EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
 )
 
 
@@ -175,6 +190,13 @@ class Metrics:
 
     def cfg_local_fallback(self) -> None:
         self._record(CFG_LOCAL_FALLBACKS, 1)
+
+    def cfg_lora_local_rows(self, rows: int) -> None:
+        self._record(CFG_LORA_LOCAL_ROWS, rows)
+
+    def remote_bytes(self, path: RemotePath, direction: Direction, nbytes: int) -> None:
+        if nbytes > 0:
+            self._record(REMOTE_BYTES, nbytes, path=path, direction=direction)
 
     def embedding_rpc(self, shard: int, method: str, status: RPCStatus, seconds: float) -> None:
         self._record(EMBEDDING_RPC_LATENCY, seconds * 1e3, shard=str(shard), method=method, status=status)

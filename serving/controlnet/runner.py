@@ -1,8 +1,9 @@
 """Running one ControlNet on a batch of rows, possibly from several requests and calls.
 
 A call carries the rows of one UNet step that use this ControlNet: noisy latents, timesteps, text
-embeddings, per-row conditioning scales, and each request's conditioning image once (with how many
-rows it covers). Residuals come back already scaled, as ``MultiControlNetModel`` sums them.
+embeddings (and where each row's comes from, so a remote call sends each request's once), per-row
+conditioning scales, and each request's conditioning image once (with how many rows it covers).
+Residuals come back already scaled, as ``MultiControlNetModel`` sums them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,15 @@ from dataclasses import dataclass
 import torch
 from diffusers import ControlNetModel
 
+#: Where a row's text embedding lives: its request's embeddings [rows, S, D] (one tensor for the request's life, or
+#: until its LoRAs re-encode its text) and the row's index in them.
+ContextRow = tuple[torch.Tensor, int]
+
+
+def gather_context(rows: Sequence[ContextRow]) -> torch.Tensor:
+    """The embeddings ``rows`` point to, one per row [R, S, D]."""
+    return torch.stack([context[index] for context, index in rows])
+
 
 @dataclass
 class ControlNetCall:
@@ -21,6 +31,7 @@ class ControlNetCall:
     sample: torch.Tensor  # [R, C, h, w]
     timestep: torch.Tensor  # [R]
     encoder_hidden_states: torch.Tensor  # [R, S, D]
+    context_rows: list[ContextRow]  # where each row of encoder_hidden_states comes from
     scales: torch.Tensor  # [R]
     images: list[tuple[torch.Tensor, int]]  # ([1, 3, H, W] conditioning image, rows it covers), in row order
 
@@ -45,6 +56,7 @@ def merge_calls(calls: Sequence[ControlNetCall]) -> ControlNetCall:
         sample=torch.cat([c.sample for c in calls]),
         timestep=torch.cat([c.timestep for c in calls]),
         encoder_hidden_states=torch.cat([c.encoder_hidden_states for c in calls]),
+        context_rows=[row for c in calls for row in c.context_rows],
         scales=torch.cat([c.scales for c in calls]),
         images=[image for c in calls for image in c.images],
     )

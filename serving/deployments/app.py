@@ -17,8 +17,10 @@ def build_app(args: DiffusionAppConfig) -> Application:
     """
     if not isinstance(args, DiffusionAppConfig):
         args = DiffusionAppConfig.model_validate(args)
+    cores = args.device_map.controlnets if args.device_map else {}
     controlnets = {
-        controlnet.name: ControlNetService.options(name=f"ControlNet_{controlnet.name}").bind(controlnet)
+        controlnet.name: ControlNetService.options(name=f"ControlNet_{controlnet.name}").bind(
+            controlnet, cores.get(controlnet.name, []))
         for controlnet in args.controlnets
     }
     cfg_worker = CFGWorkerDeployment.bind(args, controlnets) if args.engine.cfg_parallel else None

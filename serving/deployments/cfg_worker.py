@@ -1,78 +1,152 @@
-"""Parallel CFG on Serve: the ``CFGWorker`` deployment and the engine's client of it."""
+"""Parallel CFG on Serve: the ``CFGWorker`` deployment and the engine's client of it.
+
+The worker merges the step calls of every model replica into one UNet forward per latent shape (``@serve.batch``).
+A request's text embeddings reach it once (object-store references, ``transport``), not every step. Its LoRAs are
+prefetched when the request reaches a model replica; rows whose LoRAs the worker has not loaded yet are answered
+as skipped, and the model replica computes them itself that step.
+"""
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
+import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serving.common.device import placement
 from serving.common.logging import get_logger
-from serving.common.metrics import Metrics
+from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import MeasuredControlNets
+from serving.controlnet.runner import gather_context
+from serving.deployments.batching import forward_by_shape
 from serving.deployments.controlnet import ServeControlNets
+from serving.deployments.pinning import pin_replica
 from serving.deployments.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
-from serving.deployments.wire import PendingReply, WireRows
+from serving.deployments.wire import PendingReply, WireNoise, WireRows
 from serving.engine import DiffusionEngine, LocalBackend
-from serving.engine.cfg import CFGWorker
+from serving.engine.cfg import CFGWorker, WorkerNoise
 from serving.engine.rows import RowBatch
+from serving.lora.cache import LoRACache
+from serving.lora.weights import LoRAWeights
 
 logger = get_logger("deployments.cfg_worker")
 
 
 class ServeCFGWorker(CFGWorker):
-    """The engine's CFG worker as the ``CFGWorker`` deployment."""
+    """The engine's CFG worker as the ``CFGWorker`` deployment; the bytes each step's call moves are recorded
+    (``Metrics.remote_bytes``, path ``cfg``)."""
 
-    def __init__(self, handle: DeploymentHandle, timeout_s: float) -> None:
+    def __init__(self, handle: DeploymentHandle, timeout_s: float, metrics: Metrics = NO_METRICS, *,
+                 put: Callable[[np.ndarray], Any] = ray.put) -> None:
         self._handle = handle
         self._timeout_s = timeout_s
-        self._images = SharedTensors()
+        self._metrics = metrics
+        self._shared = SharedTensors(put, sent=lambda nbytes: metrics.remote_bytes("cfg", "sent", nbytes))
 
-    def submit(self, batch: RowBatch) -> PendingReply:
+    def submit(self, batch: RowBatch) -> PendingReply[WorkerNoise]:
         wire = WireRows(
             sample=to_numpy(batch.sample),
             timestep=to_numpy(batch.timestep),
-            context=to_numpy(batch.context),
+            context=self._shared.rows(batch.context_rows),
             loras=[tuple((weights.name, scale) for weights, scale in row) for row in batch.loras],
-            controls=[tuple((name, self._images.ref(image), scale) for name, image, scale in row)
+            controls=[tuple((name, self._shared.ref(image), scale) for name, image, scale in row)
                       for row in batch.controls],
         )
-        return PendingReply(self._handle.predict.remote(wire), self._timeout_s, from_numpy)
+        self._metrics.remote_bytes("cfg", "sent", wire.nbytes)
+        return PendingReply(self._handle.predict.remote(wire), self._timeout_s, self._noise)
+
+    def prefetch(self, names: Sequence[str]) -> None:
+        self._handle.prefetch.remote(list(names))  # not awaited: the worker loads them while the request starts
+
+    def _noise(self, wire: WireNoise) -> WorkerNoise:
+        self._metrics.remote_bytes("cfg", "received", wire.nbytes)
+        return WorkerNoise(from_numpy(wire.noise), wire.skipped)
 
 
-@serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1})
-class CFGWorkerDeployment:
-    """A second copy of the model, on its own device, predicting the unconditional rows of each step."""
+class CFGWorkerCore:
+    """The CFG worker's work without Serve: the calls of one latent shape decoded (references resolved once per
+    replica) and run as one forward, over their rows whose LoRAs are loaded here; the other rows are skipped, their
+    loads started if they were not yet. A LoRA load never blocks a forward."""
 
-    def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
-        metrics = Metrics.for_replica()
-        client = (MeasuredControlNets(ServeControlNets(controlnets, config.engine.remote_timeout_s), metrics)
-                  if controlnets else None)
-        self._engine = DiffusionEngine.from_config(config.model, config.lora, client)
-        self._loras = LocalBackend.lora_cache_for(self._engine, config, metrics)
-        self._images = ResolvedTensors()
-        self._lock = asyncio.Lock()  # one forward at a time: LoRA hooks hold per-forward state
-        logger.info("CFG worker up on %s", placement())
+    def __init__(self, engine: DiffusionEngine, loras: LoRACache | None, tensors: ResolvedTensors) -> None:
+        self.engine = engine
+        self._loras = loras
+        self._tensors = tensors
 
-    async def predict(self, wire: WireRows) -> np.ndarray:
-        async with self._lock:
-            return await asyncio.to_thread(self._predict, wire)
+    def prefetch(self, names: Sequence[str]) -> None:
+        """Starts loading ``names`` in the background (a request using them reached a model replica)."""
+        for name in names:
+            self._load(name)
 
-    def _predict(self, wire: WireRows) -> np.ndarray:
-        batch = RowBatch(
-            sample=from_numpy(wire.sample).to(self._engine.device),
-            timestep=from_numpy(wire.timestep).to(self._engine.device),
-            context=from_numpy(wire.context).to(self._engine.device),
-            loras=[tuple((self._lora(name), scale) for name, scale in row) for row in wire.loras],
-            controls=[tuple((name, self._images.get(ref), scale) for name, ref, scale in row)
-                      for row in wire.controls],
+    def forward(self, calls: list[WireRows]) -> list[WireNoise]:
+        loads = {name: self._load(name) for call in calls for row in call.loras for name, _ in row}
+        kept = [[index for index, row in enumerate(call.loras) if all(_loaded(loads[name]) for name, _ in row)]
+                for call in calls]
+        if any(kept):
+            noise = to_numpy(self.engine.predict_noise(self._decode(calls, kept, loads)))
+            parts = np.split(noise, np.cumsum([len(rows) for rows in kept])[:-1])
+        else:
+            parts = [call.sample[:0] for call in calls]
+        return [WireNoise(part, sorted(set(range(call.rows)) - set(rows)))
+                for call, rows, part in zip(calls, kept, parts, strict=True)]
+
+    def _decode(self, calls: list[WireRows], kept: list[list[int]],
+                loads: dict[str, Future[LoRAWeights]]) -> RowBatch:
+        """The ``kept`` rows of ``calls`` as one batch on the engine's device."""
+        device = self.engine.device
+        chosen = list(zip(calls, kept, strict=True))
+        picked = [(call, index) for call, rows in chosen for index in rows]
+        context_rows = self._tensors.rows([call.context[index] for call, index in picked])
+        return RowBatch(
+            sample=from_numpy(np.concatenate([call.sample[rows] for call, rows in chosen])).to(device),
+            timestep=from_numpy(np.concatenate([call.timestep[rows] for call, rows in chosen])).to(device),
+            context=gather_context(context_rows).to(device),
+            context_rows=context_rows,
+            loras=[tuple((self.engine.lora_on_device(loads[name].result()), scale) for name, scale in call.loras[i])
+                   for call, i in picked],
+            controls=[tuple((name, self._tensors.get(ref), scale) for name, ref, scale in call.controls[i])
+                      for call, i in picked],
         )
-        return to_numpy(self._engine.predict_noise(batch))
 
-    def _lora(self, name: str):
+    def _load(self, name: str) -> Future[LoRAWeights]:
         if self._loras is None:
             raise RuntimeError("CFG worker has no LoRA directory configured")
-        return self._engine.lora_on_device(self._loras.get(name).result())
+        return self._loras.get(name)
+
+
+def _loaded(load: Future[LoRAWeights]) -> bool:
+    return load.done() and load.exception() is None
+
+
+@serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+class CFGWorkerDeployment:
+    """A second copy of the model, on its own device, predicting the unconditional rows of every model replica's
+    steps (``CFGWorkerCore``), their calls batched as ``engine.cfg_worker`` says."""
+
+    def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
+        pin_replica(config.device_map.cfg_worker if config.device_map else [], "CFGWorker")
+        metrics = Metrics.for_replica()
+        client = (MeasuredControlNets(ServeControlNets(controlnets, config.engine.remote_timeout_s, metrics), metrics)
+                  if controlnets else None)
+        engine = DiffusionEngine.from_config(config.model, config.lora, client)
+        self._core = CFGWorkerCore(engine, LocalBackend.lora_cache_for(engine, config, metrics), ResolvedTensors())
+        self._batched.set_max_batch_size(config.engine.cfg_worker.max_batch_size)
+        self._batched.set_batch_wait_timeout_s(config.engine.cfg_worker.batch_wait_timeout_s)
+        logger.info("CFG worker up on %s", placement())
+
+    def prefetch(self, names: list[str]) -> None:
+        self._core.prefetch(names)
+
+    async def predict(self, wire: WireRows) -> WireNoise:
+        return await self._batched(wire)
+
+    @serve.batch
+    async def _batched(self, calls: list[WireRows]) -> list[WireNoise]:
+        # No lock: serve.batch runs one batch at a time (max_concurrent_batches 1), and the LoRA hooks, which hold
+        # per-forward state, need exactly that.
+        return await forward_by_shape(calls, lambda call: call.sample.shape[1:], self._core.forward)

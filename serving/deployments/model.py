@@ -16,6 +16,7 @@ from serving.config import DiffusionAppConfig, EngineTuning
 from serving.controlnet.client import MeasuredControlNets
 from serving.deployments.cfg_worker import ServeCFGWorker
 from serving.deployments.controlnet import ServeControlNets
+from serving.deployments.pinning import pin_replica
 from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
 
 logger = get_logger("deployments.model")
@@ -29,10 +30,12 @@ class DiffusionModel(MemoryReport):
 
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
+        pin_replica(config.device_map.model if config.device_map else [], "DiffusionModel")
         timeout_s = config.engine.remote_timeout_s
         metrics = Metrics.for_replica()
-        client = MeasuredControlNets(ServeControlNets(controlnets, timeout_s), metrics) if controlnets else None
-        worker = ServeCFGWorker(cfg_worker, timeout_s) if cfg_worker is not None else None
+        client = (MeasuredControlNets(ServeControlNets(controlnets, timeout_s, metrics), metrics)
+                  if controlnets else None)
+        worker = ServeCFGWorker(cfg_worker, timeout_s, metrics) if cfg_worker is not None else None
         self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker, metrics=metrics)
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -49,6 +52,10 @@ class DiffusionModel(MemoryReport):
 
     async def list_controlnets(self) -> list[str]:
         return await self._backend.list_controlnets()
+
+    async def engine_busy_s(self) -> float:
+        """Seconds this replica's engine loop has spent in denoising steps since it started."""
+        return self._backend.loop.busy_s
 
     async def generate(self, params: GenerationParams) -> GenerationResult | APIError:
         """The result, or the ``APIError`` to answer, as a value: Serve logs an exception a replica method raises

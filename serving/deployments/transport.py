@@ -1,8 +1,9 @@
 """Moving tensors between Serve replicas without needless copies.
 
-Arrays travel as numpy. Inputs many calls share (a request's conditioning image) are ``ray.put`` once by the
-sender (``SharedTensors``) and resolved once per receiving replica (``ResolvedTensors``); neither side keeps them
-longer than the requests that use them. ``put`` and ``get`` default to Ray's object store; tests pass their own.
+Arrays travel as numpy. Inputs many calls share (a request's conditioning image, its text embeddings) are
+``ray.put`` once by the sender (``SharedTensors``) and resolved once per receiving replica (``ResolvedTensors``);
+neither side keeps them longer than the requests that use them. ``put`` and ``get`` default to Ray's object store;
+tests pass their own.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import ray
 import torch
+
+from serving.controlnet.runner import ContextRow
 
 _RESOLVED_BYTES = 256 * 2**20  # a receiver's resolved tensors at most
 _RESOLVED_IDLE_S = 30.0  # a resolved tensor no call used for this long is dropped
@@ -34,10 +37,12 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
 
 class SharedTensors:
     """Sender side: one object-store reference per live tensor, dropped when the tensor is freed (the reference
-    lives exactly as long as the request's own copy)."""
+    lives exactly as long as the request's own copy). ``sent`` is told the bytes of each put."""
 
-    def __init__(self, put: Callable[[np.ndarray], Any] = ray.put) -> None:
+    def __init__(self, put: Callable[[np.ndarray], Any] = ray.put, *,
+                 sent: Callable[[int], None] = lambda nbytes: None) -> None:
         self._put = put
+        self._sent = sent
         self._refs: dict[int, tuple[weakref.ref, Any]] = {}
 
     def __len__(self) -> int:
@@ -47,9 +52,15 @@ class SharedTensors:
         key = id(tensor)
         entry = self._refs.get(key)
         if entry is None or entry[0]() is not tensor:
-            entry = (weakref.ref(tensor, lambda _, key=key: self._forget(key)), self._put(to_numpy(tensor)))
+            array = to_numpy(tensor)
+            entry = (weakref.ref(tensor, lambda _, key=key: self._forget(key)), self._put(array))
             self._refs[key] = entry
+            self._sent(array.nbytes)
         return entry[1]
+
+    def rows(self, rows: Sequence[ContextRow]) -> list[tuple[Any, int]]:
+        """``rows`` with each tensor as its reference (``ResolvedTensors.rows`` turns them back)."""
+        return [(self.ref(tensor), index) for tensor, index in rows]
 
     def _forget(self, key: int) -> None:
         entry = self._refs.get(key)
@@ -89,6 +100,10 @@ class ResolvedTensors:
         while self._bytes > self._max_bytes and len(self._tensors) > 1:
             self._evict_oldest()
         return tensor
+
+    def rows(self, rows: Sequence[tuple[Any, int]]) -> list[ContextRow]:
+        """``SharedTensors.rows`` resolved."""
+        return [(self.get(ref), index) for ref, index in rows]
 
     def _drop_idle(self, now: float) -> None:
         while self._tensors and now - next(iter(self._tensors.values()))[1] > self._idle_s:

@@ -1,5 +1,6 @@
-"""What crosses replicas on every denoising step: rows as numpy arrays, conditioning images as object-store
-references (``transport``), and the reply the engine waits for after its own share of the step."""
+"""What crosses replicas on every denoising step: rows as numpy arrays, a request's text embeddings and
+conditioning images as object-store references (``transport``: put once per request), and the reply the engine
+waits for after its own share of the step. ``nbytes``: what a step's message moves besides those references."""
 
 from __future__ import annotations
 
@@ -13,27 +14,54 @@ from ray.serve.handle import DeploymentResponse
 
 T = TypeVar("T")
 
+#: A row's text embedding: a reference to its request's embeddings [rows, S, D] and its index in them.
+WireContextRow = tuple[ray.ObjectRef, int]
+
 
 @dataclass
 class WireRows:
-    """``RowBatch`` on its way to the CFG worker: arrays, LoRA names, image references."""
+    """``RowBatch`` on its way to the CFG worker: arrays, embedding references, LoRA names, image references."""
 
     sample: np.ndarray
     timestep: np.ndarray
-    context: np.ndarray
+    context: list[WireContextRow]
     loras: list[tuple[tuple[str, float], ...]]
     controls: list[tuple[tuple[str, ray.ObjectRef, float], ...]]
+
+    @property
+    def rows(self) -> int:
+        return self.sample.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.sample.nbytes + self.timestep.nbytes
+
+
+@dataclass
+class WireNoise:
+    """The CFG worker's answer: the noise of the rows it computed, and the rows it skipped (LoRAs still loading)."""
+
+    noise: np.ndarray  # [computed rows, C, h, w]
+    skipped: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return self.noise.nbytes
 
 
 @dataclass
 class WireCall:
-    """``ControlNetCall`` on its way to a ControlNet service: arrays, and references to conditioning images."""
+    """``ControlNetCall`` on its way to a ControlNet service: arrays, references to embeddings and images."""
 
     sample: np.ndarray
     timestep: np.ndarray
-    encoder_hidden_states: np.ndarray
+    context: list[WireContextRow]
     scales: np.ndarray
     images: list[tuple[ray.ObjectRef, int]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.sample.nbytes + self.timestep.nbytes + self.scales.nbytes
 
 
 @dataclass
@@ -42,6 +70,10 @@ class WireResiduals:
 
     down: list[np.ndarray]
     mid: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(block.nbytes for block in self.down) + self.mid.nbytes
 
 
 class PendingReply(Generic[T]):

@@ -1,25 +1,29 @@
 """Admission by predicted wait: a request that would wait too long for its first step is refused at once.
 
-The engine loop replays its own schedule (oldest requests whose rows fit ``max_batch_rows`` step together, finished
-ones leave, the next join) to predict how many steps a new request would wait before it first runs, and refuses it
-when that exceeds ``EngineConfig.admission_wait_fraction`` of its own steps. The replay assumes one image size and
-no request stopped for its LoRA, so mixed sizes make it optimistic.
+The engine loop replays its own schedule (``serving.engine.scheduling``: the batch rule, finished requests
+leaving, the next joining) to predict how many steps a new request would wait before it first runs, and refuses it
+when that exceeds ``EngineConfig.admission_wait_fraction`` of its own steps. The replay assumes no request stops
+for its LoRA.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from serving.common.errors import APIError, retry_after
+from serving.engine.scheduling import Slot, pick_batch, record_steps, steps_until_change
 
 
 @dataclass(frozen=True)
 class Work:
-    """A request as the schedule sees it: UNet rows per step and denoising steps left."""
+    """A request as the schedule sees it: UNet rows per step, denoising steps left, image size, and steps passed
+    over in a row."""
 
     rows: int
     steps_left: int
+    size: Hashable = None
+    skipped: int = 0
 
 
 class EngineOverloaded(APIError):
@@ -35,53 +39,37 @@ class EngineOverloaded(APIError):
 
 
 def wait_steps(running: Sequence[Work], queued: Sequence[Work], new: Work, max_batch_rows: int,
-               continuous_batching: bool = True) -> int:
+               continuous_batching: bool = True, max_skipped_steps: int = 8) -> int:
     """Steps before ``new`` first runs, after ``running`` and then ``queued`` (each oldest first).
 
     With continuous batching queued requests join at the next step boundary, so all of them are one line;
     without it they join only once every running request has finished.
     """
     if continuous_batching:
-        return _steps_until_started([*running, *queued, new], max_batch_rows)
-    return _steps_until_drained(running, max_batch_rows) + _steps_until_started([*queued, new], max_batch_rows)
+        return _replay([*running, *queued], new, max_batch_rows, max_skipped_steps)
+    return (_replay(running, None, max_batch_rows, max_skipped_steps)
+            + _replay(queued, new, max_batch_rows, max_skipped_steps))
 
 
-def _batch(line: list[list[int]], max_batch_rows: int) -> list[list[int]]:
-    """The oldest entries (``[rows, steps_left]``) whose rows fit together, as the loop picks a step's batch."""
-    batch, rows = [], 0
-    for entry in line:
-        if batch and rows + entry[0] > max_batch_rows:
-            break
-        batch.append(entry)
-        rows += entry[0]
-    return batch
-
-
-def _advance(line: list[list[int]], max_batch_rows: int) -> tuple[int, list[list[int]]]:
-    """Runs the current batch until its first request finishes: (steps taken, the line after)."""
-    batch = _batch(line, max_batch_rows)
-    taken = min(entry[1] for entry in batch)
-    for entry in batch:
-        entry[1] -= taken
-    return taken, [entry for entry in line if entry[1] > 0]
-
-
-def _steps_until_started(works: Sequence[Work], max_batch_rows: int) -> int:
-    *ahead, last = works
-    line = [[work.rows, work.steps_left] for work in ahead if work.steps_left > 0]
-    target = [last.rows, max(1, last.steps_left)]
-    line.append(target)
+def _replay(ahead: Sequence[Work], new: Work | None, max_batch_rows: int, max_skipped_steps: int) -> int:
+    """Steps until ``new`` is first in a batch (``None``: until every request of ``ahead`` has finished), jumping
+    from one change of the batch to the next."""
+    works = [work for work in ahead if work.steps_left > 0]
+    if new is not None:
+        works.append(Work(new.rows, max(1, new.steps_left), new.size, new.skipped))
+    slots = [Slot(work.rows, work.size, work.skipped) for work in works]
+    target = slots[-1] if new is not None else None
+    steps_left = [work.steps_left for work in works]
     elapsed = 0
-    while not any(entry is target for entry in _batch(line, max_batch_rows)):
-        taken, line = _advance(line, max_batch_rows)
-        elapsed += taken
-    return elapsed
-
-
-def _steps_until_drained(works: Sequence[Work], max_batch_rows: int) -> int:
-    line = [[work.rows, work.steps_left] for work in works if work.steps_left > 0]
-    elapsed = 0
-    while line:
-        taken, line = _advance(line, max_batch_rows)
+    while slots:
+        batch = pick_batch(slots, max_batch_rows, max_skipped_steps)
+        if any(slots[i] is target for i in batch):
+            return elapsed
+        taken = steps_until_change(slots, batch, steps_left, max_skipped_steps)
+        record_steps(slots, batch, taken)
+        for i in batch:
+            steps_left[i] -= taken
+        kept = [i for i, left in enumerate(steps_left) if left > 0]
+        slots, steps_left = [slots[i] for i in kept], [steps_left[i] for i in kept]
         elapsed += taken
     return elapsed

@@ -1,13 +1,16 @@
 """Parallel classifier-free guidance: each step the unconditional rows run on a ``CFGWorker`` while the engine
 runs the conditional rows. The worker is a second copy of the model on its own device: an in-process engine on a
 thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``). A step whose worker fails
-is finished by the engine alone.
+is finished by the engine alone; so are the rows a worker answers it did not compute (their LoRAs still loading
+there: the engine ``prefetch``es a request's LoRAs on the worker when the request arrives).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -18,10 +21,18 @@ if TYPE_CHECKING:
     from serving.engine.denoiser import DiffusionEngine
 
 
+@dataclass
+class WorkerNoise:
+    """A CFG worker's answer: the noise of the rows it computed, and which rows it left to the engine."""
+
+    noise: torch.Tensor  # [computed rows, C, h, w], in row order
+    skipped: list[int]  # rows of the batch not computed, in order
+
+
 class PendingNoise(Protocol):
     """A CFG worker's step in flight: a ``Future``, or a Serve deployment's reply."""
 
-    def result(self) -> torch.Tensor: ...
+    def result(self) -> WorkerNoise: ...
 
 
 class CFGWorker(ABC):
@@ -29,7 +40,11 @@ class CFGWorker(ABC):
 
     @abstractmethod
     def submit(self, batch: RowBatch) -> PendingNoise:
-        """Starts the UNet's noise prediction for every row of ``batch``."""
+        """Starts the UNet's noise prediction for the rows of ``batch``; it may skip rows whose LoRAs it has not
+        loaded yet."""
+
+    def prefetch(self, names: Sequence[str]) -> None:  # noqa: B027 (no-op: a worker using the engine's LoRAs)
+        """Starts loading LoRAs a request arriving now will use; returns at once."""
 
 
 class LocalCFGWorker(CFGWorker):
@@ -43,7 +58,7 @@ class LocalCFGWorker(CFGWorker):
         moved = batch.to(self.engine.device)
         moved.loras = [tuple((self.engine.lora_on_device(weights), scale) for weights, scale in row)
                        for row in moved.loras]
-        return self._pool.submit(self.engine.predict_noise, moved)
+        return self._pool.submit(lambda: WorkerNoise(self.engine.predict_noise(moved), []))
 
     def close(self) -> None:
         self._pool.shutdown()

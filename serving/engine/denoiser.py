@@ -27,7 +27,7 @@ from serving.controlnet.client import ControlNetClient, ControlNetNotFound, Cont
 from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall
 from serving.engine.cfg import CFGWorker
-from serving.engine.request import PendingLoRA, RequestState
+from serving.engine.request import LoRAActivation, PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
 from serving.engine.unet_split import SplitUNet
@@ -150,22 +150,35 @@ class DiffusionEngine:
         )
 
     @torch.inference_mode()
-    def activate_loras(self, state: RequestState) -> None:
-        """Apply the request's (loaded) LoRAs from its next step on; re-encode text if they touch the encoder."""
-        state.active_loras = [(self.lora_on_device(pending.load.result()), pending.scale) for pending in state.loras]
-        for weights, _ in state.active_loras:
-            self._unet_loras.ensure_hooks(weights.unet)
+    def prepare_loras(self, state: RequestState) -> LoRAActivation:
+        """The request's (loaded) LoRAs on this device, and its text re-encoded where they touch the encoder. Reads
+        ``state`` only: it may run on another thread while the request keeps denoising."""
+        loras = [(self.lora_on_device(pending.load.result()), pending.scale) for pending in state.loras]
+        for weights, _ in loras:
             self._text_loras.ensure_hooks(weights.text_encoder)
-        text_pairs = [(weights.text_encoder, scale) for weights, scale in state.active_loras if weights.text_encoder]
-        if text_pairs:
-            state.prompt_embeds, state.negative_embeds = self._encode_text(state.params, text_pairs)
+        text_pairs = [(weights.text_encoder, scale) for weights, scale in loras if weights.text_encoder]
+        embeds = self._encode_text(state.params, text_pairs) if text_pairs else None
+        return LoRAActivation(loras, embeds)
+
+    def apply_loras(self, state: RequestState, activation: LoRAActivation) -> None:
+        """Applies a ``prepare_loras`` result from the request's next step on (on the thread that runs steps)."""
+        for weights, _ in activation.loras:
+            self._unet_loras.ensure_hooks(weights.unet)
+        state.active_loras = activation.loras
+        if activation.embeds is not None:
+            state.prompt_embeds, state.negative_embeds = activation.embeds
         state.lora_applied_at = state.step_index
+
+    def activate_loras(self, state: RequestState) -> None:
+        """``prepare_loras`` and ``apply_loras`` at once, on the calling thread."""
+        self.apply_loras(state, self.prepare_loras(state))
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
         """One denoising step for every request in ``states``: all rows in one UNet forward, or with a CFG
         worker, the unconditional rows there and the rest here, at the same time. When the worker fails, this
-        engine computes its rows too (logged and counted): the step is slower, no request fails for it."""
+        engine computes its rows too (logged and counted): the step is slower, no request fails for it. So it does
+        the rows the worker skipped (their LoRAs still loading there; counted)."""
         batch = RowBatch.for_states(states)
         if self.cfg_worker is None or not any(state.params.uses_cfg for state in states):
             noise = self.predict_noise(batch)
@@ -181,12 +194,22 @@ class DiffusionEngine:
             noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
             noise[local] = local_noise
             try:
-                noise[remote] = pending.result().to(noise.device, noise.dtype)
+                answer = pending.result()
             except Exception as exc:
                 logger.warning("CFG worker failed (%s: %s); computing its %d rows here", type(exc).__name__, exc,
                                len(remote))
                 self.metrics.cfg_local_fallback()
-                noise[remote] = self.predict_noise(batch.select(remote))
+                left = remote
+            else:
+                skipped = set(answer.skipped)
+                done = [row for index, row in enumerate(remote) if index not in skipped]
+                if done:
+                    noise[done] = answer.noise.to(noise.device, noise.dtype)
+                left = [remote[index] for index in answer.skipped]
+                if left:
+                    self.metrics.cfg_lora_local_rows(len(left))
+            if left:
+                noise[left] = self.predict_noise(batch.select(left))
         offset = 0
         for state in states:
             prediction = noise[offset:offset + state.rows]
@@ -220,7 +243,8 @@ class DiffusionEngine:
     # -- helpers -----------------------------------------------------------------------------------
 
     def _controlled_unet(self, batch: RowBatch) -> torch.Tensor:
-        """The UNet with ControlNet residuals: the ControlNet calls of this step run while the down blocks do."""
+        """The UNet with ControlNet residuals: the ControlNet calls of this step run while the down and mid
+        blocks do."""
         assert self.controlnets is not None and self._split_unet is not None
         rows_by_net: dict[str, list[tuple[int, torch.Tensor, float]]] = {}
         for row, controls in enumerate(batch.controls):
@@ -237,6 +261,7 @@ class DiffusionEngine:
                     images.append((image, 1))
             call = ControlNetCall(sample=batch.sample[index], timestep=batch.timestep[index.to(batch.timestep.device)],
                                   encoder_hidden_states=batch.context[index],
+                                  context_rows=[batch.context_rows[row] for row, _, _ in entries],
                                   scales=torch.tensor([scale for _, _, scale in entries]), images=images)
             pending.append((name, index, self.controlnets.submit(name, call)))
         down = self._split_unet.down(batch.sample, batch.timestep, batch.context)
@@ -253,7 +278,8 @@ class DiffusionEngine:
         return self._split_unet.up(down, down_residuals, mid_residual)
 
     def lora_on_device(self, weights: LoRAWeights) -> LoRAWeights:
-        """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group)."""
+        """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group).
+        Called from one thread only (an engine's stage thread, or a CFG worker's)."""
         entry = self._device_loras.get(id(weights))
         if entry is None or entry[0] is not weights:
             entry = (weights, weights.to(self.device, self.dtype))

@@ -1,8 +1,10 @@
-"""The engine loop: step-level (continuous) batching of requests in one thread.
+"""The engine loop: step-level (continuous) batching of requests in one thread, with a stage thread beside it.
 
-At every step boundary the loop admits new requests, applies LoRAs whose loads finished, and runs one UNet step
-for the oldest runnable request with every other runnable one of the same image size (up to ``max_batch_rows``
-rows). A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
+The loop thread only denoises. At every step boundary it admits requests whose preparation finished, applies
+LoRAs made ready, and runs one UNet step for the requests ``serving.engine.scheduling`` picks. The stage thread
+does the rest, so the loop never waits on it: text encoding and initial noise (``DiffusionEngine.start``), LoRA
+device copies and text re-encoding (``prepare_loras``), VAE decoding and PNG encoding of finished requests.
+A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
 A request that would wait too long for its first step is refused at submission (``serving.engine.admission``).
 """
 
@@ -12,7 +14,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from serving.common.errors import RequestItemError
@@ -23,6 +25,7 @@ from serving.controlnet.client import ControlNetUnavailable
 from serving.engine.admission import EngineOverloaded, Work, wait_steps
 from serving.engine.denoiser import DiffusionEngine, encode_png
 from serving.engine.request import PendingLoRA, RequestState
+from serving.engine.scheduling import Slot, pick_batch, record_steps
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport
 from serving.lora.cache import LoRACache
 from serving.lora.registry import LoRANotFound
@@ -45,6 +48,7 @@ class _Submission:
     params: GenerationParams
     loras: list[PendingLoRA]
     future: Future[GenerationResult]
+    prepared: Future[RequestState] | None = None  # the stage thread's ``engine.start``
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -52,6 +56,7 @@ class _Submission:
 class _Active:
     submission: _Submission
     state: RequestState
+    slot: Slot
 
 
 class EngineLoop:
@@ -67,8 +72,10 @@ class EngineLoop:
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
         self._step_s: float | None = None  # moving average of one step's wall time
+        self.busy_s = 0.0  # seconds spent in denoising steps since the start (benchmarks read it)
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._stage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-stage")
         self._thread = threading.Thread(target=self._run, name="diffusion-engine-loop", daemon=True)
         self._thread.start()
 
@@ -78,12 +85,16 @@ class EngineLoop:
         self.engine.validate(params)
         self._check_admission(params)
         loras = [self._request_lora(spec.name, spec.scale) for spec in params.loras]
+        if loras and self.engine.cfg_worker is not None:  # the worker loads them while this replica does
+            self.engine.cfg_worker.prefetch([pending.name for pending in loras])
         submission = _Submission(params, loras, Future())
         for pending in loras:
             pending.load.add_done_callback(lambda _: self._notify())
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
+            submission.prepared = self._stage.submit(self._start, params, loras)
+            submission.prepared.add_done_callback(lambda _: self._notify())
             self._queue.append(submission)
             self._wakeup.notify()
         return submission.future
@@ -93,19 +104,22 @@ class EngineLoop:
         if fraction is None:
             return
         with self._wakeup:
-            queued = [Work(s.params.rows, s.params.num_inference_steps) for s in self._queue]
-        running = [Work(active.state.rows, active.state.steps_left) for active in list(self._active)]
-        waited = wait_steps(running, queued, Work(params.rows, params.num_inference_steps),
-                            self.config.max_batch_rows, self.config.continuous_batching)
+            queued = [_work(s.params) for s in self._queue]
+        running = [Work(active.state.rows, active.state.steps_left, active.state.size, active.slot.skipped)
+                   for active in list(self._active)]
+        waited = wait_steps(running, queued, _work(params), self.config.max_batch_rows,
+                            self.config.continuous_batching, self.config.max_skipped_steps)
         allowed = fraction * params.num_inference_steps
         if waited > allowed:
             raise EngineOverloaded(waited, allowed, waited * (self._step_s or 0.0))
 
     def stop(self) -> None:
+        """Fails every request not finished denoising; those being decoded complete."""
         with self._wakeup:
             self._stopping = True
             self._wakeup.notify()
         self._thread.join()
+        self._stage.shutdown()
 
     # -- loop thread ------------------------------------------------------------------------------
 
@@ -138,25 +152,49 @@ class EngineLoop:
             _fail(submission.future, stopped)
 
     def _admissible(self) -> bool:
-        """Queued requests may join now: at any step boundary, or only when idle without continuous batching."""
-        return bool(self._queue) and (self.config.continuous_batching or not self._active)
+        """Prepared requests may join now: at any step boundary, or only when idle without continuous batching."""
+        return (any(s.prepared is not None and s.prepared.done() for s in self._queue)
+                and (self.config.continuous_batching or not self._active))
 
     def _take_admissible(self) -> list[_Submission]:
         if not self._admissible():
             return []
-        admitted = list(self._queue)
-        self._queue.clear()
+        admitted = [s for s in self._queue if s.prepared is not None and s.prepared.done()]
+        for submission in admitted:
+            self._queue.remove(submission)
         return admitted
 
     def _admit(self, submission: _Submission) -> None:
         if submission.future.cancelled():
             return
-        try:
-            state = self.engine.start(submission.params, submission.loras, self.config.lora_wait_fraction)
-        except Exception as exc:  # bad request that slipped through validation: fail it alone
-            _fail(submission.future, exc)
+        assert submission.prepared is not None
+        error = submission.prepared.exception()
+        if error is not None:  # bad request that slipped through validation: fail it alone
+            _fail(submission.future, error)
             return
-        self._active.append(_Active(submission, state))
+        state = submission.prepared.result()
+        state.admitted = time.perf_counter()
+        self._active.append(_Active(submission, state, Slot(state.rows, state.size)))
+        for pending in state.loras:
+            pending.load.add_done_callback(lambda _, state=state: self._prepare_loras(state))
+
+    def _start(self, params: GenerationParams, loras: list[PendingLoRA]) -> RequestState:
+        """On the stage thread: the request's state, with its LoRAs prepared already when they are in memory."""
+        state = self.engine.start(params, loras, self.config.lora_wait_fraction)
+        if state.loras and state.loras_loaded and all(p.load.exception() is None for p in state.loras):
+            state.lora_activation = Future()
+            state.lora_activation.set_result(self.engine.prepare_loras(state))
+        return state
+
+    def _prepare_loras(self, state: RequestState) -> None:
+        """Once every LoRA of ``state`` has loaded, hands their preparation to the stage thread (at most once)."""
+        if not state.loras_loaded or any(p.load.exception() is not None for p in state.loras):
+            return
+        with self._wakeup:
+            if state.lora_activation is not None or self._stopping:
+                return
+            state.lora_activation = self._stage.submit(self.engine.prepare_loras, state)
+        state.lora_activation.add_done_callback(lambda _: self._notify())
 
     def _apply_finished_loras(self) -> None:
         now = time.perf_counter()
@@ -172,8 +210,10 @@ class EngineLoop:
             if failed is not None:
                 self._finish(active, error=LoRALoadFailed(failed.name, failed.load.exception()))
                 continue
+            if state.lora_activation is None or not state.lora_activation.done():
+                continue
             try:
-                self.engine.activate_loras(state)
+                self.engine.apply_loras(state, state.lora_activation.result())
             except Exception as exc:  # e.g. a LoRA whose targets the model cannot hook: fail that request alone
                 logger.exception("applying LoRAs failed")
                 self._finish(active, error=exc)
@@ -184,7 +224,10 @@ class EngineLoop:
             self._metrics.lora_wait_steps(state.lora_applied_at)
 
     def _loras_ready(self) -> bool:
-        return any(active.state.loras_pending and active.state.loras_loaded for active in self._active)
+        """A request has LoRA work for the loop: a load failed, or its LoRAs are prepared."""
+        return any(active.state.loras_pending and active.state.loras_loaded
+                   and (active.state.lora_activation is None or active.state.lora_activation.done())
+                   for active in self._active)
 
     def _runnable(self) -> list[_Active]:
         return [active for active in self._active if not active.state.blocked]
@@ -194,18 +237,10 @@ class EngineLoop:
             if active.submission.future.cancelled():
                 self._active.remove(active)
         runnable = self._runnable()
-        if not runnable:
-            return []
-        size = runnable[0].state.size
-        batch, rows = [], 0
-        for active in runnable:
-            if active.state.size != size:
-                continue
-            if batch and rows + active.state.rows > self.config.max_batch_rows:
-                break
-            batch.append(active)
-            rows += active.state.rows
-        return batch
+        slots = [active.slot for active in runnable]
+        batch = pick_batch(slots, self.config.max_batch_rows, self.config.max_skipped_steps)
+        record_steps(slots, batch)
+        return [runnable[i] for i in batch]
 
     def _step(self, batch: list[_Active]) -> None:
         started = time.perf_counter()
@@ -227,30 +262,37 @@ class EngineLoop:
             return
         took = time.perf_counter() - started
         self._step_s = took if self._step_s is None else 0.9 * self._step_s + 0.1 * took
+        self.busy_s += took
         self._metrics.diffusion_step(took, rows=sum(active.state.rows for active in batch))
         for active in batch:
             if self._on_step is not None:
                 self._on_step(active.state)
             if active.state.done:
+                active.state.denoised = time.perf_counter()
                 self._finish(active)
-            elif active.state.blocked and not active.state.loras_loaded:  # at its LoRA deadline: it waits from now
+            elif active.state.blocked:  # at its LoRA deadline without its LoRAs applied: it waits from now
                 active.state.blocked_since = time.perf_counter()
 
     def _finish(self, active: _Active, error: BaseException | None = None) -> None:
         self._active.remove(active)
-        future = active.submission.future
         if error is not None:
-            _fail(future, error)
+            _fail(active.submission.future, error)
+            return
+        self._stage.submit(self._deliver, active)
+
+    def _deliver(self, active: _Active) -> None:
+        """On the stage thread: decode the finished request's images and answer it."""
+        state, submission = active.state, active.submission
+        if submission.future.cancelled():
             return
         try:
             decode_started = time.perf_counter()
-            images = [encode_png(image) for image in self.engine.decode(active.state)]
+            images = [encode_png(image) for image in self.engine.decode(state)]
         except Exception as exc:
             logger.exception("decoding failed")
-            _fail(future, exc)
+            _fail(submission.future, exc)
             return
         finished = time.perf_counter()
-        state, submission = active.state, active.submission
         report = None
         if state.loras:
             report = LoRAReport(
@@ -265,13 +307,17 @@ class EngineLoop:
             seed=state.params.seed,
             timings={
                 "queue_s": state.admitted - submission.submitted,
-                "denoise_s": decode_started - state.admitted,
+                "denoise_s": state.denoised - state.admitted,
                 "decode_s": finished - decode_started,
             },
             lora=report,
         )
-        if not future.cancelled():
-            future.set_result(result)
+        if not submission.future.cancelled() and not submission.future.done():
+            submission.future.set_result(result)
+
+
+def _work(params: GenerationParams) -> Work:
+    return Work(params.rows, params.num_inference_steps, (params.height, params.width))
 
 
 def _fail(future: Future, error: BaseException) -> None:

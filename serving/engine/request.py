@@ -24,6 +24,15 @@ class PendingLoRA:
 
 
 @dataclass
+class LoRAActivation:
+    """A request's LoRAs made ready off the denoising thread: device copies, and text embeddings re-encoded with
+    them (``None`` when none touches the text encoder)."""
+
+    loras: list[tuple[LoRAWeights, float]]
+    embeds: tuple[torch.Tensor, torch.Tensor | None] | None
+
+
+@dataclass
 class RequestState:
     """Everything one request carries between denoising steps. Owned by the engine loop thread."""
 
@@ -38,11 +47,26 @@ class RequestState:
     controls: list[tuple[str, torch.Tensor, float]] = field(default_factory=list)  # name, [1,3,H,W], scale
     loras: list[PendingLoRA] = field(default_factory=list)
     active_loras: list[tuple[LoRAWeights, float]] = field(default_factory=list)
+    lora_activation: Future[LoRAActivation] | None = None  # ``prepare_loras`` on the stage thread, once loaded
     step_index: int = 0
     lora_applied_at: int | None = None
     lora_wait_s: float = 0.0
     blocked_since: float | None = None
-    admitted: float = field(default_factory=time.perf_counter)
+    admitted: float = field(default_factory=time.perf_counter)  # joined the engine loop
+    denoised: float | None = None  # took its last step
+    _context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
+        default=None, init=False, repr=False)  # (context, the prompt and negative embeddings it was built from)
+
+    @property
+    def context(self) -> torch.Tensor:
+        """The text embeddings of every row [rows, S, D] (with CFG the negative ones first): one tensor until the
+        embeddings are replaced (LoRAs re-encoding the text), so a remote worker is sent it once."""
+        built = self._context
+        if built is None or built[1] is not self.prompt_embeds or built[2] is not self.negative_embeds:
+            prompt, negative = self.prompt_embeds, self.negative_embeds
+            built = (prompt if negative is None else torch.cat([negative, prompt]), prompt, negative)
+            self._context = built
+        return built[0]
 
     @property
     def done(self) -> bool:

@@ -2,7 +2,8 @@
 
 Each row carries its own timestep, text embedding, LoRAs and ControlNet conditions, so a forward can
 mix requests freely, and a subset of rows (the unconditional half, for parallel CFG) can be cut out
-and computed elsewhere.
+and computed elsewhere. Each row also knows which request tensor its text embedding comes from
+(``context_rows``), so what computes it elsewhere is sent each request's embeddings once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from serving.controlnet.runner import ContextRow
 from serving.engine.request import RequestState
 from serving.lora.weights import LoRAWeights
 
@@ -24,6 +26,7 @@ class RowBatch:
     sample: torch.Tensor  # model input, already scaled by each request's scheduler [R, C, h, w]
     timestep: torch.Tensor  # [R]
     context: torch.Tensor  # text embeddings [R, S, D]
+    context_rows: list[ContextRow]  # where each row of ``context`` comes from
     loras: list[RowLoRAs]
     controls: list[RowControls]
 
@@ -37,6 +40,7 @@ class RowBatch:
             sample=self.sample.index_select(0, positions),
             timestep=self.timestep.index_select(0, positions.to(self.timestep.device)),
             context=self.context.index_select(0, positions),
+            context_rows=[self.context_rows[i] for i in index],
             loras=[self.loras[i] for i in index],
             controls=[self.controls[i] for i in index],
         )
@@ -44,22 +48,21 @@ class RowBatch:
     def to(self, device: torch.device) -> RowBatch:
         """The same rows with their activations on ``device`` (LoRAs and images are moved by their users)."""
         return RowBatch(self.sample.to(device), self.timestep.to(device), self.context.to(device),
-                        self.loras, self.controls)
+                        self.context_rows, self.loras, self.controls)
 
     @classmethod
     def for_states(cls, states: Sequence[RequestState]) -> RowBatch:
         """All rows of ``states`` at their current step: per CFG request its unconditional rows, then its
         conditional rows (the order diffusers concatenates them in)."""
-        samples, timesteps, contexts, loras, controls = [], [], [], [], []
+        samples, timesteps, contexts, context_rows, loras, controls = [], [], [], [], [], []
         for state in states:
             t = state.timesteps[state.step_index]
             latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
             samples.append(state.scheduler.scale_model_input(latents, t))
             timesteps.append(t.expand(state.rows))
-            if state.negative_embeds is not None:
-                contexts.append(torch.cat([state.negative_embeds, state.prompt_embeds]))
-            else:
-                contexts.append(state.prompt_embeds)
+            context = state.context
+            contexts.append(context)
+            context_rows += [(context, row) for row in range(state.rows)]
             loras += [tuple(state.active_loras)] * state.rows
             controls += [tuple(state.controls)] * state.rows
-        return cls(torch.cat(samples), torch.cat(timesteps), torch.cat(contexts), loras, controls)
+        return cls(torch.cat(samples), torch.cat(timesteps), torch.cat(contexts), context_rows, loras, controls)

@@ -1,5 +1,6 @@
-"""``UNet2DConditionModel.forward`` cut in two around the ControlNet injection point, so the engine runs the down
-blocks while remote ControlNets compute the same step's residuals.
+"""``UNet2DConditionModel.forward`` cut in two at the ControlNet injection point, so the engine runs the down blocks
+and the mid block while remote ControlNets compute the same step's residuals (added only afterwards: to the skip
+connections, which the up blocks read, and to the mid block's output).
 
 The arithmetic is diffusers' own for Stable-Diffusion-style UNets (no class/addition embeddings, attention masks,
 adapters or GLIGEN); other UNets are refused at construction.
@@ -16,7 +17,7 @@ from diffusers import UNet2DConditionModel
 
 @dataclass
 class DownPass:
-    """What the second half needs from the first."""
+    """What the second half needs from the first: the mid block's output, before any ControlNet residual."""
 
     sample: torch.Tensor
     emb: torch.Tensor
@@ -44,7 +45,7 @@ class SplitUNet:
         self.unet = unet
 
     def down(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> DownPass:
-        """The time embedding, ``conv_in`` and the down blocks."""
+        """The time embedding, ``conv_in``, the down blocks and the mid block."""
         unet = self.unet
         up_factor = 2**unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])
@@ -59,12 +60,17 @@ class SplitUNet:
             else:
                 sample, residuals = block(hidden_states=sample, temb=emb)
             skips += residuals
+        if unet.mid_block is not None:
+            if getattr(unet.mid_block, "has_cross_attention", False):
+                sample = unet.mid_block(sample, emb, encoder_hidden_states=encoder_hidden_states)
+            else:
+                sample = unet.mid_block(sample, emb)
         return DownPass(sample, emb, encoder_hidden_states, skips, forward_upsample_size)
 
     def up(self, state: DownPass, down_residuals: Sequence[torch.Tensor] | None = None,
            mid_residual: torch.Tensor | None = None) -> torch.Tensor:
-        """ControlNet residuals added to the skip connections and the mid-block output, then the mid and up blocks
-        to the noise prediction; ``ValueError`` if the residuals do not match the skips."""
+        """ControlNet residuals added to the skip connections and the mid-block output, then the up blocks to the
+        noise prediction; ``ValueError`` if the residuals do not match the skips."""
         unet = self.unet
         skips = state.skips
         if down_residuals is not None:
@@ -72,11 +78,6 @@ class SplitUNet:
                 raise ValueError(f"expected {len(skips)} down-block residuals, got {len(down_residuals)}")
             skips = tuple(skip + residual for skip, residual in zip(skips, down_residuals, strict=True))
         sample, emb, context = state.sample, state.emb, state.encoder_hidden_states
-        if unet.mid_block is not None:
-            if getattr(unet.mid_block, "has_cross_attention", False):
-                sample = unet.mid_block(sample, emb, encoder_hidden_states=context)
-            else:
-                sample = unet.mid_block(sample, emb)
         if mid_residual is not None:
             sample = sample + mid_residual
         for index, block in enumerate(unet.up_blocks):

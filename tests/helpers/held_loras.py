@@ -31,3 +31,13 @@ def release_once_blocked(state: RequestState, release: threading.Event) -> None:
     while state.blocked_since is None and time.monotonic() < deadline:
         time.sleep(0.002)
     release.set()
+
+
+def prepared(state: RequestState) -> None:
+    """Waits (called from a step hook, after the release) until the request's LoRAs are loaded and prepared on the
+    stage thread, so the engine loop applies them before the request's next step."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while state.lora_activation is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert state.lora_activation is not None, "the LoRAs were never handed to the stage thread"
+    state.lora_activation.result(timeout=TIMEOUT_S)

@@ -28,6 +28,7 @@ from serving.lora.format import load_lora_file
 from serving.lora.registry import LoRARegistry
 from serving.preset_catalog import preset_weights
 from serving.presets import build_preset
+from tests.helpers.held_loras import prepared
 from tests.helpers.images import decode_png
 from training.shapes import evaluation
 from training.shapes.evaluation import EVALUATION_GUIDANCE, EVALUATION_STEPS
@@ -244,7 +245,7 @@ def test_lora_applied_asynchronously_still_moves_the_style(engine, style_briefs,
     def on_step(state):
         if state.step_index == 2:
             release.set()
-            state.loras[0].load.result(timeout=60)
+            prepared(state)
 
     cache = LoRACache(LoRARegistry(WEIGHTS / "loras"), engine.lora_targets, budget_bytes=2**30,
                       max_file_bytes=2**30, loader=slow_loader)

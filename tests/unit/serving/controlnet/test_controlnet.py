@@ -1,6 +1,7 @@
 """ControlNets: conditioning images, the runner, and the engine against StableDiffusionControlNetPipeline."""
 
 import base64
+import time
 from concurrent.futures import Future
 
 import numpy as np
@@ -262,3 +263,39 @@ def test_a_failing_cfg_worker_leaves_its_rows_to_the_engine():
     for ours, reference in zip(images, expected, strict=True):
         assert np.abs(ours - reference).max() <= TOLERANCE
     assert sink.total(CFG_LOCAL_FALLBACKS) == requests[0].num_inference_steps
+
+
+def test_a_slow_controlnet_call_runs_while_the_down_and_mid_blocks_do(controlnets):
+    """Timestamps: the call starts before the first down block and ends after the mid block, so the UNet's first
+    half never waited for it; the residuals still arrive and are used (the image differs from the uncontrolled)."""
+    events: dict[str, float] = {}
+    call_ended = []
+
+    class Slow(ControlNetRunner):
+        def run(self, call):
+            events.setdefault("call_started", time.perf_counter())
+            time.sleep(0.5)
+            residuals = super().run(call)
+            call_ended.append(time.perf_counter())
+            return residuals
+
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU,
+                             controlnets=LocalControlNets({"edges": Slow(controlnets["edges"], CPU)}))
+    def stamp(name):
+        def hook(*_):
+            events.setdefault(name, time.perf_counter())  # returns None: the hook leaves the forward alone
+        return hook
+
+    unet = engine.unet
+    hooks = [unet.down_blocks[0].register_forward_pre_hook(stamp("down_started")),
+             unet.mid_block.register_forward_hook(stamp("mid_ended")),
+             unet.up_blocks[0].register_forward_pre_hook(stamp("up_started"))]
+    try:
+        params = _params(num_inference_steps=1, controlnets=(ControlNetSpec("edges", _shape_image("square")),))
+        controlled = _run(engine, params)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert events["call_started"] < events["down_started"] < events["mid_ended"] < call_ended[0]
+    assert call_ended[0] <= events["up_started"]  # the up blocks waited for the residuals
+    assert np.abs(controlled - _run(engine, _params(num_inference_steps=1))).max() > TOLERANCE

@@ -7,32 +7,7 @@ import pytest
 import torch
 
 from serving.deployments.transport import ResolvedTensors, SharedTensors
-
-
-class FakeStore:
-    """An object store in a dict: ``put`` returns a ref with ``hex()``, ``get`` counts fetches."""
-
-    class Ref:
-        def __init__(self, key: str) -> None:
-            self.key = key
-
-        def hex(self) -> str:
-            return self.key
-
-    def __init__(self) -> None:
-        self.objects: dict[str, np.ndarray] = {}
-        self.puts = 0
-        self.gets = 0
-
-    def put(self, array: np.ndarray) -> "FakeStore.Ref":
-        self.puts += 1
-        ref = self.Ref(f"obj{self.puts}")
-        self.objects[ref.key] = array
-        return ref
-
-    def get(self, ref: "FakeStore.Ref") -> np.ndarray:
-        self.gets += 1
-        return self.objects[ref.key]
+from tests.helpers.fake_serve import FakeStore
 
 
 class Clock:
@@ -123,3 +98,16 @@ def test_a_tensor_over_the_whole_budget_is_still_served():
     resolved.get(small)
     assert resolved.get(big).shape == (64,)
     assert len(resolved) == 1 and resolved.nbytes == 256
+
+
+def test_context_rows_travel_as_one_reference_per_tensor_and_resolve_back():
+    store, sent = FakeStore(), []
+    shared = SharedTensors(put=store.put, sent=sent.append)
+    first, second = torch.rand(2, 3, 4), torch.rand(1, 3, 4)
+    wire = shared.rows([(first, 1), (second, 0), (first, 0)])
+    assert store.puts == 2 and sent == [first.nbytes, second.nbytes]
+    assert wire[0][0] is wire[2][0] and [row for _, row in wire] == [1, 0, 0]
+    resolved = ResolvedTensors(get=store.get).rows(wire)
+    assert store.gets == 2 and resolved[0][0] is resolved[2][0]
+    assert all(torch.equal(tensor[row], original[index]) for (tensor, row), (original, index)
+               in zip(resolved, [(first, 1), (second, 0), (first, 0)], strict=True))

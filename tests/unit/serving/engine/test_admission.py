@@ -1,7 +1,6 @@
 """Admission by predicted wait: the schedule replay, and the loop refusing what would wait too long."""
 
 import asyncio
-import itertools
 import threading
 
 import pytest
@@ -14,27 +13,45 @@ from serving.engine import EngineLoop, EngineOverloaded, GenerationParams, Local
 from serving.engine.admission import Work, wait_steps
 
 
-def _stepwise_wait(running, queued, new, max_batch_rows, continuous):
-    """The loop's schedule played one step at a time (the oracle for the event-jumping replay)."""
-    line = [[w.rows, w.steps_left, False] for w in running if w.steps_left > 0]
-    waiting = [[w.rows, w.steps_left, False] for w in queued] + [[new.rows, max(1, new.steps_left), True]]
+def _stepwise_wait(running, queued, new, max_batch_rows, continuous, max_skipped=8):
+    """The loop's schedule played one step at a time (the oracle for the event-jumping replay): entries
+    [rows, steps_left, size, skipped, is_new], oldest first."""
+    line = [[w.rows, w.steps_left, w.size, w.skipped, False] for w in running if w.steps_left > 0]
+    waiting = [[w.rows, w.steps_left, w.size, 0, False] for w in queued]
+    waiting.append([new.rows, max(1, new.steps_left), new.size, 0, True])
     step = 0
     while True:
         if continuous or not line:
             line, waiting = line + waiting, []
-        totals = itertools.accumulate(entry[0] for entry in line)  # the oldest that fit, the first always
-        batch = [entry for index, (entry, total) in enumerate(zip(line, totals, strict=True))
-                 if index == 0 or total <= max_batch_rows]
-        if any(entry[2] for entry in batch):
+        starving = [entry for entry in line if entry[3] >= max_skipped]
+        if starving:
+            anchor = max(starving, key=lambda entry: entry[3])
+        else:
+            fill = {entry[2]: min(max_batch_rows, sum(e[0] for e in line if e[2] == entry[2])) for entry in line}
+            anchor = next(entry for entry in line if fill[entry[2]] == max(fill.values()))
+        batch, rows = [anchor], anchor[0]
+        for entry in line:
+            if entry is not anchor and entry[2] == anchor[2] and rows + entry[0] <= max_batch_rows:
+                batch.append(entry)
+                rows += entry[0]
+        if any(entry[4] for entry in batch):
             return step
+        youngest = max(line.index(entry) for entry in batch)
+        for entry in line[:youngest]:
+            if all(entry is not b for b in batch):
+                entry[3] += 1
         for entry in batch:
             entry[1] -= 1
+            entry[3] = 0
         line = [entry for entry in line if entry[1] > 0]
         step += 1
 
 
 works = st.builds(Work, rows=st.integers(1, 6), steps_left=st.integers(0, 30))  # 0: done, not yet collected
 requests = st.builds(Work, rows=st.integers(1, 6), steps_left=st.integers(1, 30))
+sized = st.builds(Work, rows=st.integers(1, 6), steps_left=st.integers(0, 30), size=st.sampled_from("ab"),
+                  skipped=st.integers(0, 9))
+sized_requests = st.builds(Work, rows=st.integers(1, 6), steps_left=st.integers(1, 30), size=st.sampled_from("ab"))
 
 
 @given(running=st.lists(works, max_size=8), queued=st.lists(requests, max_size=5), new=requests,
@@ -42,6 +59,14 @@ requests = st.builds(Work, rows=st.integers(1, 6), steps_left=st.integers(1, 30)
 def test_replay_matches_the_schedule_step_by_step(running, queued, new, max_batch_rows, continuous):
     assert (wait_steps(running, queued, new, max_batch_rows, continuous)
             == _stepwise_wait(running, queued, new, max_batch_rows, continuous))
+
+
+@given(running=st.lists(sized, max_size=8), queued=st.lists(sized_requests, max_size=5), new=sized_requests,
+       max_batch_rows=st.integers(1, 16), continuous=st.booleans(), max_skipped=st.integers(1, 10))
+def test_replay_matches_the_schedule_with_mixed_sizes_and_the_fairness_bound(running, queued, new, max_batch_rows,
+                                                                             continuous, max_skipped):
+    assert (wait_steps(running, queued, new, max_batch_rows, continuous, max_skipped)
+            == _stepwise_wait(running, queued, new, max_batch_rows, continuous, max_skipped))
 
 
 @given(running=st.lists(works, max_size=8), extra=works, new=requests, max_batch_rows=st.integers(1, 16))
@@ -56,6 +81,10 @@ def test_more_work_ahead_never_shortens_the_wait(running, extra, new, max_batch_
     ([Work(2, 20), Work(2, 3), *[Work(2, 9)] * 6], [], Work(2, 20), 3),  # full: the first to finish frees a place
     ([Work(2, 20)] * 7 + [Work(2, 3)], [Work(2, 20)], Work(2, 20), 20),  # the queued one takes that place first
     ([Work(20, 5)], [], Work(2, 20), 5),                      # a request over the batch runs alone
+    ([Work(10, 20), Work(4, 20)], [], Work(2, 20), 0),        # 6 rows do not fit behind 14: 2 do, no blocking
+    ([Work(2, 20, "a")], [], Work(2, 20, "b"), 20),           # other size: waits for the one it cannot join
+    ([Work(2, 20, "a")], [Work(2, 20, "b")], Work(2, 20, "b"), 0),  # its size fills more rows: it goes first
+    ([Work(2, 20, "a", skipped=8), Work(2, 20, "b")], [], Work(2, 20, "b"), 1),  # passed over 8 times: "a" first
 ])
 def test_predicted_waits(running, queued, new, expected):
     assert wait_steps(running, queued, new, max_batch_rows=16) == expected

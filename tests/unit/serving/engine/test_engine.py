@@ -20,7 +20,7 @@ from serving.lora.cache import LoRACache
 from serving.lora.format import load_lora_file
 from serving.lora.registry import LoRANotFound, LoRARegistry
 from serving.presets import build_preset
-from tests.helpers.held_loras import held_loader, release_once_blocked
+from tests.helpers.held_loras import held_loader, prepared, release_once_blocked
 from tests.helpers.lora_files import write_lora
 
 TOLERANCE = 1e-3  # max abs pixel difference on a 0..1 scale
@@ -173,7 +173,7 @@ def test_lora_arriving_before_the_deadline_applies_from_the_next_step(tiny_engin
     def on_step(state):
         if state.step_index == 2:  # the request has run steps 0 and 1 without its LoRA
             release.set()
-            state.loras[0].load.result(timeout=30)
+            prepared(state)
 
     loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release), on_step=on_step,
                  lora_wait_fraction=0.5)
@@ -229,7 +229,7 @@ def test_cold_lora_in_async_mode_starts_without_it(tiny_engine, lora_dir):
     def on_step(state):
         if state.step_index == 1:  # step 0 ran without the LoRA
             release.set()
-            state.loras[0].load.result(timeout=30)
+            prepared(state)
 
     loop = _loop(tiny_engine, lora_dir, loader=held_loader(tiny_engine, release), on_step=on_step)
     try:

@@ -1,0 +1,80 @@
+"""CPU core pinning: ``cores_for`` picks a replica's cores, ``pin_thread`` / ``pin_process`` apply them."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from serving.common.device import cores_for, pin_process, pin_thread
+
+
+def _start_reader(go: threading.Event | None = None) -> tuple[threading.Thread, list[set[int]]]:
+    """A started thread that records its affinity (once ``go`` is set, when given)."""
+    seen: list[set[int]] = []
+
+    def read() -> None:
+        if go is not None:
+            go.wait(timeout=30)
+        seen.append(os.sched_getaffinity(0))
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    return thread, seen
+
+
+def _joined(thread: threading.Thread, seen: list[set[int]]) -> set[int]:
+    """What the thread recorded, once it ended."""
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return seen[-1]
+
+
+def _affinity_of_new_thread() -> set[int]:
+    return _joined(*_start_reader())
+
+
+def test_cores_for_takes_the_entry_of_the_rank_modulo_the_entries():
+    entries = [[0], [1, 2], [3]]
+    assert [cores_for(entries, rank) for rank in range(5)] == [[0], [1, 2], [3], [0], [1, 2]]
+    assert cores_for([], 0) is None and cores_for([], 7) is None
+
+
+def test_pin_thread_pins_the_caller_and_threads_it_starts_not_the_others(restore_affinity):
+    everything, last = set(restore_affinity), restore_affinity[-1]
+    seen: list[set[int]] = []
+
+    def pinned_worker() -> None:
+        pin_thread([last])
+        seen.append(os.sched_getaffinity(0))
+        seen.append(_affinity_of_new_thread())
+
+    thread = threading.Thread(target=pinned_worker)
+    thread.start()
+    _joined(thread, seen)
+    assert seen == [{last}, {last}]
+    assert os.sched_getaffinity(0) == everything  # the test's own thread is untouched
+
+
+def test_pin_process_pins_running_and_later_threads_with_one_torch_thread_per_core(restore_affinity):
+    first, second = restore_affinity[:2]
+    go = threading.Event()
+    running = _start_reader(go)
+    pin_process([second, first])
+    go.set()
+    assert _joined(*running) == {first, second}  # started before the pin
+    assert os.sched_getaffinity(0) == {first, second}
+    assert _affinity_of_new_thread() == {first, second}
+    assert torch.get_num_threads() == 2
+    pin_process([second])
+    assert os.sched_getaffinity(0) == {second} and torch.get_num_threads() == 1
+
+
+@pytest.mark.parametrize("cores", [[], [-1], [os.cpu_count() or 1]], ids=["none", "negative", "missing"])
+@pytest.mark.parametrize("pin", [pin_thread, pin_process], ids=["thread", "process"])
+def test_pinning_to_bad_cores_is_refused_and_changes_nothing(restore_affinity, pin, cores):
+    threads = torch.get_num_threads()
+    with pytest.raises(ValueError, match="core"):
+        pin(cores)
+    assert os.sched_getaffinity(0) == set(restore_affinity)
+    assert torch.get_num_threads() == threads

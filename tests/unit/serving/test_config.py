@@ -1,0 +1,49 @@
+"""``DiffusionAppConfig.device_map``: what a device map accepts, and each refusal naming its field."""
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from serving.config import DeviceMap, DiffusionAppConfig
+
+
+def _app(device_map: dict[str, Any], **fields: Any) -> DiffusionAppConfig:
+    return DiffusionAppConfig.model_validate(
+        {"controlnets": [{"name": "edges"}, {"name": "depth"}], "engine": {"cfg_parallel": True}, **fields,
+         "device_map": device_map})
+
+
+def test_device_map_pins_base_controlnet_and_cfg_worker():
+    config = _app({"model": [[0], [2, 3]], "cfg_worker": [[1]], "controlnets": {"edges": [[1]]}})
+    assert config.device_map == DeviceMap(model=[[0], [2, 3]], cfg_worker=[[1]], controlnets={"edges": [[1]]})
+    assert DiffusionAppConfig().device_map is None
+
+
+def test_entries_left_out_pin_nothing_and_allow_torch_threads():
+    config = _app({"controlnets": {"edges": [[1]]}}, model={"torch_threads": 2})
+    assert config.device_map.model == [] and config.device_map.cfg_worker == []
+    assert config.model.torch_threads == 2
+    config = _app({"model": [[0]]}, controlnets=[{"name": "edges", "torch_threads": 3}])
+    assert config.controlnets[0].torch_threads == 3  # `edges` has no entry: not pinned
+
+
+@pytest.mark.parametrize(("device_map", "fields", "where", "message"), [
+    ({"model": [[0, -1]]}, {}, "device_map.model.0.1", "greater than or equal to 0"),
+    ({"model": [[0], []]}, {}, "device_map.model", "entry 1 lists no core"),
+    ({"cfg_worker": [[1, 2, 1]]}, {}, "device_map.cfg_worker", "entry 0 lists a core twice"),
+    ({"controlnets": {"edges": [[]]}}, {}, "device_map.controlnets", "edges: entry 0 lists no core"),
+    ({"controlnets": {"canny": [[1]]}}, {}, "", "device_map.controlnets: ['canny'] are not configured"),
+    ({"cfg_worker": [[1]]}, {"engine": {"cfg_parallel": False}}, "", "device_map.cfg_worker: there is no CFG"),
+    ({"model": [[0]]}, {"model": {"torch_threads": 1}}, "", "model.torch_threads must be null"),
+    ({"cfg_worker": [[1]]}, {"model": {"torch_threads": 1}}, "", "model.torch_threads must be null"),
+    ({"controlnets": {"depth": [[1]]}}, {"controlnets": [{"name": "edges"}, {"name": "depth", "torch_threads": 1}]},
+     "", "controlnets[1].torch_threads must be null"),
+], ids=["negative-core", "empty-entry", "duplicate-core", "empty-controlnet-entry", "unknown-controlnet",
+        "cfg-worker-without-cfg-parallel", "model-threads", "cfg-worker-threads", "controlnet-threads"])
+def test_bad_device_map_is_refused_naming_the_field(device_map, fields, where, message):
+    with pytest.raises(ValidationError) as caught:
+        _app(device_map, **fields)
+    (error,) = caught.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == where
+    assert message in error["msg"]
