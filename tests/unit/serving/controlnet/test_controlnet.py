@@ -15,11 +15,10 @@ from serving.controlnet.conditioning import ConditioningImageError, decode_image
 from serving.controlnet.models import build_controlnet_preset
 from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, GenerationParams
-from serving.engine.request import PendingLoRA
 from serving.engine.types import ControlNetSpec
 from serving.engine.unet_split import SplitUNet
-from serving.lora.format import load_lora_file
 from serving.presets import build_preset
+from tests.helpers.denoising import denoise_together, loaded_lora
 from tests.helpers.images import encode_b64
 from tests.helpers.lora_files import write_lora
 
@@ -112,11 +111,9 @@ def test_two_controlnets_sum_like_multicontrolnet(engine, controlnets):
 
 def test_controlnet_with_lora_matches_diffusers(engine, controlnets, tmp_path):
     path = write_lora(tmp_path / "style.safetensors", seed=3, text_encoder=True)
-    future: Future = Future()
-    future.set_result(load_lora_file(path, engine.lora_targets, max_file_bytes=2**30))
     specs = (ControlNetSpec("edges", _shape_image("disk"), 1.0),)
     params = _params(controlnets=specs, seed=9)
-    ours = _run(engine, params, [PendingLoRA("style", 0.7, future, cache_hit=True)])
+    ours = _run(engine, params, [loaded_lora(engine, path, 0.7)])
     assert np.abs(ours - _reference(controlnets, params, specs, path, 0.7)).max() <= TOLERANCE
 
 
@@ -184,20 +181,8 @@ def test_parallel_cfg_gives_the_same_images(engine, controlnets, tmp_path):
     ]
 
     def run_all(target: DiffusionEngine) -> list[np.ndarray]:
-        states = []
-        for params, lora in requests:
-            loras = []
-            if lora:
-                future: Future = Future()
-                future.set_result(load_lora_file(path, target.lora_targets, max_file_bytes=2**30))
-                loras = [PendingLoRA(lora, 0.8, future, cache_hit=True)]
-            state = target.start(params, loras)
-            if loras:
-                target.activate_loras(state)
-            states.append(state)
-        while not all(state.done for state in states):
-            target.step(states)
-        return [target.decode(state) for state in states]
+        return denoise_together(target, [(params, [loaded_lora(target, path)] if lora else [])
+                                         for params, lora in requests])
 
     try:
         for together, alone in zip(run_all(parallel), run_all(engine), strict=True):
@@ -231,14 +216,6 @@ def test_failing_controlnet_fails_only_its_requests(controlnets):
         loop.stop()
 
 
-def _denoise_together(engine: DiffusionEngine, requests: list[GenerationParams]) -> list[np.ndarray]:
-    """The requests stepped as one batch from start to end."""
-    states = [engine.start(params) for params in requests]
-    while not all(state.done for state in states):
-        engine.step(states)
-    return [engine.decode(state) for state in states]
-
-
 def test_a_failing_cfg_worker_leaves_its_rows_to_the_engine():
     """A guided and an unguided request in one batch: both finish, the guided rows computed by the engine itself,
     each step counted as a fallback."""
@@ -256,10 +233,11 @@ def test_a_failing_cfg_worker_leaves_its_rows_to_the_engine():
     engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, cfg_worker=worker, metrics=Metrics(sink))
     requests = [_params(guidance_scale=5.0, seed=1), _params(guidance_scale=1.0, seed=2)]
     try:
-        images = _denoise_together(engine, requests)
+        images = denoise_together(engine, [(params, []) for params in requests])
     finally:
         worker.close()
-    expected = _denoise_together(DiffusionEngine("tiny", build_preset("tiny"), CPU), requests)
+    expected = denoise_together(DiffusionEngine("tiny", build_preset("tiny"), CPU),
+                                [(params, []) for params in requests])
     for ours, reference in zip(images, expected, strict=True):
         assert np.abs(ours - reference).max() <= TOLERANCE
     assert sink.total(CFG_LOCAL_FALLBACKS) == requests[0].num_inference_steps

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +26,10 @@ from serving.deployments.batching import forward_by_shape
 from serving.deployments.cfg_worker import CFGWorkerCore, ServeCFGWorker
 from serving.deployments.transport import ResolvedTensors
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRASpec
-from serving.engine.request import PendingLoRA
 from serving.engine.rows import RowBatch
-from serving.lora import LoRACache, LoRARegistry, load_lora_file
+from serving.lora import LoRACache, LoRARegistry
 from serving.presets import build_preset
+from tests.helpers.denoising import denoise_together, loaded_lora
 from tests.helpers.fake_serve import FakeHandle, FakeStore
 from tests.helpers.held_loras import TIMEOUT_S, held_loader
 from tests.helpers.lora_files import write_lora
@@ -67,24 +66,12 @@ def _worker(core: CFGWorkerCore, store: FakeStore,
     return ServeCFGWorker(handle, 30.0, metrics, put=store.put), handle
 
 
-def _loaded_lora(engine: DiffusionEngine, lora_dir: Path) -> PendingLoRA:
-    load: Future = Future()
-    load.set_result(load_lora_file(lora_dir / f"{LORA}.safetensors", engine.lora_targets, max_file_bytes=2**30))
-    return PendingLoRA(LORA, 0.8, load, cache_hit=True)
-
-
 def _denoise(engine: DiffusionEngine, requests: Sequence[tuple[GenerationParams, bool]],
              lora_dir: Path) -> list[np.ndarray]:
     """The requests (each with the LoRA applied from its first step, or not) stepped as one batch to the end."""
-    states = []
-    for params, with_lora in requests:
-        state = engine.start(params, [_loaded_lora(engine, lora_dir)] if with_lora else [])
-        if with_lora:
-            engine.activate_loras(state)
-        states.append(state)
-    while not all(state.done for state in states):
-        engine.step(states)
-    return [engine.decode(state) for state in states]
+    path = lora_dir / f"{LORA}.safetensors"
+    return denoise_together(engine, [(params, [loaded_lora(engine, path)] if with_lora else [])
+                                     for params, with_lora in requests])
 
 
 def _assert_images_close(ours: list[np.ndarray], expected: list[np.ndarray]) -> None:
@@ -170,7 +157,7 @@ def test_a_requests_text_embeddings_travel_once_and_again_only_when_its_loras_re
     cache = _cache(worker_engine, lora_dir)
     worker, handle = _worker(CFGWorkerCore(worker_engine, cache, ResolvedTensors(get=store.get)), store)
     engine = _engine(cfg_worker=worker)
-    state = engine.start(_params(num_inference_steps=4), [_loaded_lora(engine, lora_dir)])
+    state = engine.start(_params(num_inference_steps=4), [loaded_lora(engine, lora_dir / f"{LORA}.safetensors")])
     puts = []
     try:
         while not state.done:

@@ -1,0 +1,34 @@
+"""Driving a ``DiffusionEngine`` directly: requests stepped as one batch from start to end, no engine loop."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from serving.engine import DiffusionEngine, GenerationParams
+from serving.engine.request import PendingLoRA
+from serving.lora.format import load_lora_file
+
+
+def loaded_lora(engine: DiffusionEngine, path: Path, scale: float = 0.8) -> PendingLoRA:
+    """The LoRA file at ``path`` as a request's already loaded LoRA (named after the file)."""
+    load: Future = Future()
+    load.set_result(load_lora_file(path, engine.lora_targets, max_file_bytes=2**30))
+    return PendingLoRA(path.stem, scale, load, cache_hit=True)
+
+
+def denoise_together(engine: DiffusionEngine,
+                     requests: Sequence[tuple[GenerationParams, Sequence[PendingLoRA]]]) -> list[np.ndarray]:
+    """The requests (each with its LoRAs applied from its first step) stepped as one batch to the end, decoded."""
+    states = []
+    for params, loras in requests:
+        state = engine.start(params, list(loras))
+        if loras:
+            engine.activate_loras(state)
+        states.append(state)
+    while not all(state.done for state in states):
+        engine.step(states)
+    return [engine.decode(state) for state in states]
