@@ -48,7 +48,7 @@ class _Submission:
     params: GenerationParams
     loras: list[PendingLoRA]
     future: Future[GenerationResult]
-    prepared: Future[RequestState] | None = None  # the stage thread's ``engine.start``
+    prepared: Future[RequestState]  # the stage thread's ``engine.start``
     submitted: float = field(default_factory=time.perf_counter)
 
 
@@ -87,13 +87,12 @@ class EngineLoop:
         loras = [self._request_lora(spec.name, spec.scale) for spec in params.loras]
         if loras and self.engine.cfg_worker is not None:  # the worker loads them while this replica does
             self.engine.cfg_worker.prefetch([pending.name for pending in loras])
-        submission = _Submission(params, loras, Future())
         for pending in loras:
             pending.load.add_done_callback(lambda _: self._notify())
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
-            submission.prepared = self._stage.submit(self._start, params, loras)
+            submission = _Submission(params, loras, Future(), self._stage.submit(self._start, params, loras))
             submission.prepared.add_done_callback(lambda _: self._notify())
             self._queue.append(submission)
             self._wakeup.notify()
@@ -153,13 +152,13 @@ class EngineLoop:
 
     def _admissible(self) -> bool:
         """Prepared requests may join now: at any step boundary, or only when idle without continuous batching."""
-        return (any(s.prepared is not None and s.prepared.done() for s in self._queue)
+        return (any(s.prepared.done() for s in self._queue)
                 and (self.config.continuous_batching or not self._active))
 
     def _take_admissible(self) -> list[_Submission]:
         if not self._admissible():
             return []
-        admitted = [s for s in self._queue if s.prepared is not None and s.prepared.done()]
+        admitted = [s for s in self._queue if s.prepared.done()]
         for submission in admitted:
             self._queue.remove(submission)
         return admitted
@@ -167,7 +166,6 @@ class EngineLoop:
     def _admit(self, submission: _Submission) -> None:
         if submission.future.cancelled():
             return
-        assert submission.prepared is not None
         error = submission.prepared.exception()
         if error is not None:  # bad request that slipped through validation: fail it alone
             _fail(submission.future, error)
