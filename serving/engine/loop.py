@@ -179,14 +179,14 @@ class EngineLoop:
     def _start(self, params: GenerationParams, loras: list[PendingLoRA]) -> RequestState:
         """On the stage thread: the request's state, with its LoRAs prepared already when they are in memory."""
         state = self.engine.start(params, loras, self.config.lora_wait_fraction)
-        if state.loras and state.loras_loaded and all(p.load.exception() is None for p in state.loras):
+        if state.loras_ready_to_prepare:
             state.lora_activation = Future()
             state.lora_activation.set_result(self.engine.prepare_loras(state))
         return state
 
     def _prepare_loras(self, state: RequestState) -> None:
         """Once every LoRA of ``state`` has loaded, hands their preparation to the stage thread (at most once)."""
-        if not state.loras_loaded or any(p.load.exception() is not None for p in state.loras):
+        if not state.loras_ready_to_prepare:
             return
         with self._wakeup:
             if state.lora_activation is not None or self._stopping:
@@ -204,7 +204,7 @@ class EngineLoop:
                 state.blocked_since = now
             if not state.loras_loaded:
                 continue
-            failed = next((p for p in state.loras if p.load.exception() is not None), None)
+            failed = state.failed_lora
             if failed is not None:
                 self._finish(active, error=LoRALoadFailed(failed.name, failed.load.exception()))
                 continue

@@ -82,6 +82,16 @@ class RequestState:
         return all(pending.load.done() for pending in self.loras)
 
     @property
+    def failed_lora(self) -> PendingLoRA | None:
+        """The first LoRA whose (finished) load failed, if any."""
+        return next((p for p in self.loras if p.load.done() and p.load.exception() is not None), None)
+
+    @property
+    def loras_ready_to_prepare(self) -> bool:
+        """Every LoRA loaded, none failed."""
+        return bool(self.loras) and self.loras_loaded and self.failed_lora is None
+
+    @property
     def blocked(self) -> bool:
         """Reached its LoRA deadline step without its LoRAs: it must not step until they are applied."""
         return self.loras_pending and self.step_index >= self.lora_step
