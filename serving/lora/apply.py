@@ -1,9 +1,12 @@
 """Per-request LoRA application without touching base weights: one forward serves rows with different LoRAs,
 scales, or none.
 
-Unmerged when rows differ (gather, two small matmuls, scatter-add per LoRA: Punica/S-LoRA without custom
-kernels); when every row has the same LoRAs, after ``merge_after`` forwards, a merged copy of each touched weight
-from a byte-bounded LRU (dLoRA's switch between merged and unmerged inference). Base weights are never modified.
+Unmerged when rows differ. A ``Linear`` whose rows use two or more LoRAs stacks each row's factors and runs two
+batched matmuls per slot (a gather-BMM in the manner of Punica's BGMV, without custom kernels), so the number of
+kernels does not grow with the number of LoRAs; ``Conv2d`` targets and a single LoRA on some rows gather, run two
+small matmuls and scatter-add per LoRA. When every row has the same LoRAs, after ``merge_after`` forwards, a merged
+copy of each touched weight comes from a byte-bounded LRU (dLoRA's switch between merged and unmerged inference).
+Base weights are never modified.
 """
 
 from __future__ import annotations
@@ -34,10 +37,20 @@ class LoRAGroup:
 
 
 @dataclass(frozen=True)
+class LoRASlot:
+    """The ``k``-th LoRA of every row (``None`` where a row has fewer than ``k + 1``) and its request scale."""
+
+    layers: list[Mapping[str, LoRALayer] | None]
+    scales: torch.Tensor  # [batch] request scale per row, 0 where the row has no k-th LoRA
+
+
+@dataclass(frozen=True)
 class LoRAPlan:
-    """What one forward applies: per-LoRA row groups, and the shared pairs when every row has the same."""
+    """What one forward applies: per-LoRA row groups, the same pairs as per-row slots (for stacked application),
+    and the shared pairs when every row has the same."""
 
     groups: list[LoRAGroup]
+    slots: list[LoRASlot]
     uniform: LoRAPairs | None
 
 
@@ -62,9 +75,17 @@ def plan_lora_rows(assignments: Sequence[Sequence[tuple[Mapping[str, LoRALayer],
         )
         for layers, rows, scales in by_lora.values()
     ]
+    slots = [
+        LoRASlot(
+            layers=[pairs[k][0] if len(pairs) > k else None for pairs in assignments],
+            scales=torch.tensor([pairs[k][1] if len(pairs) > k else 0.0 for pairs in assignments],
+                                dtype=torch.float32, device=device),
+        )
+        for k in range(max(len(pairs) for pairs in assignments))
+    ] if len(groups) > 1 else []
     first = _signature(assignments[0])
     uniform = tuple(assignments[0]) if all(_signature(pairs) == first for pairs in assignments) else None
-    return LoRAPlan(groups, uniform)
+    return LoRAPlan(groups, slots, uniform)
 
 
 def _signature(pairs: Iterable[tuple[Mapping[str, LoRALayer], float]]) -> tuple[tuple[int, float], ...]:
@@ -133,6 +154,34 @@ class _MergedWeights:
         return merged
 
 
+def _add_stacked_delta(name: str, slot: LoRASlot, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``output`` plus each row's ``scale * up @ down @ x`` for the slot's LoRA on ``name`` (a ``Linear``): the
+    rows' factors stacked (zeros where a row has none, ranks padded to the largest) and two batched matmuls."""
+    layers = [row_layers.get(name) if row_layers is not None else None for row_layers in slot.layers]
+    present = [layer for layer in layers if layer is not None]
+    if not present:
+        return output
+    rank = max(layer.rank for layer in present)
+    same_scale = all(layer.scale == present[0].scale for layer in present)
+    zero_down, zero_up = present[0].down.new_zeros(rank, x.shape[-1]), present[0].up.new_zeros(output.shape[-1], rank)
+    downs, ups = [], []
+    for layer in layers:
+        if layer is None:
+            downs.append(zero_down)
+            ups.append(zero_up)
+            continue
+        down = layer.down if same_scale else layer.down * layer.scale
+        pad = rank - layer.rank
+        downs.append(F.pad(down, (0, 0, 0, pad)) if pad else down)
+        ups.append(F.pad(layer.up, (0, pad)) if pad else layer.up)
+    strength = slot.scales * present[0].scale if same_scale else slot.scales
+    rows = x.shape[0]
+    hidden = torch.bmm(x.reshape(rows, -1, x.shape[-1]), torch.stack(downs).transpose(1, 2))
+    hidden = hidden * strength.to(hidden.dtype).view(rows, 1, 1)
+    delta = torch.bmm(hidden, torch.stack(ups).transpose(1, 2))
+    return output + delta.view(output.shape)
+
+
 class LoRAHooks:
     """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged.
 
@@ -180,6 +229,10 @@ class LoRAHooks:
                     return module._conv_forward(x, weight, module.bias)
                 return F.linear(x, weight, module.bias)
         output = base_forward(x)
+        if plan.slots and isinstance(module, nn.Linear):
+            for slot in plan.slots:
+                output = _add_stacked_delta(name, slot, x, output)
+            return output
         for group in plan.groups:
             layer = group.layers.get(name)
             if layer is None:

@@ -3,6 +3,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from serving.lora.apply import LoRAHooks, delta_weight, plan_lora_rows
 from serving.lora.weights import LoRALayer
@@ -82,3 +83,32 @@ def test_merged_copies_respect_the_byte_budget():
         with torch.inference_mode(), hooks.active(plan_lora_rows([[(layers, 1.0)]] * 2, torch.device("cpu"))):
             torch.testing.assert_close(module(x), _expected(module, x, [[(layers, 1.0)]] * 2), rtol=1e-4, atol=1e-4)
     assert len(hooks._merged._entries) == 1 and hooks._merged._bytes == 16 * 2**10
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_for_one_lora_per_row(rows: int) -> int:
+    module = nn.Linear(16, 8)
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}))
+    hooks.ensure_hooks(["m"])
+    x = torch.randn(rows, 5, 16)
+    row_pairs = [[({"m": _layer(module, 4, seed, 1.0)}, 1.0)] for seed in range(rows)]
+    plan = plan_lora_rows(row_pairs, torch.device("cpu"))
+    with torch.inference_mode(), hooks.active(plan), _CountOps() as counter:
+        out = module(x)
+    expected = torch.stack([_expected(module, x[row], [row_pairs[row]] * 5) for row in range(rows)])
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    return counter.ops
+
+
+def test_a_linear_runs_as_many_kernels_for_eight_loras_as_for_two():
+    """Rows with different LoRAs are stacked into batched matmuls: the op count does not grow with the LoRAs."""
+    assert _ops_for_one_lora_per_row(8) == _ops_for_one_lora_per_row(2)
