@@ -1,12 +1,12 @@
 """Per-request LoRA application without touching base weights: one forward serves rows with different LoRAs,
 scales, or none.
 
-Unmerged when rows differ. A ``Linear`` whose rows use two or more LoRAs stacks each row's factors and runs two
-batched matmuls per slot (a gather-BMM in the manner of Punica's BGMV, without custom kernels), so the number of
-kernels does not grow with the number of LoRAs; ``Conv2d`` targets and a single LoRA on some rows gather, run two
-small matmuls and scatter-add per LoRA. When every row has the same LoRAs, after ``merge_after`` forwards, a merged
-copy of each touched weight comes from a byte-bounded LRU (dLoRA's switch between merged and unmerged inference).
-Base weights are never modified.
+Unmerged when rows differ. A ``Linear`` whose rows use two or more LoRAs stacks each row's factors (kept while the
+batch stays the same) and runs two batched matmuls per slot (a gather-BMM in the manner of Punica's BGMV, without
+custom kernels), so the number of kernels does not grow with the number of LoRAs; ``Conv2d`` targets, and a single
+LoRA on some rows, gather, run two small matmuls and scatter-add per LoRA. When every row has the same LoRAs, after
+``merge_after`` forwards, a merged copy of each touched weight comes from a byte-bounded LRU (dLoRA's switch between
+merged and unmerged inference). Base weights are never modified.
 """
 
 from __future__ import annotations
@@ -38,10 +38,13 @@ class LoRAGroup:
 
 @dataclass(frozen=True)
 class LoRASlot:
-    """The ``k``-th LoRA of every row (``None`` where a row has fewer than ``k + 1``) and its request scale."""
+    """The ``k``-th (layers, request scale) pair of every row (``None`` where a row has fewer than ``k + 1``)."""
 
-    layers: list[Mapping[str, LoRALayer] | None]
-    scales: torch.Tensor  # [batch] request scale per row, 0 where the row has no k-th LoRA
+    pairs: list[tuple[Mapping[str, LoRALayer], float] | None]
+
+    @property
+    def key(self) -> tuple:
+        return tuple(None if pair is None else (id(pair[0]), pair[1]) for pair in self.pairs)
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,8 @@ def plan_lora_rows(assignments: Sequence[Sequence[tuple[Mapping[str, LoRALayer],
         )
         for layers, rows, scales in by_lora.values()
     ]
-    slots = [
-        LoRASlot(
-            layers=[pairs[k][0] if len(pairs) > k else None for pairs in assignments],
-            scales=torch.tensor([pairs[k][1] if len(pairs) > k else 0.0 for pairs in assignments],
-                                dtype=torch.float32, device=device),
-        )
-        for k in range(max(len(pairs) for pairs in assignments))
-    ] if len(groups) > 1 else []
+    slots = [LoRASlot([tuple(pairs[k]) if len(pairs) > k else None for pairs in assignments])
+             for k in range(max(len(pairs) for pairs in assignments))] if len(groups) > 1 else []
     first = _signature(assignments[0])
     uniform = tuple(assignments[0]) if all(_signature(pairs) == first for pairs in assignments) else None
     return LoRAPlan(groups, slots, uniform)
@@ -154,32 +151,49 @@ class _MergedWeights:
         return merged
 
 
-def _add_stacked_delta(name: str, slot: LoRASlot, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-    """``output`` plus each row's ``scale * up @ down @ x`` for the slot's LoRA on ``name`` (a ``Linear``): the
-    rows' factors stacked (zeros where a row has none, ranks padded to the largest) and two batched matmuls."""
-    layers = [row_layers.get(name) if row_layers is not None else None for row_layers in slot.layers]
-    present = [layer for layer in layers if layer is not None]
-    if not present:
-        return output
-    rank = max(layer.rank for layer in present)
-    same_scale = all(layer.scale == present[0].scale for layer in present)
-    zero_down, zero_up = present[0].down.new_zeros(rank, x.shape[-1]), present[0].up.new_zeros(output.shape[-1], rank)
-    downs, ups = [], []
-    for layer in layers:
-        if layer is None:
-            downs.append(zero_down)
-            ups.append(zero_up)
-            continue
-        down = layer.down if same_scale else layer.down * layer.scale
-        pad = rank - layer.rank
-        downs.append(F.pad(down, (0, 0, 0, pad)) if pad else down)
-        ups.append(F.pad(layer.up, (0, pad)) if pad else layer.up)
-    strength = slot.scales * present[0].scale if same_scale else slot.scales
-    rows = x.shape[0]
-    hidden = torch.bmm(x.reshape(rows, -1, x.shape[-1]), torch.stack(downs).transpose(1, 2))
-    hidden = hidden * strength.to(hidden.dtype).view(rows, 1, 1)
-    delta = torch.bmm(hidden, torch.stack(ups).transpose(1, 2))
-    return output + delta.view(output.shape)
+class _StackedFactors:
+    """Per ``Linear`` and slot, the rows' LoRA factors stacked for batched matmuls: ``down`` scaled by each row's
+    strength (zeros where a row has none, ranks padded to the largest), kept while the slot's rows stay the same
+    (consecutive steps of one batch), so a forward runs two batched matmuls per slot and nothing else. Dropped
+    when a forward needs none, so they never keep a LoRA alive past its batch."""
+
+    def __init__(self) -> None:
+        # (module, slot index) -> (slot key, the slot's pairs (keeping the ids in the key alive), downs^T, ups^T)
+        self._entries: dict[tuple[str, int], tuple] = {}
+
+    def add_delta(self, name: str, index: int, slot: LoRASlot, x: torch.Tensor,
+                  output: torch.Tensor) -> torch.Tensor:
+        """``output`` plus each row's ``strength * up @ down @ x`` for the slot's LoRA on ``name``."""
+        entry = self._entries.get((name, index))
+        if entry is None or entry[0] != slot.key:
+            entry = self._entries[(name, index)] = self._stack(name, slot, x.shape[-1], output.shape[-1])
+        if entry[2] is None:  # no row's LoRA in this slot targets the module
+            return output
+        rows = x.shape[0]
+        hidden = torch.bmm(x.reshape(rows, -1, x.shape[-1]), entry[2])
+        return torch.baddbmm(output.reshape(rows, -1, output.shape[-1]), hidden, entry[3]).view(output.shape)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    @staticmethod
+    def _stack(name: str, slot: LoRASlot, in_features: int, out_features: int) -> tuple:
+        layers = [pair[0].get(name) if pair is not None else None for pair in slot.pairs]
+        present = [layer for layer in layers if layer is not None]
+        if not present:
+            return (slot.key, slot.pairs, None, None)
+        rank = max(layer.rank for layer in present)
+        downs, ups = [], []
+        for pair, layer in zip(slot.pairs, layers, strict=True):
+            if layer is None:
+                downs.append(present[0].down.new_zeros(rank, in_features))
+                ups.append(present[0].up.new_zeros(out_features, rank))
+                continue
+            pad = rank - layer.rank
+            downs.append(F.pad(layer.down * (pair[1] * layer.scale), (0, 0, 0, pad)))
+            ups.append(F.pad(layer.up, (0, pad)))
+        return (slot.key, slot.pairs, torch.stack(downs).transpose(1, 2).contiguous(),
+                torch.stack(ups).transpose(1, 2).contiguous())
 
 
 class LoRAHooks:
@@ -194,6 +208,7 @@ class LoRAHooks:
         self._wrapped: set[str] = set()
         self._plan: LoRAPlan | None = None
         self._merged = _MergedWeights(merged_cache_bytes, merge_after) if merged_cache_bytes > 0 else None
+        self._stacked = _StackedFactors()
 
     def ensure_hooks(self, module_names: Iterable[str]) -> None:
         """Wrap every named module not wrapped yet (names come from validated LoRA files)."""
@@ -211,6 +226,8 @@ class LoRAHooks:
         """Apply ``plan`` to every forward run inside the block (one model forward)."""
         if plan is not None and plan.uniform is not None and self._merged is not None:
             self._merged.count_use(plan.uniform)
+        if plan is None or not plan.slots:
+            self._stacked.clear()
         self._plan = plan
         try:
             yield
@@ -230,8 +247,8 @@ class LoRAHooks:
                 return F.linear(x, weight, module.bias)
         output = base_forward(x)
         if plan.slots and isinstance(module, nn.Linear):
-            for slot in plan.slots:
-                output = _add_stacked_delta(name, slot, x, output)
+            for index, slot in enumerate(plan.slots):
+                output = self._stacked.add_delta(name, index, slot, x, output)
             return output
         for group in plan.groups:
             layer = group.layers.get(name)

@@ -1,5 +1,9 @@
 """Per-row LoRA application on plain Linear / Conv2d modules, merged and unmerged."""
 
+import contextlib
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -96,19 +100,58 @@ class _CountOps(TorchDispatchMode):
 
 
 def _ops_for_one_lora_per_row(rows: int) -> int:
+    """Aten ops in the second of two forwards (a new plan each, as each step builds one) with one LoRA per row."""
     module = nn.Linear(16, 8)
     hooks = LoRAHooks(nn.ModuleDict({"m": module}))
     hooks.ensure_hooks(["m"])
     x = torch.randn(rows, 5, 16)
     row_pairs = [[({"m": _layer(module, 4, seed, 1.0)}, 1.0)] for seed in range(rows)]
-    plan = plan_lora_rows(row_pairs, torch.device("cpu"))
-    with torch.inference_mode(), hooks.active(plan), _CountOps() as counter:
-        out = module(x)
     expected = torch.stack([_expected(module, x[row], [row_pairs[row]] * 5) for row in range(rows)])
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    counter = _CountOps()
+    for step in range(2):
+        plan = plan_lora_rows(row_pairs, torch.device("cpu"))
+        with torch.inference_mode(), hooks.active(plan), counter if step == 1 else contextlib.nullcontext():
+            out = module(x)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
     return counter.ops
 
 
 def test_a_linear_runs_as_many_kernels_for_eight_loras_as_for_two():
-    """Rows with different LoRAs are stacked into batched matmuls: the op count does not grow with the LoRAs."""
+    """Rows with different LoRAs run as batched matmuls over stacked factors, kept from one step to the next: a
+    step's op count does not grow with the number of LoRAs."""
     assert _ops_for_one_lora_per_row(8) == _ops_for_one_lora_per_row(2)
+
+
+def test_stacked_factors_follow_each_change_of_the_batch():
+    """Kept factors are rebuilt when a row's LoRA or scale changes, and reused when the same rows come back."""
+    module = nn.Linear(6, 5)
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}))
+    hooks.ensure_hooks(["m"])
+    a, b, c = ({"m": _layer(module, rank, seed, 0.5)} for rank, seed in ((2, 1), (3, 2), (2, 3)))
+    x = torch.randn(3, 6)
+    batches = [
+        [[(a, 1.0)], [(b, 1.0)], []],
+        [[(a, 1.0)], [(c, 1.0)], []],  # another LoRA on row 1
+        [[(a, 0.4)], [(c, 1.0)], []],  # another scale on row 0
+        [[(a, 0.4)], [(c, 1.0)], [(b, 2.0), (a, 1.0)]],  # a second slot appears
+        [[(a, 1.0)], [(b, 1.0)], []],  # the first batch again
+    ]
+    for row_pairs in batches:
+        with torch.inference_mode(), hooks.active(plan_lora_rows(row_pairs, torch.device("cpu"))):
+            out = module(x)
+        torch.testing.assert_close(out, _expected(module, x, row_pairs), rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_factors_do_not_keep_a_lora_alive_after_its_batch():
+    module = nn.Linear(6, 5)
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}))
+    hooks.ensure_hooks(["m"])
+    a, b = {"m": _layer(module, 2, 1, 1.0)}, {"m": _layer(module, 2, 2, 1.0)}
+    gone = weakref.ref(a["m"])
+    x = torch.randn(2, 6)
+    for row_pairs in ([[(a, 1.0)], [(b, 1.0)]], [[], []]):  # a mixed batch, then one without LoRAs
+        with torch.inference_mode(), hooks.active(plan_lora_rows(row_pairs, torch.device("cpu"))):
+            module(x)
+    del a
+    gc.collect()
+    assert gone() is None
