@@ -38,3 +38,10 @@ def running_replicas(app: str, deployment: str) -> list[dict]:
 def kill_replica(replica: dict) -> None:
     """Kills one replica (an entry of ``named_replicas``) for good; Serve starts a replacement."""
     ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
+
+
+def ongoing_requests(replica: dict) -> int:
+    """The requests ``replica`` holds now, running or queued in it (Serve's own count, which its routers poll;
+    answered on a thread of its own, so a busy replica answers at once)."""
+    actor = ray.get_actor(replica["name"], namespace=replica["namespace"])
+    return ray.get(actor.get_num_ongoing_requests.remote(), timeout=30)

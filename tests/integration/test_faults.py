@@ -1,55 +1,62 @@
-"""Replicas killed mid-request (a ControlNet's, the base model's): their requests get 503 with Retry-After or
-complete, within a bound; Serve replaces the replica and service resumes without any restart of ours."""
+"""Replicas killed mid-request (a ControlNet's, the base model's): the requests with work in flight on them get
+503 with Retry-After, within a bound; Serve replaces the replica and service resumes without any restart of ours."""
 
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-import ray
+from ray.exceptions import RayActorError
 
+from tests.helpers.controlnet_calls import call_controlnet, preset_controlnet_call
 from tests.helpers.images import encode_b64, square
-from tests.helpers.replicas import kill_replica, named_replicas
+from tests.helpers.replicas import kill_replica, named_replicas, ongoing_requests, running_replicas
 
 pytestmark = pytest.mark.integration
 
 
-def _controlnet_replica() -> dict:
-    """The named actor of the diffusion app's `edges` ControlNet replica (Serve names replicas per app)."""
-    replicas = [actor for actor in ray.util.list_named_actors(all_namespaces=True)
-                if "ControlNet_edges" in actor["name"] and "diffusion-cfg" not in actor["name"]
-                and "diffusion" in actor["name"]]
-    assert len(replicas) == 1, replicas
-    return replicas[0]
-
-
-def test_killed_controlnet_replica_fails_or_retries_its_request_then_recovers(http):
-    """The in-flight request gets 503 + Retry-After (a call was in flight on the dead replica) or completes (the
-    kill fell between two steps' calls and Serve sent the next one to the replacement); it never hangs."""
-    body = {"prompt": "a square", "size": "128x128", "num_inference_steps": 40, "seed": 1,
+def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_recovers(http):
+    """The `edges` replica is killed while a request's step call is queued on it behind a long direct call
+    (`@serve.batch` runs one batch at a time, so that call cannot finish first): the request gets 503 +
+    Retry-After naming `controlnets[0].name`, caused by the replica's death (not a timeout); Serve starts a
+    replacement, on which the same request then succeeds."""
+    body = {"prompt": "a square", "size": "64x64", "num_inference_steps": 2, "seed": 1,
             "controlnets": [{"name": "edges", "image": encode_b64(square())}]}
-    replica = _controlnet_replica()
-    responses = []
-    thread = threading.Thread(target=lambda: responses.append(http.post("/v1/images/generations", json=body)))
-    thread.start()
-    time.sleep(2.0)  # the request is denoising, calling the ControlNet every step
-    ray.kill(ray.get_actor(replica["name"], namespace=replica["namespace"]), no_restart=True)
-    thread.join(timeout=240)
-    assert responses, "the request hung"
-    assert responses[0].status_code in (200, 503), responses[0].text
-    if responses[0].status_code == 503:
-        assert responses[0].headers.get("retry-after") == "1"
-        assert responses[0].json()["error"]["param"] == "controlnets[0].name"
+    (replica,) = named_replicas("diffusion", "ControlNet_edges")
+    assert ongoing_requests(replica) == 0, "the replica is busy before the test"
+    long_call = preset_controlnet_call("tiny", rows=64, latent=128)  # tens of seconds of forward on CPU
+    with ThreadPoolExecutor(2) as pool:
+        held = pool.submit(call_controlnet, "diffusion", "edges", long_call, timeout_s=600)
+        _wait_for(lambda: ongoing_requests(replica) == 1, "the long call never reached the replica", held)
+        request = pool.submit(http.post, "/v1/images/generations", json=body)
+        _wait_for(lambda: ongoing_requests(replica) == 2, "the request's call never queued on the replica",
+                  held, request)
+        kill_replica(replica)
+        with pytest.raises(RayActorError):  # still running when killed, so the request's call behind it was too
+            held.result(timeout=60)
+        response = request.result(timeout=60)
+    assert response.status_code == 503, response.text
+    assert response.headers.get("retry-after") == "1"
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("controlnet_unavailable", "controlnets[0].name"), error
+    assert "ActorDiedError" in error["message"], error  # not the engine's remote_timeout_s
 
     deadline = time.monotonic() + 120
-    small = {**body, "size": "64x64", "num_inference_steps": 2}
-    while True:  # Serve starts a new replica; requests succeed again without any restart of ours
-        response = http.post("/v1/images/generations", json=small)
-        if response.status_code == 200:
-            break
-        assert time.monotonic() < deadline, response.text
+    while (after := http.post("/v1/images/generations", json=body)).status_code != 200:
+        assert after.status_code == 503, after.text
+        assert time.monotonic() < deadline, "no replacement replica answered"
         time.sleep(1.0)
-    assert _controlnet_replica() != replica
+    (replacement,) = running_replicas("diffusion", "ControlNet_edges")
+    assert replacement["name"] != replica["name"]
+
+
+def _wait_for(condition: Callable[[], bool], failure: str, *running: Future, timeout_s: float = 60.0) -> None:
+    """Polls ``condition`` until it holds; fails with ``failure`` past ``timeout_s`` or once any of ``running``
+    has ended (what the condition waits on can then no longer happen)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline and not any(future.done() for future in running), failure
+        time.sleep(0.05)
 
 
 def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(http):
