@@ -189,9 +189,9 @@ class _StackedFactors:
                 downs.append(present[0].down.new_zeros(rank, in_features))
                 ups.append(present[0].up.new_zeros(out_features, rank))
                 continue
-            pad = rank - layer.rank
-            downs.append(F.pad(layer.down * (pair[1] * layer.scale), (0, 0, 0, pad)))
-            ups.append(F.pad(layer.up, (0, pad)))
+            down, up, pad = layer.down * (pair[1] * layer.scale), layer.up, rank - layer.rank
+            downs.append(F.pad(down, (0, 0, 0, pad)) if pad else down)
+            ups.append(F.pad(up, (0, pad)) if pad else up)
         return (slot.key, slot.pairs, torch.stack(downs).transpose(1, 2).contiguous(),
                 torch.stack(ups).transpose(1, 2).contiguous())
 
