@@ -473,8 +473,10 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
         f"{payload['machine']['cpu'] if device.type == 'cpu' else payload['machine']['device']} ({where})",
         "",
         f"Commit {payload['commit']}, {payload['date']}: `{payload['command']}`. Seconds per request: median "
-        f"(min-max) of {args.repeats} interleaved runs. swiftserve runs its ControlNet, CFG worker and LoRA loads "
-        "on device 1; diffusers runs on device 0 alone.",
+        f"(min-max) of {args.repeats} interleaved runs. " + (
+            "swiftserve runs its ControlNet, CFG worker and LoRA loads on device 1; diffusers runs on device 0 alone."
+            if device.type == "cpu" else "One GPU: both systems and every swiftserve thread (ControlNet, CFG worker, "
+            "LoRA loads) share cuda:0, so nothing here runs on a second device."),
         "",
         "| row | swiftserve (s) | diffusers (s) | diffusers case | diffusers / swiftserve | tie (ranges overlap) "
         "| swiftserve / its 0c-0l |",
