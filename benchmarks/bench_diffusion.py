@@ -4,8 +4,8 @@ One core = one device (on CPU, as ``BENCHMARKING.md`` asks), every thread with o
 
 - device 0 (core 0): diffusers (the main thread); swiftserve's engine loop (UNet steps) and its stage thread
   (text encoder, VAE, PNG);
-- device 1 (core 1): swiftserve's ControlNet worker, its CFG worker (a second copy of the model) and its LoRA file
-  loads (host work, kept off device 0's core).
+- device 1 (core 1): swiftserve's ControlNet worker, its CFG worker (a second copy of the model: the unconditional
+  rows, and the lower band of the VAE decode) and its LoRA file loads (host work, kept off device 0's core).
 
 So swiftserve's ControlNet and parallel-CFG rows use two devices against diffusers' one, as Katz compare latency
 (the extra device is the technique). The pools' threads start during the warm-up and are pinned after it; the cores
@@ -211,7 +211,8 @@ class Devices:
             "device 0 (core 0)": "MainThread: diffusers; diffusion-engine-loop: swiftserve's UNet steps; "
                                  "diffusion-stage_*: its text encoder, VAE and PNG encoding",
             "device 1 (core 1)": "controlnet_*: swiftserve's ControlNet; cfg-worker_*: its CFG worker (a second "
-                                 "model copy); lora-load_*: its LoRA file loads (host work)",
+                                 "model copy: unconditional rows, the VAE decode's lower band); lora-load_*: its "
+                                 "LoRA file loads (host work)",
             "threads_after_warmup": after_warmup,
             "threads_at_end": at_end,
         }

@@ -25,6 +25,7 @@ LoRALookup = Literal["hit", "new", "shared"]
 RPCStatus = Literal["ok", "request_error", "unavailable"]
 RemotePath = Literal["cfg", "controlnet"]
 Direction = Literal["sent", "received"]
+BandOutcome = Literal["split", "fallback"]
 
 #: Bucket upper bounds (ms) for whole requests: a DLRM batch in milliseconds, an image in seconds to minutes.
 REQUEST_LATENCY_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 60_000, 120_000)
@@ -96,6 +97,12 @@ CFG_LORA_LOCAL_ROWS = MetricSpec(
     "Unconditional rows the model replica computed itself because the CFG worker had not finished loading their "
     "LoRAs (the worker computed the step's other rows).",
 )
+BAND_DECODES = MetricSpec(
+    "swiftserve_band_decodes", "counter",
+    "VAE decodes split into two row bands, the lower one on the CFG worker's device (`split`), and those the "
+    "replica decoded whole because the worker failed (`fallback`).",
+    ("outcome",),
+)
 REMOTE_BYTES = MetricSpec(
     "swiftserve_remote_bytes", "counter",
     "Bytes a replica's denoising steps moved to and from other replicas; path: cfg (the CFG worker) or "
@@ -117,7 +124,7 @@ EMBEDDING_FAILOVERS = MetricSpec(
 
 ALL_METRICS = (
     REQUEST_LATENCY, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
-    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, REMOTE_BYTES,
+    LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, BAND_DECODES, REMOTE_BYTES,
     EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
 )
 
@@ -193,6 +200,9 @@ class Metrics:
 
     def cfg_lora_local_rows(self, rows: int) -> None:
         self._record(CFG_LORA_LOCAL_ROWS, rows)
+
+    def band_decode(self, outcome: BandOutcome) -> None:
+        self._record(BAND_DECODES, 1, outcome=outcome)
 
     def remote_bytes(self, path: RemotePath, direction: Direction, nbytes: int) -> None:
         if nbytes > 0:

@@ -2,7 +2,8 @@
 runs the conditional rows. The worker is a second copy of the model on its own device: an in-process engine on a
 thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``). A step whose worker fails
 is finished by the engine alone; so are the rows a worker answers it did not compute (their LoRAs still loading
-there: the engine ``prefetch``es a request's LoRAs on the worker when the request arrives).
+there: the engine ``prefetch``es a request's LoRAs on the worker when the request arrives). Once a request is
+denoised, the worker's device also decodes the lower half of its image (``band_peer``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from serving.engine.band_decode import BOTTOM, BandPeer, GeneratorBandPeer, decode_band
 from serving.engine.rows import RowBatch
 
 if TYPE_CHECKING:
@@ -46,6 +48,11 @@ class CFGWorker(ABC):
     def prefetch(self, names: Sequence[str]) -> None:  # noqa: B027 (no-op: a worker using the engine's LoRAs)
         """Starts loading LoRAs a request arriving now will use; returns at once."""
 
+    @abstractmethod
+    def band_peer(self, latents: torch.Tensor) -> BandPeer:
+        """Starts the bottom band of the VAE decode of ``latents`` (scaled as ``vae.decode`` takes them) on the
+        worker's device (``serving.engine.band_decode``)."""
+
 
 class LocalCFGWorker(CFGWorker):
     """A second engine in this process, on its own thread (and device, when given one)."""
@@ -59,6 +66,10 @@ class LocalCFGWorker(CFGWorker):
         moved.loras = [tuple((self.engine.lora_on_device(weights), scale) for weights, scale in row)
                        for row in moved.loras]
         return self._pool.submit(lambda: WorkerNoise(self.engine.predict_noise(moved), []))
+
+    def band_peer(self, latents: torch.Tensor) -> BandPeer:
+        device = self.engine.device
+        return GeneratorBandPeer(decode_band(self.engine.vae, latents.to(device), BOTTOM), self._pool, device)
 
     def close(self) -> None:
         self._pool.shutdown()

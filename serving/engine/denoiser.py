@@ -26,6 +26,7 @@ from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
 from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall
+from serving.engine.band_decode import BandDecodeUnsupported, check_band_decodable, decode_with_peer
 from serving.engine.cfg import CFGWorker
 from serving.engine.request import LoRAActivation, PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
@@ -89,6 +90,7 @@ class DiffusionEngine:
         self.cfg_worker = cfg_worker
         self.metrics = metrics
         self._split_unet = SplitUNet(self.unet) if controlnets is not None else None
+        self._band_decodable = _band_decodable(self.vae) if cfg_worker is not None else False
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
         self._step_takes_generator = "generator" in step_parameters
@@ -236,8 +238,22 @@ class DiffusionEngine:
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> np.ndarray:
-        """The request's images as float32 [n, H, W, 3] in [0, 1]."""
-        images = self.vae.decode(state.latents / self.vae.config.scaling_factor, return_dict=False)[0]
+        """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker, its device decodes the lower
+        half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
+        latents = state.latents / self.vae.config.scaling_factor
+        images = None
+        if self._band_decodable and latents.shape[2] >= 2:
+            assert self.cfg_worker is not None
+            try:
+                images = decode_with_peer(self.vae, latents, self.cfg_worker.band_peer(latents))
+            except Exception as exc:
+                logger.warning("band decode with the CFG worker failed (%s: %s); decoding here", type(exc).__name__,
+                               exc)
+                self.metrics.band_decode("fallback")
+            else:
+                self.metrics.band_decode("split")
+        if images is None:
+            images = self.vae.decode(latents, return_dict=False)[0]
         return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
 
     # -- helpers -----------------------------------------------------------------------------------
@@ -313,6 +329,15 @@ class DiffusionEngine:
         if params.uses_cfg:
             return encoded[:params.n], encoded[params.n:]
         return encoded, None
+
+
+def _band_decodable(vae: torch.nn.Module) -> bool:
+    try:
+        check_band_decodable(vae)
+    except BandDecodeUnsupported as exc:
+        logger.info("VAE decodes whole on this replica (the CFG worker cannot take a band): %s", exc)
+        return False
+    return True
 
 
 def _lora_deadline(params: GenerationParams, lora_wait_fraction: float) -> int:

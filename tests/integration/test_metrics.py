@@ -27,6 +27,7 @@ from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.metrics import (
     ALL_METRICS,
+    BAND_DECODES,
     BATCH_SIZE,
     CFG_LOCAL_FALLBACKS,
     CFG_LORA_LOCAL_ROWS,
@@ -68,6 +69,7 @@ EXPECTED: list[tuple[MetricSpec, dict[str, str]]] = [
     (REMOTE_BYTES, {"application": "diffusion", "path": "controlnet", "direction": "received"}),
     (REMOTE_BYTES, {"application": "diffusion-cfg", "path": "cfg", "direction": "sent"}),
     (REMOTE_BYTES, {"application": "diffusion-cfg", "path": "cfg", "direction": "received"}),
+    (BAND_DECODES, {"application": "diffusion-cfg", "outcome": "split"}),  # the worker decoded the lower band
     (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "0", "method": "Lookup", "status": "ok"}),
     (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "1", "method": "Lookup", "status": "ok"}),
 ]

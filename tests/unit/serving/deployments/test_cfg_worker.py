@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from serving.common.metrics import (
+    BAND_DECODES,
     CFG_LOCAL_FALLBACKS,
     CFG_LORA_LOCAL_ROWS,
     NO_METRICS,
@@ -26,11 +27,12 @@ from serving.deployments.batching import forward_by_shape
 from serving.deployments.cfg_worker import CFGWorkerCore, ServeCFGWorker
 from serving.deployments.transport import ResolvedTensors
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LoRASpec
+from serving.engine.request import RequestState
 from serving.engine.rows import RowBatch
 from serving.lora import LoRACache, LoRARegistry
 from serving.presets import build_preset
 from tests.helpers.denoising import denoise_together, loaded_lora
-from tests.helpers.fake_serve import FakeHandle, FakeStore
+from tests.helpers.fake_serve import FakeHandle, FakeQueue, FakeStore, FakeStreamMethod
 from tests.helpers.held_loras import TIMEOUT_S, held_loader
 from tests.helpers.lora_files import write_lora
 
@@ -61,9 +63,11 @@ def _cache(engine: DiffusionEngine, lora_dir: Path, **kwargs) -> LoRACache:
 
 def _worker(core: CFGWorkerCore, store: FakeStore,
             metrics: Metrics = NO_METRICS) -> tuple[ServeCFGWorker, FakeHandle]:
-    """A model replica's client of ``core``, each call answered at once."""
-    handle = FakeHandle(predict=lambda wire: core.forward([wire])[0], prefetch=core.prefetch)
-    return ServeCFGWorker(handle, 30.0, metrics, put=store.put), handle
+    """A model replica's client of ``core``, each call answered at once (a band decode streamed)."""
+    handle = FakeHandle(predict=lambda wire: core.forward([wire])[0], prefetch=core.prefetch,
+                        decode_band=FakeStreamMethod(lambda session, latents, queue: core.band_steps(
+                            session, latents, queue, TIMEOUT_S)))
+    return ServeCFGWorker(handle, 30.0, metrics, put=store.put, band_queue=FakeQueue), handle
 
 
 def _denoise(engine: DiffusionEngine, requests: Sequence[tuple[GenerationParams, bool]],
@@ -188,3 +192,47 @@ def test_remote_bytes_count_the_step_arrays_each_put_and_the_noise_back():
     assert sink.total(REMOTE_BYTES, path="cfg", direction="received") == sum(
         answer.noise.nbytes for answer in handle.predict.answers) > 0
     assert not sink.records(REMOTE_BYTES, path="controlnet")
+
+
+def _denoised(engine: DiffusionEngine) -> RequestState:
+    state = engine.start(_params(width=64, height=48, num_inference_steps=2))
+    while not state.done:
+        engine.step([state])
+    return state
+
+
+def _decoded_whole(engine: DiffusionEngine, state: RequestState) -> np.ndarray:
+    """The images ``engine.decode`` gives without a band decode: ``vae.decode`` of all rows at once."""
+    with torch.inference_mode():
+        images = engine.vae.decode(state.latents / engine.vae.config.scaling_factor, return_dict=False)[0]
+    return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).numpy()
+
+
+def test_the_worker_decodes_the_lower_band_of_a_denoised_image_streamed_back():
+    store, sink = FakeStore(), InMemorySink()
+    metrics = Metrics(sink)
+    worker, handle = _worker(CFGWorkerCore(_engine(), None, ResolvedTensors(get=store.get)), store, metrics)
+    engine = _engine(cfg_worker=worker, metrics=metrics)
+    state = _denoised(engine)
+    np.testing.assert_allclose(engine.decode(state), _decoded_whole(engine, state), atol=1e-5)
+    assert len(handle.decode_band.calls) == 1
+    assert sink.total(BAND_DECODES, outcome="split") == 1 and not sink.records(BAND_DECODES, outcome="fallback")
+
+
+def test_a_worker_failing_in_the_middle_of_a_band_leaves_the_replica_to_decode_the_whole_image():
+    store, sink = FakeStore(), InMemorySink()
+    core = CFGWorkerCore(_engine(), None, ResolvedTensors(get=store.get))
+
+    async def failing(session, latents, queue):
+        steps = core.band_steps(session, latents, queue, TIMEOUT_S)
+        yield await anext(steps)  # the first sync; the worker dies before the second
+        raise RuntimeError("worker died")
+
+    handle = FakeHandle(predict=lambda wire: core.forward([wire])[0], decode_band=FakeStreamMethod(failing))
+    metrics = Metrics(sink)
+    engine = _engine(cfg_worker=ServeCFGWorker(handle, 30.0, metrics, put=store.put, band_queue=FakeQueue),
+                     metrics=metrics)
+    state = _denoised(engine)
+    np.testing.assert_allclose(engine.decode(state), _decoded_whole(engine, state), atol=1e-5)
+    assert len(handle.decode_band.calls) == 1
+    assert sink.total(BAND_DECODES, outcome="fallback") == 1 and not sink.records(BAND_DECODES, outcome="split")
