@@ -90,7 +90,7 @@ class DiffusionEngine:
         self.cfg_worker = cfg_worker
         self.metrics = metrics
         self._split_unet = SplitUNet(self.unet) if controlnets is not None else None
-        self._band_decodable = _band_decodable(self.vae) if cfg_worker is not None else False
+        self._band_decodable = _band_decodable(self.vae)  # with a CFG worker, set now or later
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
         self._step_takes_generator = "generator" in step_parameters
@@ -242,8 +242,7 @@ class DiffusionEngine:
         half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
         latents = state.latents / self.vae.config.scaling_factor
         images = None
-        if self._band_decodable and latents.shape[2] >= 2:
-            assert self.cfg_worker is not None
+        if self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2:
             try:
                 images = decode_with_peer(self.vae, latents, self.cfg_worker.band_peer(latents))
             except Exception as exc:
@@ -335,7 +334,7 @@ def _band_decodable(vae: torch.nn.Module) -> bool:
     try:
         check_band_decodable(vae)
     except BandDecodeUnsupported as exc:
-        logger.info("VAE decodes whole on this replica (the CFG worker cannot take a band): %s", exc)
+        logger.info("this VAE decodes whole, also with a CFG worker: %s", exc)
         return False
     return True
 

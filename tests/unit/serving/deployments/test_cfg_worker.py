@@ -212,7 +212,8 @@ def test_the_worker_decodes_the_lower_band_of_a_denoised_image_streamed_back():
     store, sink = FakeStore(), InMemorySink()
     metrics = Metrics(sink)
     worker, handle = _worker(CFGWorkerCore(_engine(), None, ResolvedTensors(get=store.get)), store, metrics)
-    engine = _engine(cfg_worker=worker, metrics=metrics)
+    engine = _engine(metrics=metrics)
+    engine.cfg_worker = worker  # attached after the engine was built, as bench_diffusion switches it
     state = _denoised(engine)
     np.testing.assert_allclose(engine.decode(state), _decoded_whole(engine, state), atol=1e-5)
     assert len(handle.decode_band.calls) == 1
