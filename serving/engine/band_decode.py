@@ -154,11 +154,6 @@ def decode_with_peer(vae: nn.Module, latents: torch.Tensor, peer: BandPeer) -> t
         peer.close()
 
 
-def decode_in_two_bands(vae: nn.Module, latents: torch.Tensor) -> torch.Tensor:
-    """``vae.decode(latents)`` as two bands in this thread: the reference of every other way to run them."""
-    return decode_with_peer(vae, latents, GeneratorBandPeer(decode_band(vae, latents, BOTTOM)))
-
-
 def next_step(band: BandGenerator, received: BandSync) -> BandStep:
     """Resumes ``band`` with the neighbour's sync: its next sync, or its rows once it has finished."""
     try:

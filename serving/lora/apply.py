@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,9 @@ class LoRASlot:
 
     pairs: list[tuple[Mapping[str, LoRALayer], float] | None]
 
-    @property
+    @functools.cached_property
     def key(self) -> tuple:
+        """What the slot's stacked factors depend on (computed once per plan, read by every hooked module)."""
         return tuple(None if pair is None else (id(pair[0]), pair[1]) for pair in self.pairs)
 
 
@@ -158,30 +160,29 @@ class _StackedFactors:
     when a forward needs none, so they never keep a LoRA alive past its batch."""
 
     def __init__(self) -> None:
-        # (module, slot index) -> (slot key, the slot's pairs (keeping the ids in the key alive), downs^T, ups^T)
-        self._entries: dict[tuple[str, int], tuple] = {}
+        self._entries: dict[tuple[str, int], _Stacked] = {}  # (module, slot index) -> its stacked factors
 
     def add_delta(self, name: str, index: int, slot: LoRASlot, x: torch.Tensor,
                   output: torch.Tensor) -> torch.Tensor:
         """``output`` plus each row's ``strength * up @ down @ x`` for the slot's LoRA on ``name``."""
         entry = self._entries.get((name, index))
-        if entry is None or entry[0] != slot.key:
+        if entry is None or entry.key != slot.key:
             entry = self._entries[(name, index)] = self._stack(name, slot, x.shape[-1], output.shape[-1])
-        if entry[2] is None:  # no row's LoRA in this slot targets the module
+        if entry.downs_t is None or entry.ups_t is None:  # no row's LoRA in this slot targets the module
             return output
         rows = x.shape[0]
-        hidden = torch.bmm(x.reshape(rows, -1, x.shape[-1]), entry[2])
-        return torch.baddbmm(output.reshape(rows, -1, output.shape[-1]), hidden, entry[3]).view(output.shape)
+        hidden = torch.bmm(x.reshape(rows, -1, x.shape[-1]), entry.downs_t)
+        return torch.baddbmm(output.reshape(rows, -1, output.shape[-1]), hidden, entry.ups_t).view(output.shape)
 
     def clear(self) -> None:
         self._entries.clear()
 
     @staticmethod
-    def _stack(name: str, slot: LoRASlot, in_features: int, out_features: int) -> tuple:
+    def _stack(name: str, slot: LoRASlot, in_features: int, out_features: int) -> _Stacked:
         layers = [pair[0].get(name) if pair is not None else None for pair in slot.pairs]
         present = [layer for layer in layers if layer is not None]
         if not present:
-            return (slot.key, slot.pairs, None, None)
+            return _Stacked(slot.key, slot.pairs, None, None)
         rank = max(layer.rank for layer in present)
         downs, ups = [], []
         for pair, layer in zip(slot.pairs, layers, strict=True):
@@ -192,8 +193,17 @@ class _StackedFactors:
             down, up, pad = layer.down * (pair[1] * layer.scale), layer.up, rank - layer.rank
             downs.append(F.pad(down, (0, 0, 0, pad)) if pad else down)
             ups.append(F.pad(up, (0, pad)) if pad else up)
-        return (slot.key, slot.pairs, torch.stack(downs).transpose(1, 2).contiguous(),
-                torch.stack(ups).transpose(1, 2).contiguous())
+        return _Stacked(slot.key, slot.pairs, torch.stack(downs).transpose(1, 2).contiguous(),
+                        torch.stack(ups).transpose(1, 2).contiguous())
+
+
+class _Stacked(NamedTuple):
+    """One module's stacked factors for one slot: ``None`` when no row's LoRA in the slot targets the module."""
+
+    key: tuple  # the slot's key when they were built
+    pairs: list  # the slot's pairs, keeping the layer objects (whose ids are in ``key``) alive
+    downs_t: torch.Tensor | None  # [rows, in, rank], each row's down scaled by its strength
+    ups_t: torch.Tensor | None  # [rows, rank, out]
 
 
 class LoRAHooks:

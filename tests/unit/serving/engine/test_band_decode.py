@@ -17,10 +17,14 @@ from serving.engine.band_decode import (
     band_rows,
     check_band_decodable,
     decode_band,
-    decode_in_two_bands,
     decode_with_peer,
 )
 from serving.presets import build_preset
+
+
+def decode_in_two_bands(vae: AutoencoderKL, latents: torch.Tensor) -> torch.Tensor:
+    """``vae.decode(latents)`` as two bands in this thread."""
+    return decode_with_peer(vae, latents, GeneratorBandPeer(decode_band(vae, latents, BOTTOM)))
 
 
 def _vae(seed: int = 0) -> AutoencoderKL:
