@@ -1,156 +1,441 @@
-"""Disaggregated DLRM serving against the monolithic baseline, same model, same total CPUs, one run.
+"""Disaggregated DLRM serving against the monolithic baseline: same cores, scale-out memory, cache, dense memory.
 
-``criteo-kaggle`` preset (33.76M rows, 2.2 GB of FP32 tables). One Ray cluster of ``--cpus`` CPUs hosts one
-system at a time:
+Sections (``--sections``, default all), every system deployed as a Serve app of ``disagg.app:build_app`` in one
+Ray cluster on this machine, requests sent through the ingress handles (``infer``; both sides skip HTTP alike):
 
-- monolithic: one ``MonolithicDLRM`` replica with every CPU (all tables and the MLPs);
-- disaggregated: one ``DisaggregatedDLRM`` dense replica (half the CPUs) and ``--shards`` embedding shards
-  (gRPC servers, the other half shared among them).
+- ``same_cores``: monolithic (one replica, ``--threads`` torch threads) against disaggregated with float32 and
+  float16 rows on the wire (one dense replica with ``--threads`` threads, ``--shards`` shards of one thread each,
+  cache ``--cache-fraction`` of the table bytes), all on the same cores. Per batch size: p50/p99 of sequential
+  requests, then rows/s with ``--clients`` callers for ``--seconds``; gRPC bytes per request. Systems interleaved,
+  ``--repeats`` rounds.
+- ``scale_out``: N monolithic replicas (each holds every table) against N dense replicas sharing one shard set,
+  N in ``--replicas``: total RSS / USS / PSS of every process of each app, rows/s at ``--scale-batch``, rows/s
+  per GiB of RSS.
+- ``cache``: disaggregated with the cache at ``--cache-fractions`` of the table bytes (LRU and LFU): hit rate and
+  rows/s at ``--cache-batch`` under the Zipf generator.
+- ``dense_memory``: the dense replica's RSS/USS as tables grow (``--memory-presets``), against an idle replica's
+  (the process floor) and the dense parameter bytes.
+- ``quality``: AUC of the trained tiny model on held-out click logs with tables stored float16 / int8 and rows
+  sent float16 / bfloat16, against float32 (in-process, the same code the shards and dense replicas run).
 
-Requests come from the synthetic generator (power-law ids, one-hot) and go through the deployments' handles
-(``infer``), so both sides skip the same HTTP layer. Per batch size: p50/p99 latency of sequential requests,
-then throughput with ``--clients`` concurrent callers (saturation); for the disaggregated side also gRPC bytes
-per request; finally the RSS of the dense replica against the embedding bytes. Writes
-``benchmarks/results/bench_dlrm.{json,md}``.
+Writes ``benchmarks/results/bench_dlrm.{json,md}``.
 
-    .venv/bin/python -m benchmarks.bench_dlrm [--batches 1 32 256 2048] [--requests 40] [--clients 8]
+    .venv/bin/python -m benchmarks.bench_dlrm [--preset criteo-kaggle] [--sections same_cores scale_out ...]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+import psutil
 import ray
+import torch
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config
-from benchmarks.common import machine, write_results
+from benchmarks.common import machine, provenance, ranges_overlap, write_results
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
+from serving.common.memory import serve_processes
 from serving.common.net import free_port
 
-APP = "dlrm-bench"
+GiB = 2**30
+MODES = ("monolithic", "disaggregated")
 
 
-def deploy(serving: str, args: argparse.Namespace, http_port: int) -> DeploymentHandle:
-    """The app under test, sized to ``args.cpus`` in total, deployed as a Serve config; its ingress handle."""
-    threads = args.dense_threads if serving == "disaggregated" else None
-    if serving == "monolithic":
-        cpus = {"MonolithicDLRM": args.cpus}
-    else:  # half for the dense replica, half shared by the shards
-        cpus = {"DisaggregatedDLRM": args.cpus / 2, "ShardDirectory": 0,
-                **{f"EmbeddingShard_{i}": args.cpus / 2 / args.shards for i in range(args.shards)}}
-    config = ServeDeploySchema.model_validate({
-        "http_options": {"host": "127.0.0.1", "port": http_port},
-        "applications": [{
-            "name": APP, "route_prefix": "/v2", "import_path": "disagg.app:build_app",
-            "args": {"model": {"preset": args.preset, "torch_threads": threads}, "serving": serving,
-                     "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0}},
-            "deployments": [{"name": name, "ray_actor_options": {"num_cpus": n}} for name, n in cpus.items()],
-        }],
-    })
-    deploy_serve_config(config, timeout_s=900)
+# -- deployment ----------------------------------------------------------------------------------------------------
+
+def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str | None = None, replicas: int = 1,
+               wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru") -> dict[str, Any]:
+    """One app of the Serve config: ``name`` at ``/<name>/v2``."""
+    spec = preset_spec(preset or args.preset)
+    table_bytes = spec.total_rows * spec.embedding_dim * 4
     ingress = "MonolithicDLRM" if serving == "monolithic" else "DisaggregatedDLRM"
-    return serve.get_deployment_handle(ingress, app_name=APP)
+    deployments = [{"name": ingress, "num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.01}}]
+    if serving == "disaggregated":
+        deployments += [{"name": f"EmbeddingShard_{i}", "ray_actor_options": {"num_cpus": 0.01}}
+                        for i in range(args.shards)]
+    return {
+        "name": name, "route_prefix": f"/{name}/v2", "import_path": "disagg.app:build_app",
+        "args": {
+            "model": {"preset": preset or args.preset, "torch_threads": args.threads, "weights": "seeded"},
+            "serving": serving,
+            "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
+                          "torch_threads": 1, "wire_dtype": wire,
+                          "cache": {"max_bytes": int(cache_fraction * table_bytes), "policy": policy}},
+            "batching": {"max_batch_size": 8},
+        },
+        "deployments": deployments,
+    }
 
 
-def latency(handle, batches: list, repeats: int) -> dict[str, float]:
-    seconds = []
-    for dense, sparse in batches[:repeats]:
+def deploy(apps: list[dict[str, Any]], http_port: int) -> dict[str, DeploymentHandle]:
+    """Deploys ``apps`` (replacing what runs); the ingress handle of each by app name."""
+    config = ServeDeploySchema.model_validate({"http_options": {"host": "127.0.0.1", "port": http_port},
+                                               "applications": apps})
+    deploy_serve_config(config, timeout_s=1800)
+    return {app["name"]: serve.get_deployment_handle(app["deployments"][0]["name"], app_name=app["name"])
+            for app in apps}
+
+
+def app_memory(app: str) -> dict[str, float]:
+    """Total RSS, USS and PSS (bytes) of every replica process of ``app``."""
+    totals = {"rss": 0, "uss": 0, "pss": 0, "processes": 0}
+    for title, process in serve_processes().items():
+        if title.startswith(f"ServeReplica:{app}:"):
+            info = process.memory_full_info()
+            totals["rss"] += info.rss
+            totals["uss"] += info.uss
+            totals["pss"] += info.pss
+            totals["processes"] += 1
+    return totals
+
+
+# -- load ----------------------------------------------------------------------------------------------------------
+
+class Outcomes:
+    """Rows answered and errors seen by concurrent callers."""
+
+    def __init__(self) -> None:
+        self.rows = 0
+        self.errors: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def add(self, rows: int = 0, error: BaseException | None = None) -> None:
+        with self._lock:
+            self.rows += rows
+            if error is not None:
+                self.errors[type(error).__name__] = self.errors.get(type(error).__name__, 0) + 1
+
+
+def latency(handle: DeploymentHandle, batches: list, seconds: float) -> dict[str, Any]:
+    """Sequential requests for ``seconds`` (at least 20): p50 and p99 (the maximum when under 100 samples)."""
+    durations, outcomes = [], Outcomes()
+    deadline = time.perf_counter() + seconds
+    index = 0
+    while time.perf_counter() < deadline or len(durations) < 20:
+        dense, sparse = batches[index % len(batches)]
+        index += 1
         started = time.perf_counter()
-        handle.infer.remote(dense, sparse).result(timeout_s=120)
-        seconds.append(time.perf_counter() - started)
-    return {"p50_ms": 1e3 * float(np.percentile(seconds, 50)), "p99_ms": 1e3 * float(np.percentile(seconds, 99))}
+        try:
+            handle.infer.remote(dense, sparse).result(timeout_s=120)
+        except Exception as error:  # counted apart, never a success
+            outcomes.add(error=error)
+            continue
+        durations.append(time.perf_counter() - started)
+    return {"p50_ms": 1e3 * float(np.percentile(durations, 50)), "p99_ms": 1e3 * float(np.percentile(durations, 99)),
+            "samples": len(durations), "errors": outcomes.errors}
 
 
-def throughput(handle, batches: list, clients: int) -> float:
-    """Rows per second with ``clients`` callers each sending its next request as soon as one returns."""
+def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: float) -> dict[str, Any]:
+    """Rows per second with ``clients`` callers, each sending its next request when one returns, for ``seconds``."""
+    outcomes = Outcomes()
+    deadline = time.perf_counter() + seconds
+
+    def client(offset: int) -> None:
+        index = offset
+        while time.perf_counter() < deadline:
+            dense, sparse = batches[index % len(batches)]
+            index += clients
+            try:
+                handle.infer.remote(dense, sparse).result(timeout_s=300)
+                outcomes.add(rows=dense.shape[0])
+            except Exception as error:
+                outcomes.add(error=error)
+
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(lambda batch: handle.infer.remote(*batch).result(timeout_s=300), batches))
-    return sum(dense.shape[0] for dense, _ in batches) / (time.perf_counter() - started)
+        list(pool.map(client, range(clients)))
+    return {"rows_per_s": outcomes.rows / (time.perf_counter() - started), "errors": outcomes.errors}
 
 
-def grpc_bytes(handle) -> int:
+def grpc_bytes(handle: DeploymentHandle) -> int:
     stats = handle.embedding_stats.remote().result(timeout_s=30)
     return sum(shard.bytes_sent + shard.bytes_received for shard in stats.values())
 
 
-def measure(serving: str, args: argparse.Namespace, workload: dict[int, list], http_port: int) -> dict:
-    handle = deploy(serving, args, http_port)
-    result: dict = {"batches": {}}
-    for rows, batches in workload.items():
-        handle.infer.remote(*batches[0]).result(timeout_s=300)  # warm-up
-        before = grpc_bytes(handle) if serving == "disaggregated" else 0
-        entry = latency(handle, batches, args.requests)
-        if serving == "disaggregated":
-            entry["grpc_bytes_per_request"] = (grpc_bytes(handle) - before) / min(args.requests, len(batches))
-        entry["rows_per_s"] = throughput(handle, batches, args.clients)
-        result["batches"][rows] = entry
-        print(serving, rows, entry, flush=True)
-    memory = handle.memory_report.remote().result(timeout_s=60)
-    result["ingress_rss_bytes"], result["ingress_uss_bytes"] = memory.rss_bytes, memory.uss_bytes
-    serve.delete(APP)
-    return result
+def cache_counts(handle: DeploymentHandle) -> tuple[int, int]:
+    stats = handle.cache_stats.remote().result(timeout_s=30)
+    return sum(hits for hits, _ in stats.values()), sum(lookups for _, lookups in stats.values())
+
+
+def median_range(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+# -- sections ------------------------------------------------------------------------------------------------------
+
+def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
+    systems = {"monolithic": {"serving": "monolithic"},
+               "disagg_fp32": {"serving": "disaggregated", "wire": "float32", "cache_fraction": args.cache_fraction},
+               "disagg_fp16": {"serving": "disaggregated", "wire": "float16", "cache_fraction": args.cache_fraction}}
+    handles = deploy([app_config(name.replace("_", "-"), args, **options) for name, options in systems.items()], port)
+    handles = {name: handles[name.replace("_", "-")] for name in systems}
+    rows: dict[str, dict[int, dict[str, list]]] = {name: {} for name in systems}
+    for batch in args.batches:
+        batches = workload(batch)
+        for handle in handles.values():
+            handle.infer.remote(*batches[0]).result(timeout_s=300)  # warm-up
+        for repeat in range(args.repeats):
+            order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
+            for name in order:
+                handle = handles[name]
+                entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "rows_per_s": [],
+                                                      "bytes_per_request": [], "errors": []})
+                before = grpc_bytes(handle) if name != "monolithic" else 0
+                measured = latency(handle, batches, args.latency_seconds)
+                if name != "monolithic":
+                    entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
+                served = throughput(handle, batches, args.clients, args.seconds)
+                entry["p50_ms"].append(measured["p50_ms"])
+                entry["p99_ms"].append(measured["p99_ms"])
+                entry["rows_per_s"].append(served["rows_per_s"])
+                entry["errors"].append({**measured["errors"], **served["errors"]})
+                print("same_cores", name, batch, repeat, {k: v[-1] for k, v in entry.items() if v}, flush=True)
+    serve.shutdown()
+    return rows
+
+
+def scale_out(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
+    results: dict[str, dict[int, dict[str, Any]]] = {mode: {} for mode in MODES}
+    batches = workload(args.scale_batch)
+    for replicas in args.replicas:
+        names = {mode: f"scale-{mode[:4]}" for mode in MODES}
+        handles = deploy([app_config(names[mode], args, serving=mode, replicas=replicas) for mode in MODES], port)
+        for mode in MODES:
+            handles[names[mode]].infer.remote(*batches[0]).result(timeout_s=300)
+            results[mode][replicas] = {"memory": app_memory(names[mode]), "rows_per_s": [], "errors": []}
+        for repeat in range(args.repeats):
+            for mode in MODES if repeat % 2 == 0 else reversed(MODES):
+                served = throughput(handles[names[mode]], batches, replicas * args.clients, args.seconds)
+                results[mode][replicas]["rows_per_s"].append(served["rows_per_s"])
+                results[mode][replicas]["errors"].append(served["errors"])
+                print("scale_out", mode, replicas, repeat, served, flush=True)
+        serve.shutdown()
+    return results
+
+
+def cache_sweep(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
+    variants = {f"{policy}-{fraction:g}": (policy, fraction) for fraction in args.cache_fractions
+                for policy in (("lru",) if fraction == 0 else ("lru", "lfu"))}
+    apps = [app_config(f"cache-{i}", args, serving="disaggregated", cache_fraction=fraction, policy=policy)
+            for i, (policy, fraction) in enumerate(variants.values())]
+    handles = dict(zip(variants, deploy(apps, port).values(), strict=True))
+    batches = workload(args.cache_batch)
+    results: dict[str, dict[str, list]] = {name: {"hit_rate": [], "rows_per_s": [], "errors": []}
+                                           for name in variants}
+    for handle in handles.values():  # warm the caches with the same stream the runs use
+        for batch in batches[: args.warm_batches]:
+            handle.infer.remote(*batch).result(timeout_s=300)
+    for repeat in range(args.repeats):
+        for name in variants if repeat % 2 == 0 else reversed(variants):
+            hits_before, lookups_before = cache_counts(handles[name])
+            served = throughput(handles[name], batches, args.clients, args.seconds)
+            hits, lookups = cache_counts(handles[name])
+            results[name]["hit_rate"].append((hits - hits_before) / max(1, lookups - lookups_before))
+            results[name]["rows_per_s"].append(served["rows_per_s"])
+            results[name]["errors"].append(served["errors"])
+            print("cache", name, repeat, results[name]["hit_rate"][-1], served, flush=True)
+    serve.shutdown()
+    return results
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0.01})
+class IdleReplica:
+    """A replica that imports what a dense replica imports and holds nothing: the process floor."""
+
+    def __init__(self) -> None:
+        import disagg.deployments.disaggregated  # noqa: F401
+
+    def __call__(self) -> str:
+        return "ok"
+
+
+def dense_memory(args: argparse.Namespace, port: int) -> dict[str, Any]:
+    from disagg.partition import build_dense_part
+
+    serve.run(IdleReplica.bind(), name="floor", route_prefix="/floor")
+    floor = app_memory("floor")
+    serve.delete("floor")
+    results: dict[str, Any] = {"floor": floor, "presets": {}}
+    for preset in args.memory_presets:
+        spec = preset_spec(preset)
+        handle = deploy([app_config("dense-mem", args, serving="disaggregated", preset=preset)], port)["dense-mem"]
+        handle.infer.remote(*SyntheticRequests(spec, seed=0).batch(args.scale_batch)).result(timeout_s=300)
+        dense = build_dense_part(spec, 0).dense_part
+        memory = {title: process.memory_full_info() for title, process in serve_processes().items()
+                  if title.startswith("ServeReplica:dense-mem:DisaggregatedDLRM")}
+        info = next(iter(memory.values()))
+        results["presets"][preset] = {
+            "table_bytes": spec.total_rows * spec.embedding_dim * 4, "rss": info.rss, "uss": info.uss,
+            "dense_parameter_bytes": sum(t.numel() * t.element_size() for t in dense.parameters()),
+            "dense_buffer_bytes": sum(t.numel() * t.element_size() for t in dense.buffers()),
+        }
+        print("dense_memory", preset, results["presets"][preset], flush=True)
+        serve.shutdown()
+    return results
+
+
+def quality(args: argparse.Namespace) -> dict[str, Any]:
+    from training.precision import precision_auc
+
+    return precision_auc(rows=args.quality_rows)
+
+
+# -- report --------------------------------------------------------------------------------------------------------
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict[str, float]]:
+    lines = [f"# DLRM {args.preset}: disaggregated ({args.shards} shards) vs monolithic ({machine()['device']}, "
+             f"{psutil.cpu_count()} cores; medians of {args.repeats} interleaved runs, [min, max])", ""]
+    summary: dict[str, float] = {}
+    if same := results.get("same_cores"):
+        lines += ["## Same cores", "",
+                  f"Every system on the same {psutil.cpu_count()} cores; monolithic and dense replicas "
+                  f"{args.threads} torch threads, shards 1 each, cache {args.cache_fraction:.0%} of the table bytes; "
+                  f"{args.clients} callers for {args.seconds:g} s per throughput run.", "",
+                  "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request |",
+                  "|---|---|---|---|---|---|---|---|"]
+        worst_throughput, worst_p50 = [], []
+        for batch in args.batches:
+            mono = same["monolithic"][batch]
+            for name, entry in same.items():
+                row = entry[batch]
+                ratio = statistics.median(row["rows_per_s"]) / statistics.median(mono["rows_per_s"])
+                p50 = statistics.median(row["p50_ms"]) / statistics.median(mono["p50_ms"])
+                tie = " (tie)" if name != "monolithic" and ranges_overlap(row["rows_per_s"], mono["rows_per_s"]) \
+                    else ""
+                if name == "disagg_fp32":
+                    worst_throughput.append(ratio)
+                    worst_p50.append(p50)
+                bytes_cell = f"{statistics.median(row['bytes_per_request']):,.0f}" if row["bytes_per_request"] else "-"
+                lines.append(
+                    f"| {batch} | {name} | {_cell(row['p50_ms'])} | {_cell(row['p99_ms'])} | "
+                    f"{_cell(row['rows_per_s'], '.0f')} | {ratio:.2f}x{tie} | {p50:.2f}x | {bytes_cell} |")
+        summary["throughput_ratio_same_cores"] = min(worst_throughput)
+        summary["p50_ratio_same_cores"] = max(worst_p50)
+        lines.append("")
+    if scale := results.get("scale_out"):
+        lines += ["## Scale-out: N replicas, each monolithic one holding every table, the dense ones sharing one "
+                  "shard set", "",
+                  f"Batch {args.scale_batch}, {args.clients} callers per replica; memory is the sum over every "
+                  "replica process of the app (shards included).", "",
+                  "| N | system | RSS GiB | USS GiB | PSS GiB | rows/s | rows/s per GiB RSS |",
+                  "|---|---|---|---|---|---|---|"]
+        for replicas in args.replicas:
+            for mode in MODES:
+                entry = scale[mode][replicas]
+                memory, rate = entry["memory"], statistics.median(entry["rows_per_s"])
+                lines.append(f"| {replicas} | {mode} | {memory['rss'] / GiB:.2f} | {memory['uss'] / GiB:.2f} | "
+                             f"{memory['pss'] / GiB:.2f} | {_cell(entry['rows_per_s'], '.0f')} | "
+                             f"{rate / (memory['rss'] / GiB):.0f} |")
+        top = max(args.replicas)
+        mono, dis = scale["monolithic"][top], scale["disaggregated"][top]
+        summary[f"memory_ratio_n{top}"] = dis["memory"]["rss"] / mono["memory"]["rss"]
+        summary[f"throughput_per_gib_ratio_n{top}"] = (
+            statistics.median(dis["rows_per_s"]) / dis["memory"]["rss"]
+        ) / (statistics.median(mono["rows_per_s"]) / mono["memory"]["rss"])
+        lines.append("")
+    if cache := results.get("cache"):
+        lines += ["## Hot-embedding cache (Zipf ids)", "", f"Batch {args.cache_batch}.", "",
+                  "| cache | hit rate | rows/s |", "|---|---|---|"]
+        for name, entry in cache.items():
+            lines.append(f"| {name} | {_cell(entry['hit_rate'], '.3f')} | {_cell(entry['rows_per_s'], '.0f')} |")
+        lines.append("")
+    if memory := results.get("dense_memory"):
+        floor = memory["floor"]
+        lines += ["## Dense replica memory as the tables grow", "",
+                  f"Idle replica (the process floor): RSS {floor['rss'] / 2**20:.0f} MiB, USS "
+                  f"{floor['uss'] / 2**20:.0f} MiB.", "",
+                  "| preset | table MiB | dense RSS MiB | dense USS MiB | dense parameters MiB | "
+                  "USS over the floor MiB |",
+                  "|---|---|---|---|---|---|"]
+        for preset, entry in memory["presets"].items():
+            lines.append(f"| {preset} | {entry['table_bytes'] / 2**20:.0f} | {entry['rss'] / 2**20:.0f} | "
+                         f"{entry['uss'] / 2**20:.0f} | {entry['dense_parameter_bytes'] / 2**20:.1f} | "
+                         f"{(entry['uss'] - floor['uss']) / 2**20:.0f} |")
+        lines.append("")
+    if auc := results.get("quality"):
+        lines += ["## Quality of reduced precision (trained tiny model, held-out click logs)", "",
+                  "| tables | wire | AUC | change vs float32 | max abs prediction change |", "|---|---|---|---|---|"]
+        for entry in auc["rows"]:
+            lines.append(f"| {entry['storage']} | {entry['wire']} | {entry['auc']:.4f} | {entry['auc_change']:+.4f} | "
+                         f"{entry['max_abs_prediction_change']:.2e} |")
+        summary["auc_change_int8"] = auc["auc_change_int8"]
+        lines.append("")
+    return "\n".join(lines), summary
+
+
+def _cell(values: list[float], fmt: str = ".1f") -> str:
+    return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="criteo-kaggle")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256, 2048])
-    parser.add_argument("--requests", type=int, default=40, help="requests per batch size (latency and throughput)")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent callers in the throughput run")
+    parser.add_argument("--sections", nargs="+", default=["same_cores", "scale_out", "cache", "dense_memory",
+                                                           "quality"])
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 256, 2048])
+    parser.add_argument("--seconds", type=float, default=20.0, help="length of each throughput run")
+    parser.add_argument("--latency-seconds", type=float, default=6.0, help="length of each latency run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--clients", type=int, default=8, help="concurrent callers (per replica in scale_out)")
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--cpus", type=int, default=2, help="CPUs of the Ray cluster, for each system")
-    parser.add_argument("--dense-threads", type=int, default=None,
-                        help="torch threads of the disaggregated dense replica (default: its num_cpus, floored)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of monolithic and dense replicas")
+    parser.add_argument("--cache-fraction", type=float, default=0.05, help="dense replicas' cache in same_cores")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--scale-batch", type=int, default=256)
+    parser.add_argument("--cache-fractions", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.2])
+    parser.add_argument("--cache-batch", type=int, default=2048)
+    parser.add_argument("--warm-batches", type=int, default=20)
+    parser.add_argument("--memory-presets", nargs="+", default=["tiny", "small", "criteo-kaggle"])
+    parser.add_argument("--quality-rows", type=int, default=65536)
+    parser.add_argument("--requests", type=int, default=64, help="distinct generated requests per batch size")
+    parser.add_argument("--object-store-gib", type=float, default=2.0)
     args = parser.parse_args()
     spec = preset_spec(args.preset)
-    generator = SyntheticRequests(spec, seed=0)
-    workload = {rows: [generator.batch(rows) for _ in range(args.requests)] for rows in args.batches}
-    table_bytes = spec.total_rows * spec.embedding_dim * 4
-    ray.init(num_cpus=args.cpus, include_dashboard=False, object_store_memory=1 * 2**30)
+    generated: dict[int, list] = {}
+
+    def workload(rows: int) -> list:
+        if rows not in generated:
+            generator = SyntheticRequests(spec, seed=rows)
+            generated[rows] = [generator.batch(rows) for _ in range(args.requests)]
+        return generated[rows]
+
+    torch.set_num_threads(1)  # the benchmark process only sends requests
+    results: dict[str, Any] = {}
+    ray.init(num_cpus=psutil.cpu_count(), include_dashboard=False,
+             object_store_memory=int(args.object_store_gib * GiB))
     try:
         port = free_port()
-        results = {serving: measure(serving, args, workload, port) for serving in ("monolithic", "disaggregated")}
+        for section in args.sections:
+            if section == "same_cores":
+                results[section] = same_cores(args, workload, port)
+            elif section == "scale_out":
+                results[section] = scale_out(args, workload, port)
+            elif section == "cache":
+                results[section] = cache_sweep(args, workload, port)
+            elif section == "dense_memory":
+                results[section] = dense_memory(args, port)
+            elif section == "quality":
+                results[section] = quality(args)
+            else:
+                raise SystemExit(f"unknown section {section!r}")
     finally:
         serve.shutdown()
         ray.shutdown()
-
-    mono, disagg = results["monolithic"]["batches"], results["disaggregated"]["batches"]
-    lines = [
-        f"# DLRM {args.preset}: disaggregated ({args.shards} shards) vs monolithic, {args.cpus} CPUs each "
-        f"({machine()['device']}), {args.requests} requests per batch size, {args.clients} clients at saturation",
-        "",
-        "| batch | mono p50 ms | disagg p50 ms | p50 ratio | mono p99 ms | disagg p99 ms | mono rows/s | "
-        "disagg rows/s | throughput ratio | gRPC bytes/request |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for rows in args.batches:
-        m, d = mono[rows], disagg[rows]
-        lines.append(
-            f"| {rows} | {m['p50_ms']:.1f} | {d['p50_ms']:.1f} | {d['p50_ms'] / m['p50_ms']:.2f}x | "
-            f"{m['p99_ms']:.1f} | {d['p99_ms']:.1f} | {m['rows_per_s']:.0f} | {d['rows_per_s']:.0f} | "
-            f"{d['rows_per_s'] / m['rows_per_s']:.2f}x | {d['grpc_bytes_per_request']:,.0f} |"
-        )
-    dense, whole = results["disaggregated"], results["monolithic"]
-    lines += [
-        "",
-        f"Embedding tables: {table_bytes / 2**30:.2f} GiB. Dense replica: RSS {dense['ingress_rss_bytes'] / 2**20:.0f} "
-        f"MiB ({100 * dense['ingress_rss_bytes'] / table_bytes:.1f}% of the table bytes), unshared (USS) "
-        f"{dense['ingress_uss_bytes'] / 2**20:.0f} MiB ({100 * dense['ingress_uss_bytes'] / table_bytes:.1f}%). "
-        f"Monolithic replica: RSS {whole['ingress_rss_bytes'] / 2**20:.0f} MiB, USS "
-        f"{whole['ingress_uss_bytes'] / 2**20:.0f} MiB.",
-    ]
-    table = "\n".join(lines)
+    table, summary = report(args, results)
     print(table)
-    write_results("bench_dlrm", {"machine": machine(), "args": vars(args), "table_bytes": table_bytes,
-                                 "results": results}, table)
+    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": vars(args),
+                                 "summary": summary, "rows": results}, table)
 
 
 if __name__ == "__main__":

@@ -11,19 +11,29 @@ from serving.common.lazy import lazy_exports
 
 if TYPE_CHECKING:
     from disagg.app import build_app
-    from disagg.config import BatchingConfig, DLRMAppConfig, DLRMLimits, DLRMModelConfig, EmbeddingServiceConfig
-    from disagg.model import DLRM, build_preset, materialize_
-    from disagg.partition import (
-        EmbeddingShard,
-        Partition,
-        build_dense_part,
-        build_embedding_shard,
-        partition_embeddings,
+    from disagg.config import (
+        BatchingConfig,
+        DLRMAppConfig,
+        DLRMLimits,
+        DLRMModelConfig,
+        EmbeddingCacheConfig,
+        EmbeddingServiceConfig,
     )
-    from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
+    from disagg.embedding_cache import EmbeddingCache
+    from disagg.lookup import LocalRows, RemoteEmbeddings
+    from disagg.model import DLRM, build_preset, materialize_
+    from disagg.partition import EmbeddingLookups, Partition, build_dense_part, embedding_lookups, partition_embeddings
+    from disagg.rpc.client import (
+        EmbeddingClient,
+        EmbeddingRequestError,
+        ShardClient,
+        ShardUnavailable,
+        ShardVersionMismatch,
+    )
     from disagg.rpc.server import EmbeddingServer
     from disagg.spec import PRESETS, DLRMSpec, preset_spec
     from disagg.synthetic import SyntheticRequests
+    from disagg.tables import TableLayout, TableShard, TableSlice, build_embedding_shard
 
 _EXPORTS = {
     "BatchingConfig": "disagg.config",
@@ -31,16 +41,25 @@ _EXPORTS = {
     "DLRMLimits": "disagg.config",
     "DLRMModelConfig": "disagg.config",
     "EmbeddingServiceConfig": "disagg.config",
+    "EmbeddingCacheConfig": "disagg.config",
+    "EmbeddingCache": "disagg.embedding_cache",
+    "LocalRows": "disagg.lookup",
+    "RemoteEmbeddings": "disagg.lookup",
+    "TableLayout": "disagg.tables",
+    "TableShard": "disagg.tables",
+    "TableSlice": "disagg.tables",
+    "EmbeddingLookups": "disagg.partition",
+    "embedding_lookups": "disagg.partition",
+    "ShardVersionMismatch": "disagg.rpc.client",
     "DLRMSpec": "disagg.spec",
     "PRESETS": "disagg.spec",
     "preset_spec": "disagg.spec",
     "DLRM": "disagg.model",
     "build_preset": "disagg.model",
     "materialize_": "disagg.model",
-    "EmbeddingShard": "disagg.partition",
     "Partition": "disagg.partition",
     "build_dense_part": "disagg.partition",
-    "build_embedding_shard": "disagg.partition",
+    "build_embedding_shard": "disagg.tables",
     "partition_embeddings": "disagg.partition",
     "SyntheticRequests": "disagg.synthetic",
     "EmbeddingServer": "disagg.rpc.server",
@@ -59,19 +78,28 @@ __all__ = [
     "DLRMLimits",
     "DLRMModelConfig",
     "DLRMSpec",
+    "EmbeddingCache",
+    "EmbeddingCacheConfig",
     "EmbeddingClient",
+    "EmbeddingLookups",
     "EmbeddingRequestError",
     "EmbeddingServer",
     "EmbeddingServiceConfig",
-    "EmbeddingShard",
+    "LocalRows",
     "Partition",
+    "RemoteEmbeddings",
     "ShardClient",
     "ShardUnavailable",
+    "ShardVersionMismatch",
     "SyntheticRequests",
+    "TableLayout",
+    "TableShard",
+    "TableSlice",
     "build_app",
     "build_dense_part",
     "build_embedding_shard",
     "build_preset",
+    "embedding_lookups",
     "materialize_",
     "partition_embeddings",
     "preset_spec",

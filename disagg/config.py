@@ -6,11 +6,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from disagg.spec import PRESETS, preset_weights
+from disagg.spec import PRESETS, preset_spec, preset_weights
+
+if TYPE_CHECKING:
+    from disagg.tables import TableLayout
+
+#: How a shard stores a table: as is, half precision, or 8-bit row-wise (uint8 + fp16 scale and bias per row).
+StorageDtype = Literal["float32", "float16", "int8"]
+#: Element type of the rows on the wire.
+WireDtype = Literal["float32", "float16", "bfloat16"]
+MiB = 1024 * 1024
 
 
 class DLRMModelConfig(BaseModel):
@@ -92,6 +101,21 @@ class BatchingConfig(BaseModel):
     )
 
 
+class EmbeddingCacheConfig(BaseModel):
+    """The hot-embedding cache of each dense replica: rows of recently (LRU) or frequently (LFU) used ids, so their
+    lookups skip the RPC. Set-associative; dropped for a table when its shard reports another table version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_bytes: int = Field(
+        0, ge=0, le=2**40, description="Bytes of cached rows (with their tags) per dense replica, shared among the "
+        "tables in proportion to their sizes; 0 turns the cache off."
+    )
+    policy: Literal["lru", "lfu"] = Field("lru", description="Eviction within a set: least recently or least "
+                                          "frequently used.")
+    ways: int = Field(8, ge=1, le=64, description="Entries per set: an id can live in any of its set's ways.")
+
+
 class EmbeddingServiceConfig(BaseModel):
     """The embedding shards of a disaggregated DLRM: gRPC servers, one Serve deployment per shard (placed by the
     Serve config's `ray_actor_options.resources`). Access, TLS and the shared token: docs/DEPLOYMENT.md, "Exposing
@@ -125,6 +149,25 @@ class EmbeddingServiceConfig(BaseModel):
         "replica (shards load their tables meanwhile) before it starts anyway, not ready until they do."
     )
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads of a shard replica.")
+    row_wise_min_bytes: int | None = Field(
+        256 * MiB, ge=1, description="A table with more float32 bytes than this is split by id range over every "
+        "shard (pooled bags stay exact: rows are pooled on the dense side); null: tables are never split."
+    )
+    storage_dtype: StorageDtype = Field(
+        "float32", description="How shards store tables: `float32`, `float16`, or `int8` (row-wise, uint8 values "
+        "with a float16 scale and bias per row, as FBGEMM's inference tables); quantized tables change the "
+        "predictions slightly (docs/DEPLOYMENT.md gives the measured AUC change)."
+    )
+    table_storage: dict[str, StorageDtype] = Field(
+        default_factory=dict, description="Per-table override of `storage_dtype`, by table name (`embeddings.3`)."
+    )
+    wire_dtype: WireDtype = Field(
+        "float32", description="Element type of the rows shards send back: `float32` (bit-equal to monolithic "
+        "serving), or `float16`/`bfloat16` (half the bytes, rounded)."
+    )
+    cache: EmbeddingCacheConfig = Field(
+        default_factory=EmbeddingCacheConfig, description="Hot-embedding cache of each dense replica."
+    )
     tls_cert_file: str | None = Field(
         None, description="Absolute path of the PEM certificate chain shard servers present; set it with "
         "`tls_key_file` and `tls_ca_file` to serve TLS (none of the three: plaintext). With `tls_client_auth`, dense "
@@ -169,6 +212,13 @@ class EmbeddingServiceConfig(BaseModel):
         """Whether shard servers serve TLS."""
         return self.tls_cert_file is not None
 
+    def layout(self) -> TableLayout:
+        """How the tables are cut into shards and stored (imports torch)."""
+        from disagg.tables import TableLayout
+
+        return TableLayout(self.num_shards, row_wise_min_bytes=self.row_wise_min_bytes,
+                           storage_dtype=self.storage_dtype, table_storage=dict(self.table_storage))
+
 
 class DLRMAppConfig(BaseModel):
     """A DLRM inference application: model, serving layout, request limits and batching."""
@@ -192,3 +242,11 @@ class DLRMAppConfig(BaseModel):
     )
     limits: DLRMLimits = Field(default_factory=DLRMLimits, description="Per-request limits.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Dynamic batching.")
+
+    @model_validator(mode="after")
+    def _known_tables(self) -> DLRMAppConfig:
+        tables = [f"embeddings.{index}" for index in range(preset_spec(self.model.preset).num_tables)]
+        if unknown := sorted(set(self.embedding.table_storage) - set(tables)):
+            raise ValueError(f"embedding.table_storage: unknown table {unknown[0]!r}; the {self.model.preset} preset "
+                             f"has tables embeddings.0 to embeddings.{len(tables) - 1}")
+        return self

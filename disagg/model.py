@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain
@@ -94,7 +94,13 @@ def _generator(seed: int, module_name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def materialize_(module: nn.Module, *, seed: int, weights: str | os.PathLike | None = None) -> nn.Module:
+def materialize_(
+    module: nn.Module,
+    *,
+    seed: int,
+    weights: str | os.PathLike | None = None,
+    only: Collection[str] | None = None,
+) -> nn.Module:
     """Allocates ``module``'s meta parameters on the CPU and initialises every Linear and EmbeddingBag in place.
 
     ``module`` is a DLRM or a ``torch.fx.GraphModule`` cut from one: values depend only on ``seed`` and each
@@ -102,19 +108,31 @@ def materialize_(module: nn.Module, *, seed: int, weights: str | os.PathLike | N
     (the reference DLRM initialisation). With ``weights`` (a safetensors file holding a whole DLRM's
     ``state_dict``), every layer is read from it by the same names instead, and only the layers ``module`` holds
     are read. Parameters already on the CPU are overwritten without a second copy.
+
+    ``only`` (qualified layer names) initialises or reads just those layers, with the same values, and leaves the
+    rest as they are (on meta, say), so one table of a meta DLRM can be built alone; a name that is no Linear or
+    EmbeddingBag of ``module`` is a ValueError.
     """
+    layers = {name: layer for name, layer in module.named_modules() if isinstance(layer, nn.Linear | nn.EmbeddingBag)}
+    if only is not None:
+        unknown = sorted(set(only) - layers.keys())
+        if unknown:
+            raise ValueError(
+                f"only: {unknown} name no Linear or EmbeddingBag layer of the module; its layers: {', '.join(layers)}"
+            )
+        layers = {name: layer for name, layer in layers.items() if name in only}
     with _open_weights(weights) as trained:
-        for name, layer in module.named_modules():
-            if isinstance(layer, nn.Linear | nn.EmbeddingBag):
-                if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
-                    layer.to_empty(device="cpu", recurse=False)
-                if trained is None:
-                    _initialise(layer, _generator(seed, name))
-                else:
-                    _load(layer, name, trained)
-    left = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
-    if left:
-        raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
+        for name, layer in layers.items():
+            if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
+                layer.to_empty(device="cpu", recurse=False)
+            if trained is None:
+                _initialise(layer, _generator(seed, name))
+            else:
+                _load(layer, name, trained)
+    if only is None:
+        left = [name for name, tensor in chain(module.named_parameters(), module.named_buffers()) if tensor.is_meta]
+        if left:
+            raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
     return module
 
 

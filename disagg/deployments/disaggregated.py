@@ -1,9 +1,10 @@
-"""The dense side of disaggregated DLRM serving: API, batching, lookups fanned out to every shard, dense MLPs.
+"""The dense side of disaggregated DLRM serving: API, batching, embedding rows fetched from the shards, dense MLPs.
 
-Each batch's embedding lookups go over gRPC to all shards at once (``EmbeddingClient``), failing over between
-a shard's replicas within ``embedding.lookup_timeout_s``; meanwhile the part of the dense graph that needs no
-embedding (the DLRM bottom MLP) runs; the pooled embeddings that come back feed the rest, on CUDA when present,
-else CPU. Shard addresses come from the ``ShardDirectory``.
+Each batch's ids are deduplicated per table, hot ones answered by the replica's cache, the rest fetched over gRPC
+from the shards holding their table slices, all at once (``RemoteEmbeddings``), failing over between a shard's
+replicas within ``embedding.lookup_timeout_s``; meanwhile the part of the dense graph that needs no embedding (the
+DLRM bottom MLP) runs; the bags are pooled here and feed the rest, on CUDA when present, else CPU. Shard addresses
+come from the ``ShardDirectory``.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
+from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction, BusyMeter
 from disagg.deployments.ingress import BatchedDLRM
-from disagg.partition import build_dense_part, dense_stages
+from disagg.embedding_cache import EmbeddingCache
+from disagg.lookup import RemoteEmbeddings
+from disagg.partition import Partition, build_dense_part, dense_stages, embedding_lookups
 from disagg.rpc.client import EmbeddingClient, ShardClient, ShardStats
 from disagg.rpc.tls import channel_credentials
 from disagg.spec import preset_spec
+from disagg.tables import shard_version, weights_source
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
@@ -47,6 +52,8 @@ class DisaggregatedDLRM(BatchedDLRM):
                        shards: list[DeploymentHandle]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
         self.metrics = Metrics.for_replica()
+        self._busy = BusyMeter()  # time in the dense stages, the autoscaling metric (not time waiting for lookups)
+        self._busy_fraction = BusyFraction(self._busy.busy_seconds)
         embedding = self.config.embedding
         self.spec = preset_spec(self.config.model.preset)
         self.device = resolve_device(self.config.model.device)
@@ -56,23 +63,44 @@ class DisaggregatedDLRM(BatchedDLRM):
         partition.dense_part.to(self.device).eval()
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
-        credentials = channel_credentials(embedding)
-        self._client = EmbeddingClient([
-            ShardClient(shard.index, [], input_names=shard.input_names, max_message_bytes=embedding.max_message_bytes,
-                        credentials=credentials, server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
-                        metrics=self.metrics)
-            for shard in partition.shards(embedding.num_shards)
-        ])
-        self._rows_per_lookup = self._lookup_chunk_rows()
+        self._embeddings = await asyncio.to_thread(self._remote_embeddings, partition)
         self._directory, self._shard_handles = directory, shards
         self._apply_batching(self.config.batching)
         await self._wait_for_every_shard(embedding.startup_timeout_s)
         self._discovery = asyncio.create_task(self._discover_forever())
         dense_bytes = sum(t.numel() * t.element_size() for t in partition.dense_part.parameters())
+        cache = self._embeddings.cache
         logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d weights=%s device=%s dense bytes=%s over %d "
-                    "shards %s", self.config.model_name, self.config.model.preset, self.config.model.seed,
-                    self.config.model.weights_path(), self.device,
-                    f"{dense_bytes:,}", embedding.num_shards, placement())
+                    "shards, wire %s, cache %s %s", self.config.model_name, self.config.model.preset,
+                    self.config.model.seed, self.config.model.weights_path(), self.device, f"{dense_bytes:,}",
+                    embedding.num_shards, embedding.wire_dtype,
+                    "off" if cache is None else f"{cache.nbytes:,} bytes {embedding.cache.policy}", placement())
+
+    def _remote_embeddings(self, partition: Partition) -> RemoteEmbeddings:
+        """The lookup path: shard clients expecting the table versions this replica's config implies, the cache."""
+        embedding, model = self.config.embedding, self.config.model
+        layout = embedding.layout()
+        lookups = embedding_lookups(partition)
+        plan = layout.plan(lookups.tables)
+        source = weights_source(model.seed, model.weights_path())
+        credentials = channel_credentials(embedding)
+        client = EmbeddingClient([
+            ShardClient(index, [], input_names=[piece.name for piece in slices],
+                        max_message_bytes=embedding.max_message_bytes, credentials=credentials,
+                        server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
+                        expected_version=shard_version(source, slices, layout), metrics=self.metrics)
+            for index, slices in enumerate(plan)
+        ])
+        cache = embedding.cache
+        embeddings = RemoteEmbeddings(
+            lookups, plan, client, wire_dtype=embedding.wire_dtype, max_message_bytes=embedding.max_message_bytes,
+            cache=EmbeddingCache(lookups.tables, max_bytes=cache.max_bytes, policy=cache.policy, ways=cache.ways)
+            if cache.max_bytes else None,
+            metrics=self.metrics,
+        )
+        embeddings.drop_cached_on_new_versions(client)
+        self._client = client
+        return embeddings
 
     def ready(self) -> bool:
         """Every shard has at least one known replica."""
@@ -107,29 +135,26 @@ class DisaggregatedDLRM(BatchedDLRM):
         return late.cpu()
 
     async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pooled embeddings of a batch; lookups larger than the message limit go as concurrent row chunks. The
-        client's errors carry their HTTP answer (503 for an unavailable shard)."""
-        rows = next(iter(inputs.values())).shape[0]
-        starts = range(0, rows, self._rows_per_lookup)
-        timeout_s = self.config.embedding.lookup_timeout_s
-        chunks = await asyncio.gather(*(
-            self._client.lookup({name: t[start:start + self._rows_per_lookup] for name, t in inputs.items()},
-                                timeout_s=timeout_s)
-            for start in starts
-        ))
-        return {name: torch.cat([chunk[name] for chunk in chunks]) for name in chunks[0]}
+        """Pooled embeddings of a batch; the client's errors carry their HTTP answer (503 for an unavailable
+        shard)."""
+        return await self._embeddings(inputs, timeout_s=self.config.embedding.lookup_timeout_s)
+
+    async def cache_stats(self) -> dict[str, tuple[int, int]]:
+        """Per table: hot-embedding cache hits and lookups (unique ids) since this replica started; {} when off."""
+        cache = self._embeddings.cache
+        return {} if cache is None else cache.stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (``BusyTimePolicy``): the share of time since the previous call spent
+        in the dense stages."""
+        return {BUSY_METRIC: self._busy_fraction.fraction()}
 
     def _run(self, stage: torch.fx.GraphModule, inputs: dict[str, torch.Tensor]) -> Any:
-        with torch.inference_mode():
-            return stage(**{name: tensor.to(self.device) for name, tensor in inputs.items()})
-
-    def _lookup_chunk_rows(self) -> int:
-        """Rows per lookup so that a request (ids, up to ``max_ids_per_feature`` each) and its response (pooled
-        float32 vectors) both stay within half the gRPC message limit."""
-        spec, limits = self.spec, self.config.limits
-        request_row = spec.num_tables * limits.max_ids_per_feature * 8
-        response_row = spec.num_tables * spec.embedding_dim * 4
-        return max(1, self.config.embedding.max_message_bytes // 2 // max(request_row, response_row))
+        with self._busy, torch.inference_mode():
+            outputs = stage(**{name: tensor.to(self.device) for name, tensor in inputs.items()})
+            if self.device.type == "cuda":  # busy until the kernels finish, not just until they are launched
+                torch.cuda.current_stream(self.device).synchronize()
+            return outputs
 
     async def _wait_for_every_shard(self, timeout_s: float) -> None:
         """Until every shard has announced a replica (shards load their tables while this replica starts), at

@@ -14,10 +14,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
-from disagg.partition import build_embedding_shard
+from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction
 from disagg.rpc.server import EmbeddingServer, exposure_problem, host_port
 from disagg.rpc.tls import server_tls
 from disagg.spec import preset_spec
+from disagg.tables import build_embedding_shard
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.logging import get_logger
 
@@ -53,7 +54,8 @@ class ShardDirectory:
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.25})
 class EmbeddingShardServer:
-    """One replica of one table-wise shard: builds only its own tables and serves them over gRPC."""
+    """One replica of one shard: builds only its own table slices (``embedding.layout()``) and serves them over
+    gRPC."""
 
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
                        directory: DeploymentHandle) -> None:
@@ -64,26 +66,32 @@ class EmbeddingShardServer:
             raise ValueError(f"embedding.bind_host ({embedding.bind_host}): {problem}")
         tls = server_tls(embedding)
         shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
-                                        shard_index, embedding.num_shards, config.model.weights_path())
+                                        shard_index, embedding.layout(), config.model.weights_path())
         self._server = EmbeddingServer(
             shard, model=config.model.preset, num_shards=embedding.num_shards, host=host, port=0,
             max_message_bytes=embedding.max_message_bytes, torch_threads=embedding.torch_threads,
             tls=tls, token=EMBEDDING_TOKEN,
         )
         port = await self._server.start()
+        self._busy = BusyFraction(lambda: self._server.busy_seconds)
         self._address = host_port(ray.util.get_node_ip_address(), port) if host in _WILDCARDS else self._server.address
         self._shard_index = shard_index
         self._directory = directory
         self._ttl_s = 3 * embedding.discovery_period_s
         await self._announce()
-        logger.info("embedding shard %d/%d of %s (seed %d, weights %s) serving %d tables (%s bytes) on %s (%s), "
-                    "node %s", shard_index, embedding.num_shards, config.model.preset, config.model.seed,
-                    config.model.weights_path(), len(shard.output_names), f"{shard.parameter_bytes:,}",
-                    self._server.address, self._server.security,
+        logger.info("embedding shard %d/%d of %s (seed %d, weights %s, version %s) serving %d table slices (%s "
+                    "bytes) on %s (%s), node %s", shard_index, embedding.num_shards, config.model.preset,
+                    config.model.seed, config.model.weights_path(), shard.version[:12], len(shard.slices),
+                    f"{shard.parameter_bytes:,}", self._server.address, self._server.security,
                     ray.get_runtime_context().get_node_id()[:8])
 
     async def _announce(self) -> None:
         await self._directory.announce.remote(self._shard_index, self._address, self._ttl_s)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (``BusyTimePolicy``): the share of time since the previous call with a
+        lookup in flight."""
+        return {BUSY_METRIC: self._busy.fraction()}
 
     async def address(self) -> str:
         """Where this replica serves gRPC (``host:port``, the node's IP when bound to every interface)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,26 @@ class ShardUnavailable(APIError):
         return type(self), (self.shard_index, self.last_error)
 
 
+class ShardVersionMismatch(APIError):
+    """Every replica of shard ``shard_index`` that answered serves another table version than this dense replica
+    expects (weights or storage changed on one side only, e.g. mid-rollout): 503 with Retry-After, never rows of
+    the wrong model."""
+
+    def __init__(self, shard_index: int, expected: str, served: str) -> None:
+        super().__init__(503, f"embedding shard {shard_index} serves another model version, retry later",
+                         code="embedding_version_mismatch", headers=retry_after(1))
+        self.shard_index = shard_index
+        self.expected = expected
+        self.served = served
+
+    def __str__(self) -> str:
+        return (f"embedding shard {self.shard_index} serves table version {self.served[:12]}, this dense replica "
+                f"expects {self.expected[:12]}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.shard_index, self.expected, self.served)
+
+
 @dataclass
 class LookupStats:
     """Outcomes and latencies of a client's calls, kept for export as metrics."""
@@ -84,9 +104,11 @@ class LookupStats:
 @dataclass
 class ShardStats(LookupStats):
     """``LookupStats`` of one shard's RPCs (lookups and the one-off Info) plus ``failovers`` (attempts on
-    another replica after one failed) and the serialized bytes of answered calls, each way."""
+    another replica after one failed), calls no replica of the expected table version answered, and the
+    serialized bytes of answered calls, each way."""
 
     failovers: int = 0
+    version_mismatches: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
 
@@ -99,6 +121,15 @@ class ShardClient:
     time left while two or more replicas remain to try, so a hanging replica leaves time for another.
     ``credentials`` (``grpc.ssl_channel_credentials``) connect to TLS servers, verifying ``server_name`` instead of
     each address's host when given; a non-empty ``token`` goes as the call metadata ``authorization: Bearer``.
+    A replica answering with another table version than ``expected_version`` (when given) counts as failed; when
+    no replica serves it, ``ShardVersionMismatch``. ``on_new_version(shard_index, version)`` runs whenever a reply
+    reports a version other than the previous reply's (a shard restarted with other tables); it may be set later.
+
+    gRPC's own round-robin and retry policy (a service config) are not used for failover: the replica list changes
+    at run time and Python's grpc cannot update a channel's addresses without a custom resolver, and its retry
+    policy retries neither a hung replica (DEADLINE_EXCEEDED) nor on another address by choice. The channel options
+    use gRPC's reconnect backoff and keepalive; health: the servers serve ``grpc.health.v1`` and report NOT_SERVING
+    while draining, which ``ShardClient`` sees as UNAVAILABLE answers and fails over from.
     """
 
     def __init__(
@@ -114,9 +145,14 @@ class ShardClient:
         credentials: grpc.ChannelCredentials | None = None,
         server_name: str | None = None,
         token: str = "",
+        expected_version: str | None = None,
+        on_new_version: Callable[[int, str], None] | None = None,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self.shard_index = shard_index
+        self.expected_version = expected_version
+        self.on_new_version = on_new_version
+        self._last_version: str | None = None
         self._metrics = metrics
         self.input_names: tuple[str, ...] | None = None if input_names is None else tuple(input_names)
         self.stats = ShardStats()
@@ -166,10 +202,14 @@ class ShardClient:
         self.input_names = tuple(info.input_names)
         return info
 
-    async def lookup(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
-        """The shard's outputs for ``inputs`` (exactly its input names), from the first replica that answers."""
+    async def lookup(
+        self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """The shard's outputs for ``inputs`` (exactly its input names), from the first replica that answers with
+        the expected table version; floating outputs in ``output_dtype`` ("" = float32)."""
         try:
-            request = pb.LookupRequest(inputs=wire.encode_all(inputs, max_elements=self._max_tensor_elements))
+            request = pb.LookupRequest(inputs=wire.encode_all(inputs, max_elements=self._max_tensor_elements),
+                                       output_dtype=output_dtype)
         except ValueError as error:
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         response = await self._call("Lookup", request, timeout_s)
@@ -185,6 +225,7 @@ class ShardClient:
         last_error = "no replica addresses" if not self._addresses else f"deadline of {timeout_s:.3f}s passed"
         tiers = self._tiers()
         attempts = 0
+        served: str | None = None  # the version of the last replica refused for serving another one
         for tier in tiers:
             for position, address in enumerate(tier):
                 remaining = deadline - time.monotonic()
@@ -205,18 +246,41 @@ class ShardClient:
                         self.stats.request_errors += 1
                         self._observe(method, "request_error", start)
                         raise EmbeddingRequestError(self.shard_index, error.code(), error.details()) from None
-                    last_error = f"{address}: {error.code().name}: {error.details()}"
+                    last_error, served = f"{address}: {error.code().name}: {error.details()}", None
                     if address in self._addresses:
                         self._cooling_until[address] = time.monotonic() + self._cooldown_s
                     continue
+                if mismatch := self._version_problem(getattr(response, "version", None)):
+                    last_error, served = f"{address}: {mismatch}", response.version
+                    self._cooling_until[address] = time.monotonic() + self._cooldown_s
+                    continue
                 self._cooling_until.pop(address, None)
                 self._observe(method, "ok", start)
-                self.stats.bytes_sent += request.ByteSize()
-                self.stats.bytes_received += response.ByteSize()
+                sent, received = request.ByteSize(), response.ByteSize()
+                self.stats.bytes_sent += sent
+                self.stats.bytes_received += received
+                self._metrics.embedding_bytes("sent", sent)
+                self._metrics.embedding_bytes("received", received)
                 return response
+        if served is not None and self.expected_version is not None:
+            self.stats.version_mismatches += 1
+            self._observe(method, "version_mismatch", start)
+            raise ShardVersionMismatch(self.shard_index, self.expected_version, served)
         self.stats.unavailable += 1
         self._observe(method, "unavailable", start)
         raise ShardUnavailable(self.shard_index, last_error)
+
+    def _version_problem(self, version: str | None) -> str | None:
+        """Why a reply of table ``version`` cannot be used (None: it can); tells ``on_new_version`` of a change."""
+        if not version:  # Info replies carry none
+            return None
+        if version != self._last_version:
+            if self._last_version is not None and self.on_new_version is not None:
+                self.on_new_version(self.shard_index, version)
+            self._last_version = version
+        if self.expected_version is not None and version != self.expected_version:
+            return f"serves table version {version[:12]}, expected {self.expected_version[:12]}"
+        return None
 
     def _observe(self, method: str, status: RPCStatus, start: float) -> None:
         elapsed = time.monotonic() - start
@@ -245,26 +309,31 @@ class ShardClient:
 
 
 class EmbeddingClient:
-    """All shards of a model: each lookup goes to every shard at once, each getting only the inputs it needs."""
+    """All shards of a model: each lookup goes to every shard concerned at once, each getting only its inputs."""
 
     def __init__(self, shards: Sequence[ShardClient]) -> None:
         self.shards = tuple(shards)
         self.stats = LookupStats()
 
-    async def lookup(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
-        """Every shard's outputs merged; the first shard to fail cancels the others and its error propagates."""
+    async def lookup(
+        self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """Every called shard's outputs merged; a shard whose inputs are all empty is not called (its outputs are
+        left out). The first shard to fail cancels the others and its error propagates."""
         start = time.monotonic()
         deadline = start + timeout_s
         try:
             await _all(s.info(timeout_s=deadline - time.monotonic()) for s in self.shards if s.input_names is None)
             routed = self._route(inputs)
             results = await _all(
-                shard.lookup(shard_inputs, timeout_s=deadline - time.monotonic()) for shard, shard_inputs in routed
+                shard.lookup(shard_inputs, timeout_s=deadline - time.monotonic(), output_dtype=output_dtype)
+                for shard, shard_inputs in routed
+                if any(tensor.numel() for tensor in shard_inputs.values())
             )
         except EmbeddingRequestError:
             self.stats.request_errors += 1
             raise
-        except ShardUnavailable:
+        except (ShardUnavailable, ShardVersionMismatch):
             self.stats.unavailable += 1
             raise
         finally:

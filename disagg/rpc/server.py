@@ -1,9 +1,11 @@
-"""gRPC server of one table-wise shard of a model's embedding tables; CLI: ``python -m disagg.rpc.server --help``.
+"""gRPC server of one shard of a model's embedding table rows; CLI: ``python -m disagg.rpc.server --help``.
 
 Lookups run in a small thread pool, so the event loop keeps answering health checks; a bad request never reaches the
-tables and gets INVALID_ARGUMENT (RESOURCE_EXHAUSTED above ``max_message_bytes``) naming the problem. A non-private
-``host`` needs TLS or a token (``exposure_problem``); with a token, ``Lookup`` and ``Info`` need ``authorization:
-Bearer <token>`` metadata (read from ``SWIFTSERVE_EMBEDDING_TOKEN``, never a flag), the health service stays open.
+tables and gets INVALID_ARGUMENT (RESOURCE_EXHAUSTED above ``max_message_bytes``) naming the problem. Floating
+outputs go out in the request's ``output_dtype``; every response and ``Info`` carry the shard's ``version``. A
+non-private ``host`` needs TLS or a token (``exposure_problem``); with a token, ``Lookup`` and ``Info`` need
+``authorization: Bearer <token>`` metadata (read from ``SWIFTSERVE_EMBEDDING_TOKEN``, never a flag), the health
+service stays open.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import ipaddress
 import math
 import signal
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -35,6 +38,13 @@ MiB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 #: The id that pads a bag (contributes nothing); integer inputs below it are refused.
 PADDING_ID = -1
+#: ``LookupRequest.output_dtype`` values and the dtype floating outputs are cast to; "" means float32.
+OUTPUT_DTYPES: dict[str, torch.dtype] = {
+    "": torch.float32,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
 
 #: Longest status details sent (gRPC refuses trailers above 16 KiB), longest input name quoted in them, and most
 #: unknown input names listed.
@@ -46,7 +56,7 @@ logger = get_logger("disagg.rpc.server")
 
 
 class Shard(Protocol):
-    """What the server hosts; ``disagg.partition.EmbeddingShard`` is one."""
+    """What the server hosts; ``disagg.tables.TableShard`` is one."""
 
     @property
     def index(self) -> int: ...
@@ -58,6 +68,8 @@ class Shard(Protocol):
     def output_names(self) -> tuple[str, ...]: ...
     @property
     def parameter_bytes(self) -> int: ...
+    @property
+    def version(self) -> str: ...  # what the shard serves (``disagg.tables.shard_version``), in every response
 
 
 def exposure_problem(host: str, *, secured: bool) -> str | None:
@@ -128,10 +140,13 @@ class _Servicer:
         self._max_elements = max_elements
         self._expected = frozenset(shard.input_names)
         self._token = token
+        self.lookups_in_flight = 0
+        self._busy_seconds = 0.0  # finished busy spells (a Lookup in flight); the current one began at _busy_since
+        self._busy_since = 0.0
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
-            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self.Lookup),
+            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self._counted_lookup),
             "Info": self._handler("Info", pb.InfoRequest, pb.ShardInfo, self.Info),
         }
 
@@ -167,10 +182,35 @@ class _Servicer:
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ShardInfo:
         return self._info
 
+    async def _counted_lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """``Lookup``, counted in ``lookups_in_flight`` until it is answered, refused or cancelled."""
+        if not self.lookups_in_flight:
+            self._busy_since = time.monotonic()
+        self.lookups_in_flight += 1
+        try:
+            return await self.Lookup(request, context)
+        finally:
+            self.lookups_in_flight -= 1
+            if not self.lookups_in_flight:
+                self._busy_seconds += time.monotonic() - self._busy_since
+
+    def busy_seconds(self) -> float:
+        """Wall time with at least one ``Lookup`` in flight, the current spell included (the autoscaling metric)."""
+        current = time.monotonic() - self._busy_since if self.lookups_in_flight else 0.0
+        return self._busy_seconds + current
+
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
+        output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
+        if output_dtype is None:
+            await _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(filter(None, OUTPUT_DTYPES))} "
+                "(empty means float32)",
+            )
         if problem := self._name_problem([message.name for message in request.inputs]):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
@@ -188,8 +228,9 @@ class _Servicer:
                 f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
             )
         try:
-            selected = {name: outputs[name] for name in self._shard.output_names}
-            return pb.LookupResponse(outputs=wire.encode_all(selected, max_elements=self._max_elements))
+            selected = {name: _cast(outputs[name], output_dtype) for name in self._shard.output_names}
+            encoded = wire.encode_all(selected, max_elements=self._max_elements)
+            return pb.LookupResponse(outputs=encoded, version=self._shard.version)
         except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
             await _abort(context, grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}")
 
@@ -242,6 +283,10 @@ def _check_ids(inputs: Mapping[str, torch.Tensor]) -> None:
             )
 
 
+def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
     """End the call with ``code``; ``details`` cut to what a status trailer carries (it may echo request text)."""
     if len(details) > _MAX_DETAILS:
@@ -289,6 +334,7 @@ class EmbeddingServer:
             input_names=shard.input_names,
             output_names=shard.output_names,
             parameter_bytes=shard.parameter_bytes,
+            version=shard.version,
         )
         self._host = host
         self._port = port
@@ -301,6 +347,17 @@ class EmbeddingServer:
         self._server: grpc.aio.Server | None = None
         self._health: health.aio.HealthServicer | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._servicer: _Servicer | None = None
+
+    @property
+    def lookups_in_flight(self) -> int:
+        """Lookup calls received and not answered yet (the autoscaling load signal); 0 before ``start``."""
+        return 0 if self._servicer is None else self._servicer.lookups_in_flight
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds with at least one Lookup in flight since ``start`` (non-decreasing; autoscaling reads its rate)."""
+        return 0.0 if self._servicer is None else self._servicer.busy_seconds()
 
     @property
     def address(self) -> str:
@@ -317,7 +374,9 @@ class EmbeddingServer:
         """Bind and start serving; returns the bound port (the chosen one when ``port`` was 0)."""
         set_torch_threads(self._torch_threads)
         self._pool = ThreadPoolExecutor(self._worker_threads, thread_name_prefix=f"embedding-shard-{self._shard.index}")
-        servicer = _Servicer(self._shard, self._info, self._pool, self._max_tensor_elements, self._token)
+        servicer = self._servicer = _Servicer(
+            self._shard, self._info, self._pool, self._max_tensor_elements, self._token
+        )
         self._server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self._max_message_bytes),
@@ -361,12 +420,24 @@ class EmbeddingServer:
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The CLI's arguments, with ``tls`` (a ``ServerTLS`` or None) read from the ``--tls-*`` files; exits naming
-    the flag when a file cannot be read or ``--host`` would be exposed without TLS or a token."""
-    parser = argparse.ArgumentParser(description="Serve one table-wise embedding shard of a DLRM preset over gRPC.")
+    the flag when a file cannot be read or ``--host`` would be exposed without TLS or a token, and ``layout`` (a
+    ``disagg.tables.TableLayout``) from the shard flags."""
+    from disagg.tables import STORAGE_DTYPES, TableLayout
+
+    parser = argparse.ArgumentParser(description="Serve one shard of a DLRM preset's embedding table rows over gRPC.")
     parser.add_argument("--preset", default="tiny", help="DLRM preset (disagg.spec.PRESETS)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the deterministic weight initialisation")
     parser.add_argument("--shard", type=int, required=True, help="index of the shard to serve")
-    parser.add_argument("--num-shards", type=int, required=True, help="number of shards the tables are split into")
+    parser.add_argument("--num-shards", type=int, required=True, help="number of shards the tables are spread over")
+    parser.add_argument(
+        "--row-wise-min-mb",
+        type=float,
+        default=None,
+        help="split tables above this many MiB of float32 row-wise over every shard (default: keep tables whole)",
+    )
+    parser.add_argument(
+        "--storage-dtype", choices=STORAGE_DTYPES, default="float32", help="how the shard stores its rows"
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -384,6 +455,13 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.tls = _tls_from_flags(args)
     except ValueError as error:
         parser.error(str(error))
+    try:
+        min_bytes = None if args.row_wise_min_mb is None else int(args.row_wise_min_mb * MiB)
+        args.layout = TableLayout(args.num_shards, row_wise_min_bytes=min_bytes, storage_dtype=args.storage_dtype)
+    except ValueError as error:
+        parser.error(str(error))  # names num_shards or row_wise_min_bytes
+    if not 0 <= args.shard < args.num_shards:
+        parser.error(f"--shard must be in [0, {args.num_shards}), got {args.shard}")
     if problem := exposure_problem(args.host, secured=args.tls is not None or bool(EMBEDDING_TOKEN)):
         parser.error(f"--host: {problem}")
     return args
@@ -404,10 +482,10 @@ def _tls_from_flags(args: argparse.Namespace) -> ServerTLS | None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from disagg.partition import build_embedding_shard
     from disagg.spec import preset_spec
+    from disagg.tables import build_embedding_shard
 
-    shard = build_embedding_shard(preset_spec(args.preset), args.seed, args.shard, args.num_shards)
+    shard = build_embedding_shard(preset_spec(args.preset), args.seed, args.shard, args.layout)
     server = EmbeddingServer(
         shard,
         model=args.preset,
@@ -425,9 +503,9 @@ async def _serve(args: argparse.Namespace) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stopping.set)
     logger.info(
-        "serving %s shard %d/%d on %s (%s): outputs %s from inputs %s; %d parameter bytes",
-        args.preset, shard.index, args.num_shards, server.address, server.security,
-        ", ".join(shard.output_names), ", ".join(shard.input_names), shard.parameter_bytes,
+        "serving %s shard %d/%d on %s (%s): version %s, slices %s; %d %s bytes",
+        args.preset, shard.index, args.num_shards, server.address, server.security, shard.version,
+        ", ".join(shard.output_names), shard.parameter_bytes, args.storage_dtype,
     )  # fmt: skip
     await stopping.wait()
     logger.info("stopping shard %d on %s", shard.index, server.address)

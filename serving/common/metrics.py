@@ -22,7 +22,8 @@ logger = get_logger("metrics")
 MetricKind = Literal["counter", "gauge", "histogram"]
 RequestKind = Literal["diffusion_generation", "dlrm_infer"]
 LoRALookup = Literal["hit", "new", "shared"]
-RPCStatus = Literal["ok", "request_error", "unavailable"]
+RPCStatus = Literal["ok", "request_error", "unavailable", "version_mismatch"]
+CacheOutcome = Literal["hit", "miss"]
 RemotePath = Literal["cfg", "controlnet"]
 Direction = Literal["sent", "received"]
 BandOutcome = Literal["split", "fallback"]
@@ -113,7 +114,8 @@ REMOTE_BYTES = MetricSpec(
 EMBEDDING_RPC_LATENCY = MetricSpec(
     "swiftserve_embedding_rpc_latency_ms", "histogram",
     "One gRPC call to an embedding shard, failovers to its other replicas included; "
-    "status: ok, request_error or unavailable.",
+    "status: ok, request_error, unavailable or version_mismatch (no replica serves the table version this dense "
+    "replica expects).",
     ("shard", "method", "status"), CALL_LATENCY_MS,
 )
 EMBEDDING_FAILOVERS = MetricSpec(
@@ -121,11 +123,22 @@ EMBEDDING_FAILOVERS = MetricSpec(
     "Embedding calls retried on another replica of the shard after one failed.",
     ("shard",),
 )
+EMBEDDING_CACHE_LOOKUPS = MetricSpec(
+    "swiftserve_embedding_cache_lookups", "counter",
+    "Unique ids of a batch looked up in a dense replica's hot-embedding cache; outcome=hit skipped the shard RPC "
+    "for that id, outcome=miss went to a shard. Hit rate: hit / (hit + miss).",
+    ("outcome",),
+)
+EMBEDDING_BYTES = MetricSpec(
+    "swiftserve_embedding_bytes", "counter",
+    "Serialized bytes of a dense replica's answered embedding lookups; direction: sent (ids) or received (rows).",
+    ("direction",),
+)
 
 ALL_METRICS = (
     REQUEST_LATENCY, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
     LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, BAND_DECODES, REMOTE_BYTES,
-    EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS,
+    EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS, EMBEDDING_CACHE_LOOKUPS, EMBEDDING_BYTES,
 )
 
 
@@ -213,6 +226,15 @@ class Metrics:
 
     def embedding_failover(self, shard: int) -> None:
         self._record(EMBEDDING_FAILOVERS, 1, shard=str(shard))
+
+    def embedding_cache(self, hits: int, misses: int) -> None:
+        for outcome, count in (("hit", hits), ("miss", misses)):
+            if count > 0:
+                self._record(EMBEDDING_CACHE_LOOKUPS, count, outcome=outcome)
+
+    def embedding_bytes(self, direction: Direction, nbytes: int) -> None:
+        if nbytes > 0:
+            self._record(EMBEDDING_BYTES, nbytes, direction=direction)
 
     def _record(self, metric: MetricSpec, value: float, **tags: str) -> None:
         if self._sink is not None:

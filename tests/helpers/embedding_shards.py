@@ -1,4 +1,5 @@
-"""Stand-in embedding shards (any ``disagg.partition.EmbeddingShard``-shaped object) and serving them on loopback."""
+"""Stand-in embedding shards (any ``disagg.rpc.server.Shard``, as ``disagg.tables.TableShard`` is) and serving them on
+loopback."""
 
 import contextlib
 import threading
@@ -37,19 +38,28 @@ class ToyTables(nn.Module):
 
 @dataclass(frozen=True)
 class ToyShard:
-    """Stand-in for ``disagg.partition.EmbeddingShard``."""
+    """Stand-in for ``disagg.tables.TableShard``."""
 
     index: int
     module: ToyTables
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     parameter_bytes: int
+    version: str = "toy-v1"
 
 
-def toy_shard(index: int = 0, tables: tuple[str, ...] = ("a", "b"), *, rows: int = 10, delay_s: float = 0.0):
+def toy_shard(
+    index: int = 0,
+    tables: tuple[str, ...] = ("a", "b"),
+    *,
+    rows: int = 10,
+    delay_s: float = 0.0,
+    version: str = "toy-v1",
+):
     module = ToyTables(tables, rows, dim=4, seed=index, delay_s=delay_s)
     size = sum(p.numel() * p.element_size() for p in module.parameters())
-    return ToyShard(index, module, tuple(f"ids_{t}" for t in tables), tuple(f"pooled_{t}" for t in tables), size)
+    inputs, outputs = tuple(f"ids_{t}" for t in tables), tuple(f"pooled_{t}" for t in tables)
+    return ToyShard(index, module, inputs, outputs, size, version)
 
 
 def toy_inputs(shard: ToyShard, batch: int = 3) -> dict[str, torch.Tensor]:

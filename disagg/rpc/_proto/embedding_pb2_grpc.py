@@ -29,7 +29,7 @@ if _version_not_supported:
 
 
 class EmbeddingShardStub:
-    """One table-wise shard of a model's embedding tables.
+    """One shard of a model's embedding table rows.
     """
 
     def __init__(self, channel):
@@ -51,7 +51,7 @@ class EmbeddingShardStub:
 
 
 class EmbeddingShardServicer:
-    """One table-wise shard of a model's embedding tables.
+    """One shard of a model's embedding table rows.
     """
 
     def Lookup(self, request, context):
@@ -88,7 +88,7 @@ def add_EmbeddingShardServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EmbeddingShard:
-    """One table-wise shard of a model's embedding tables.
+    """One shard of a model's embedding table rows.
     """
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""torch.fx partitioner: the embedding / dense cut, table-wise shards, parts built alone from a meta model."""
+"""torch.fx partitioner: the embedding / dense cut, pooling fetched table rows, parts built alone from a meta model."""
 
 import pytest
 import torch
@@ -6,11 +6,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.model import DLRM, build_preset
-from disagg.partition import Partition, build_dense_part, build_embedding_shard, dense_stages, partition_embeddings
+from disagg.partition import (
+    EmbeddingLookups,
+    Partition,
+    TableIds,
+    build_dense_part,
+    dense_stages,
+    embedding_lookups,
+    partition_embeddings,
+)
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 
-SEED = 3
+SEED = 0
 
 
 @pytest.fixture(scope="module")
@@ -75,73 +83,9 @@ def test_missing_input_is_named(partition: Partition) -> None:
         partition(sparse=torch.zeros(1, 26, 1, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("num_shards", [2, 3])
-def test_shards_split_the_embedding_part_table_wise(model: DLRM, partition: Partition, num_shards: int) -> None:
-    shards = partition.shards(num_shards)
-    assert [shard.index for shard in shards] == list(range(num_shards))
-    assert sorted(name for shard in shards for name in shard.output_names) == sorted(partition.cut_names)
-    inputs = dlrm_inputs(model, rows=6, hotness=3, seed=num_shards)
-    with torch.inference_mode():
-        whole = partition.embedding_part(sparse=inputs["sparse"])
-        union = {}
-        for shard in shards:
-            assert shard.input_names == ("sparse",)
-            outputs = shard.module(sparse=inputs["sparse"])
-            assert tuple(outputs) == shard.output_names
-            union |= outputs
-    assert union.keys() == whole.keys()
-    for name, tensor in whole.items():
-        assert torch.equal(union[name], tensor), name
-    for shard in shards:
-        tables = {name.removeprefix("embeddings_") for name in shard.output_names}
-        held = {name for name, _ in shard.module.named_parameters()}
-        assert held == {f"embeddings.{table}.weight" for table in tables}
-        assert shard.parameter_bytes == parameter_bytes(shard.module)
-    again = partition.shards(num_shards)
-    assert [shard.output_names for shard in again] == [shard.output_names for shard in shards]
-
-
-def test_shards_of_criteo_kaggle_are_balanced_by_bytes_on_meta() -> None:
-    """Greedy largest-first: loads differ by at most the largest table, and every byte is placed once."""
-    spec = preset_spec("criteo-kaggle")
-    shards = partition_embeddings(DLRM(spec, device="meta")).shards(4)
-    loads = [shard.parameter_bytes for shard in shards]
-    assert sum(loads) == spec.total_rows * spec.embedding_dim * 4
-    assert max(loads) - min(loads) <= max(spec.table_sizes) * spec.embedding_dim * 4
-    assert max(loads) == max(spec.table_sizes) * spec.embedding_dim * 4  # the 10M-row table sits alone
-    assert all(p.is_meta for shard in shards for p in shard.module.parameters())
-
-
-@pytest.mark.parametrize("num_shards", [0, 27])
-def test_bad_shard_count_is_refused(partition: Partition, num_shards: int) -> None:
-    with pytest.raises(ValueError, match=r"num_shards must be between 1 and 26"):
-        partition.shards(num_shards)
-
-
 def test_model_without_embeddings_is_refused() -> None:
     with pytest.raises(ValueError, match="Sequential has no embedding operator"):
         partition_embeddings(nn.Sequential(nn.Linear(4, 2), nn.ReLU()))
-
-
-def test_a_shard_built_alone_from_meta_holds_only_its_tables(model: DLRM, partition: Partition) -> None:
-    inputs = dlrm_inputs(model, rows=5, hotness=2, seed=9)
-    with torch.inference_mode():
-        whole = partition.embedding_part(sparse=inputs["sparse"])
-    for index in range(3):
-        shard = build_embedding_shard(model.spec, seed=SEED, index=index, num_shards=3)
-        tables = {int(name.removeprefix("embeddings_")) for name in shard.output_names}
-        held = dict(shard.module.named_parameters())
-        assert set(held) == {f"embeddings.{table}.weight" for table in tables}
-        assert all(p.device.type == "cpu" for p in held.values())
-        with torch.inference_mode():
-            outputs = shard.module(sparse=inputs["sparse"])
-        for name, tensor in outputs.items():
-            assert torch.equal(tensor, whole[name]), name
-
-
-def test_shard_index_is_checked(model: DLRM) -> None:
-    with pytest.raises(ValueError, match=r"shard index must be in \[0, 2\), got 2"):
-        build_embedding_shard(model.spec, seed=SEED, index=2, num_shards=2)
 
 
 def test_dense_part_built_alone_from_meta_holds_no_table(model: DLRM, partition: Partition) -> None:
@@ -206,36 +150,6 @@ def test_deepfm_composition_equals_the_model_and_cuts_after_pooling(seed: int) -
     assert "table" not in dict(partition.dense_part.named_parameters())
 
 
-def test_deepfm_shards_keep_a_shared_table_together() -> None:
-    """The field table and the bucket table feed one output, so they form one group; first-order is the other."""
-    partition = partition_embeddings(DeepFM())
-    shards = partition.shards(2)
-    held = [{name for name, _ in shard.module.named_parameters()} for shard in shards]
-    assert held == [{"table", "buckets.weight"}, {"first_order.weight"}]
-    with pytest.raises(ValueError, match="between 1 and 2"):
-        partition.shards(3)
-
-
-class TiedLookups(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.shared = nn.Embedding(10, 4)
-        self.other = nn.Embedding(30, 4)
-        self.heads = nn.ModuleList(nn.Linear(4, 1) for _ in range(3))
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-        looked_up = [self.shared(a), self.shared(b), self.other(c)]
-        return sum(head(x) for head, x in zip(self.heads, looked_up, strict=True))
-
-
-def test_outputs_sharing_a_table_land_in_one_shard() -> None:
-    partition = partition_embeddings(TiedLookups())
-    assert partition.cut_names == ("shared", "shared_1", "other")
-    first, second = partition.shards(2)
-    assert (first.output_names, first.parameter_bytes) == (("other",), 30 * 4 * 4)
-    assert (second.output_names, second.parameter_bytes) == (("shared", "shared_1"), 10 * 4 * 4)
-
-
 def test_dense_stages_split_off_what_needs_no_embedding_and_compose_exactly() -> None:
     """The DLRM bottom MLP depends on no cut tensor: it becomes the early stage, run during the lookup."""
     model = build_preset("tiny").eval()
@@ -253,3 +167,159 @@ def test_dense_stages_split_off_what_needs_no_embedding_and_compose_exactly() ->
         available |= stages.early(dense=dense)
         output = stages.late(**{name: available[name] for name in stages.late_inputs})
         torch.testing.assert_close(output, model(dense, sparse), rtol=0, atol=1e-6)
+
+
+def fetched_rows(model: nn.Module, lookups: EmbeddingLookups, unique: dict[str, TableIds]) -> dict[str, torch.Tensor]:
+    """What a cache or shard would return: each table's rows at its unique ids."""
+    return {table: model.get_submodule(table).weight.detach()[unique[table].ids] for table in lookups.tables}
+
+
+@pytest.mark.parametrize("max_hotness", [1, 4])
+def test_lookups_built_from_meta_pool_fetched_rows_bit_equal_to_the_embedding_part(
+    model: DLRM, partition: Partition, max_hotness: int
+) -> None:
+    lookups = embedding_lookups(build_dense_part(model.spec, seed=SEED))  # tables on meta: shapes only
+    assert lookups.inputs == ("sparse",)
+    assert lookups.op_tables == {f"embeddings_{t}": f"embeddings.{t}" for t in range(model.spec.num_tables)}
+    assert lookups.tables == {f"embeddings.{t}": (rows, model.spec.embedding_dim)
+                              for t, rows in enumerate(model.spec.table_sizes)}
+    assert not list(lookups.pool.parameters()) and not list(lookups.ids.parameters())
+    dense, sparse = SyntheticRequests(model.spec, seed=1, max_hotness=max_hotness).batch(32)
+    assert bool((sparse == -1).any()) == (max_hotness > 1)
+    with torch.inference_mode():
+        unique = lookups.unique_ids({"sparse": sparse})
+        pooled = lookups({"sparse": sparse}, unique, fetched_rows(model, lookups, unique))
+        expected = partition.embedding_part(sparse=sparse)
+        assert list(pooled) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(pooled[name], tensor), name
+        torch.testing.assert_close(partition.dense_part(dense=dense, **pooled), model(dense, sparse), rtol=0, atol=1e-6)
+
+
+def test_unique_ids_deduplicate_each_table_and_index_back_every_id(model: DLRM) -> None:
+    lookups = embedding_lookups(partition_embeddings(model))
+    _, sparse = SyntheticRequests(model.spec, seed=4, max_hotness=4).batch(64)
+    unique = lookups.unique_ids({"sparse": sparse})
+    assert list(unique) == list(lookups.tables)
+    duplicated = 0
+    for t, (table, table_ids) in enumerate(unique.items()):
+        used = sparse[:, t].clamp(min=0)  # what the DLRM feeds its bag (padding reads row 0 with weight 0)
+        ids = table_ids.ids
+        assert ids.dtype == torch.int64
+        assert bool((ids[1:] > ids[:-1]).all()), table  # sorted, each id once
+        assert set(ids.tolist()) == set(used.flatten().tolist()), table
+        assert list(table_ids.index) == [f"embeddings_{t}"]
+        assert torch.equal(ids[table_ids.index[f"embeddings_{t}"]], used), table
+        duplicated += ids.numel() < used.numel()
+    assert duplicated == len(unique)  # Zipf ids repeat in every table: the dedup really shrinks what is fetched
+
+
+def test_out_of_range_ids_and_misshapen_rows_are_named(model: DLRM) -> None:
+    lookups = embedding_lookups(partition_embeddings(model))
+    sparse = torch.zeros(2, model.spec.num_tables, 1, dtype=torch.int64)
+    sparse[1, 1, 0] = model.spec.table_sizes[1]
+    with pytest.raises(ValueError, match=rf"table 'embeddings.1': id {model.spec.table_sizes[1]} is outside its rows"):
+        lookups.unique_ids({"sparse": sparse})
+    sparse[1, 1, 0] = 5
+    unique = lookups.unique_ids({"sparse": sparse})
+    rows = fetched_rows(model, lookups, unique)
+    rows["embeddings.2"] = rows["embeddings.2"][:, :-1]
+    with pytest.raises(ValueError, match=r"rows of table 'embeddings.2' are \(1, 15\), expected \(1, 16\)"):
+        lookups({"sparse": sparse}, unique, rows)
+
+
+class MixedLookups(nn.Module):
+    """One nn.Embedding looked up twice (query and title tokens), a mean bag over offsets (with an empty bag) and a
+    max bag with padding_idx and include_last_offset."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.words = nn.Embedding(40, 6, padding_idx=0)
+        self.tags = nn.EmbeddingBag(30, 6, mode="mean")
+        self.sites = nn.EmbeddingBag(20, 6, mode="max", padding_idx=3, include_last_offset=True)
+        self.head = nn.Linear(4 * 6, 1)
+        generator = torch.Generator().manual_seed(0)
+        for table in (self.words, self.tags, self.sites):  # padding rows too: a lookup returns them as stored
+            nn.init.normal_(table.weight, generator=generator)
+
+    def forward(self, query: torch.Tensor, title: torch.Tensor, tags: torch.Tensor, tag_offsets: torch.Tensor,
+                sites: torch.Tensor, site_offsets: torch.Tensor) -> torch.Tensor:
+        vectors = [self.words(query).sum(1), self.words(title).mean(1), self.tags(tags, tag_offsets),
+                   self.sites(sites, site_offsets)]
+        return self.head(torch.cat(vectors, dim=1))
+
+
+def mixed_inputs(padding: bool) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    sites = torch.randint(0, 20, (9,), generator=generator)
+    sites[sites == 3] = 4
+    if padding:
+        sites[[1, 8]] = 3  # bag 1: the padding id among others; bag 3 (the last): the padding id alone
+    return {
+        "query": torch.randint(0, 40, (4, 5), generator=generator),
+        "title": torch.randint(0, 40, (4, 3), generator=generator),
+        "tags": torch.randint(0, 30, (7,), generator=generator),
+        "tag_offsets": torch.tensor([0, 2, 2, 5]),  # bag 1 is empty
+        "sites": sites,
+        "site_offsets": torch.tensor([0, 1, 3, 8, 9]),
+    }
+
+
+@pytest.mark.parametrize("padding", [False, True])
+def test_lookups_of_mixed_modules_share_a_table_and_pool_exactly(padding: bool) -> None:
+    mixed = MixedLookups().eval()
+    partition = partition_embeddings(mixed)
+    lookups = embedding_lookups(partition)
+    assert lookups.op_tables == {"words": "words", "words_1": "words", "tags_1": "tags", "sites_1": "sites"}
+    assert lookups.tables == {"words": (40, 6), "tags": (30, 6), "sites": (20, 6)}
+    assert lookups.padding == {"sites_1": 3}  # the inputs `tags` and `sites` took the plain node names
+    inputs = mixed_inputs(padding)
+    with torch.inference_mode():
+        unique = lookups.unique_ids(inputs)
+        words = unique["words"]
+        assert words.ids.tolist() == sorted({*inputs["query"].flatten().tolist(), *inputs["title"].flatten().tolist()})
+        assert torch.equal(words.ids[words.index["words"]], inputs["query"])
+        assert torch.equal(words.ids[words.index["words_1"]], inputs["title"])
+        assert (3 in unique["sites"].ids.tolist()) == padding
+        pooled = lookups(inputs, unique, fetched_rows(mixed, lookups, unique))
+        expected = partition.embedding_part(**{name: inputs[name] for name in partition.embedding_inputs})
+        assert list(pooled) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(pooled[name], tensor), name
+        output = partition.dense_part(**{name: inputs[name] for name in partition.dense_inputs}, **pooled)
+        torch.testing.assert_close(output, mixed(**inputs), rtol=0, atol=1e-6)
+
+
+class Renormalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = nn.Embedding(10, 4)
+        self.capped = nn.EmbeddingBag(10, 4, max_norm=1.0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.plain(ids).sum(1) + self.capped(ids)
+
+
+class Chained(nn.Module):
+    """The second lookup's ids come from the first lookup's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Embedding(10, 5)
+        self.second = nn.Embedding(5, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(ids).argmax(-1))
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (Renormalized(), r"embedding module 'capped' sets max_norm"),
+        (DeepFM(), r"F.embedding over 'table': .* with an nn.Embedding / nn.EmbeddingBag module"),
+        (Chained(), r"the ids of an embedding lookup depend on the lookup 'first'"),
+    ],
+)
+def test_lookups_the_dense_side_cannot_reproduce_are_refused(module: nn.Module, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        embedding_lookups(partition_embeddings(module))

@@ -1,6 +1,7 @@
 """Synthetic click logs with a known ground truth, DLRM training on them, and the tiny preset's shipped weights
 (monolithic, sharded and over the OIP v2 HTTP API)."""
 
+import inspect
 import json
 
 import numpy as np
@@ -14,9 +15,11 @@ from disagg.api.codec import encode_dlrm_request
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMModelConfig
 from disagg.model import DLRM, build_preset
-from disagg.partition import build_dense_part, build_embedding_shard
+from disagg.partition import build_dense_part
 from disagg.spec import DLRMSpec, preset_spec, preset_weights
+from disagg.tables import TableLayout, build_embedding_shard
 from training.click_logs import ClickLogs, best_achievable_auc, roc_auc
+from training.precision import served_model, served_predictions
 from training.tiny_dlrm import HELDOUT_STREAM, TRAIN_STREAM, main, predict, shipped_report, train
 
 TINY = preset_spec("tiny")
@@ -154,17 +157,16 @@ def test_loading_ignores_the_seed_and_replaces_every_initialised_value(shipped: 
 @pytest.mark.parametrize("num_shards", [2, 3])
 def test_sharded_build_equals_the_monolithic_model_with_the_shipped_weights(shipped: DLRM, fresh, num_shards) -> None:
     weights = preset_weights("tiny")
-    partition = build_dense_part(TINY, seed=0, weights=weights)
-    shards = [build_embedding_shard(TINY, 0, index, num_shards, weights) for index in range(num_shards)]
+    shards = [build_embedding_shard(TINY, 0, index, TableLayout(num_shards), weights) for index in range(num_shards)]
     full = dict(shipped.named_parameters())
     for shard in shards:
-        for name, tensor in shard.module.named_parameters():
-            assert torch.equal(tensor, full[name]), name
+        for piece, store in zip(shard.slices, shard.stores, strict=True):
+            rows = store.lookup(torch.arange(piece.rows))
+            assert torch.equal(rows, full[f"{piece.table}.weight"][piece.row_start:piece.row_stop]), piece.name
     dense, sparse = fresh.dense[:4096], fresh.sparse[:4096]
+    disaggregated = served_predictions(dense, sparse, storage="float32", wire="float32", num_shards=num_shards)
     with torch.inference_mode():
-        cut = {name: tensor for shard in shards for name, tensor in shard.module(sparse=sparse).items()}
-        disaggregated = partition.dense_part(dense=dense, **cut)
-        torch.testing.assert_close(disaggregated, shipped(dense, sparse), rtol=0, atol=1e-6)
+        torch.testing.assert_close(disaggregated, shipped(dense, sparse).reshape(-1), rtol=0, atol=1e-6)
 
 
 class _ModelBackend:
@@ -180,18 +182,12 @@ class _ModelBackend:
 
     async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
-            return self._forward(dense, sparse)
+            result = self._forward(dense, sparse)
+        return await result if inspect.isawaitable(result) else result
 
 
 def test_scored_over_http_monolithic_and_sharded_agree_and_reach_the_auc(shipped: DLRM, fresh) -> None:
-    weights = preset_weights("tiny")
-    partition = build_dense_part(TINY, seed=0, weights=weights)
-    shards = [build_embedding_shard(TINY, 0, index, 2, weights) for index in range(2)]
-
-    def sharded(dense, sparse):
-        cut = {name: tensor for shard in shards for name, tensor in shard.module(sparse=sparse).items()}
-        return partition.dense_part(dense=dense, **cut)
-
+    sharded = served_model(storage="float32", wire="float32")
     config = DLRMAppConfig(model_name="ctr")
     scores = {}
     for path, backend in {"monolithic": _ModelBackend(shipped), "disaggregated": _ModelBackend(sharded)}.items():
@@ -228,11 +224,13 @@ def test_weights_of_another_architecture_or_missing_ones_are_refused(tmp_path, s
     with pytest.raises(ValueError, match=r"hold no tensor 'embeddings\.3\.weight'"):
         build_preset("tiny", weights=missing)
     # a shard without table 3 reads only its own tables from the file, so it loads; the other one does not
-    holders = [index for index in range(2) if "embeddings_3" in build_embedding_shard(TINY, 0, index, 2).output_names]
+    layout = TableLayout(2)
+    holders = [index for index in range(2)
+               if "embeddings.3" in build_embedding_shard(TINY, 0, index, layout).output_names]
     assert len(holders) == 1
-    build_embedding_shard(TINY, 0, 1 - holders[0], 2, missing)
+    build_embedding_shard(TINY, 0, 1 - holders[0], layout, missing)
     with pytest.raises(ValueError, match="hold no tensor"):
-        build_embedding_shard(TINY, 0, holders[0], 2, missing)
+        build_embedding_shard(TINY, 0, holders[0], layout, missing)
     reshaped = tmp_path / "reshaped.safetensors"
     save_file({**tensors, "top_mlp.0.weight": torch.zeros(512, 100)}, reshaped)
     wrong_shape = r"'top_mlp\.0\.weight' is \(512, 100\) torch\.float32, the model's is \(512, 367\)"

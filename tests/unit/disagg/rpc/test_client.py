@@ -9,7 +9,13 @@ import grpc
 import pytest
 import torch
 
-from disagg.rpc.client import EmbeddingClient, EmbeddingRequestError, ShardClient, ShardUnavailable
+from disagg.rpc.client import (
+    EmbeddingClient,
+    EmbeddingRequestError,
+    ShardClient,
+    ShardUnavailable,
+    ShardVersionMismatch,
+)
 from disagg.rpc.server import EmbeddingServer
 from serving.common.errors import APIError
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
@@ -256,3 +262,67 @@ def test_embedding_request_error_answers_500_and_keeps_the_diagnosis_for_logs():
     assert str(EmbeddingRequestError(None, grpc.StatusCode.INVALID_ARGUMENT, "x")).startswith("embedding request ")
     copy = pickle.loads(pickle.dumps(error))
     assert type(copy) is EmbeddingRequestError and str(copy) == str(error)
+
+
+def test_a_replica_serving_another_table_version_is_skipped_for_one_serving_the_expected_version():
+    async def body():
+        stale, current = toy_shard(0, ("a",), version="v2"), toy_shard(0, ("a",), version="v1")
+        async with serving(stale) as old, serving(current) as new:
+            client = ShardClient(0, [old.address, new.address], expected_version="v1", cooldown_s=60)
+            async with closing(client):
+                outputs = await client.lookup({"ids_a": torch.tensor([1, 2])}, timeout_s=5)
+                await client.lookup({"ids_a": torch.tensor([1, 2])}, timeout_s=5)
+        assert_same(outputs, current.module(ids_a=torch.tensor([1, 2])))
+        assert stale.module.calls == 1  # tried once, then cooling down: the second lookup went to `current` only
+        assert client.stats.failovers == 1 and client.stats.version_mismatches == 0
+
+    asyncio.run(body())
+
+
+def test_no_replica_serving_the_expected_version_is_a_503_naming_both_versions():
+    async def body():
+        async with serving(toy_shard(0, ("a",), version="v2-restarted")) as server:
+            client = ShardClient(0, [server.address], expected_version="v1-expected")
+            async with closing(client):
+                with pytest.raises(ShardVersionMismatch) as caught:
+                    await client.lookup({"ids_a": torch.tensor([1])}, timeout_s=5)
+        return caught.value, client.stats.version_mismatches
+
+    error, mismatches = asyncio.run(body())
+    assert mismatches == 1
+    assert error.status_code == 503 and error.code == "embedding_version_mismatch" and "Retry-After" in error.headers
+    assert "v2-restarted" in str(error) and "v1-expected" in str(error)
+    assert pickle.loads(pickle.dumps(error)).served == "v2-restarted"  # crosses Ray intact
+
+
+def test_a_new_version_from_a_restarted_shard_is_reported_once():
+    async def body():
+        changes = []
+        async with serving(toy_shard(0, ("a",), version="v1")) as first:
+            client = ShardClient(0, [first.address], on_new_version=lambda index, v: changes.append((index, v)))
+            await client.lookup({"ids_a": torch.tensor([1])}, timeout_s=5)
+            await client.lookup({"ids_a": torch.tensor([1])}, timeout_s=5)
+        assert changes == []
+        async with serving(toy_shard(0, ("a",), version="v2")) as restarted:
+            client.update_addresses([restarted.address])
+            await client.lookup({"ids_a": torch.tensor([1])}, timeout_s=5)
+            await client.lookup({"ids_a": torch.tensor([1])}, timeout_s=5)
+            await client.close()
+        return changes
+
+    assert asyncio.run(body()) == [(0, "v2")]
+
+
+def test_a_shard_whose_inputs_are_all_empty_is_not_called():
+    async def body():
+        first, second = toy_shard(0, ("a",)), toy_shard(1, ("b",))
+        async with serving(first) as s0, serving(second) as s1:
+            shards = [ShardClient(0, [s0.address], input_names=["ids_a"]),
+                      ShardClient(1, [s1.address], input_names=["ids_b"])]
+            async with closing(EmbeddingClient(shards)) as client:
+                outputs = await client.lookup({"ids_a": torch.tensor([1]), "ids_b": torch.empty(0, dtype=torch.int64)},
+                                              timeout_s=5)
+        assert outputs.keys() == {"pooled_a"}
+        assert (first.module.calls, second.module.calls) == (1, 0)
+
+    asyncio.run(body())

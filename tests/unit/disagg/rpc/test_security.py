@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import runpy
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -17,7 +18,6 @@ from pydantic import ValidationError
 
 from disagg.config import DLRMAppConfig, EmbeddingServiceConfig
 from disagg.deployments.shards import EmbeddingShardServer
-from disagg.partition import build_embedding_shard
 from disagg.rpc import server as embedding_server
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
@@ -25,6 +25,7 @@ from disagg.rpc.client import ShardClient, ShardUnavailable
 from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, exposure_problem
 from disagg.rpc.tls import ServerTLS, channel_credentials, server_tls
 from disagg.spec import preset_spec
+from disagg.tables import TableLayout, TableShard, build_embedding_shard
 from serving.common import constants
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
 from tests.helpers.pki import PKI, make_pki, trusting
@@ -250,7 +251,6 @@ def test_the_client_sends_its_token_and_fails_over_from_a_replica_refusing_it():
     asyncio.run(body())
 
 
-
 def test_neither_the_token_nor_a_presented_one_is_logged(all_logs: pytest.LogCaptureFixture, capfd):
     presented = "presented-secret-t0ken"
 
@@ -375,94 +375,188 @@ def test_a_shard_replica_refuses_an_unreadable_tls_file_naming_its_field(pki: PK
 
 # --- hostile messages ---------------------------------------------------------------------------------------------
 
+#: Shard 0 of the tiny DLRM over 2 shards, as the layout below plans it: 13 whole tables, ``SMALL`` the smallest.
+LAYOUT = TableLayout(2, table_storage={"embeddings.8": "int8", "embeddings.4": "float16"})
+SMALL, SMALL_ROWS = "embeddings.8", 3
+
 
 @pytest.fixture(scope="module")
-def tiny_shard():
-    """Shard 0 of 2 of the tiny DLRM: input ``sparse`` [B, 26, H] int64 (-1 pads), 13 tables of up to 1000 rows."""
-    return build_embedding_shard(preset_spec("tiny"), 0, 0, 2)
+def tiny_shard() -> TableShard:
+    """Shard 0 of 2 of the tiny DLRM: one 1-D int id input per table, stored in float32, float16 and int8."""
+    shard = build_embedding_shard(preset_spec("tiny"), 0, 0, LAYOUT)
+    rows = {piece.name: piece.rows for piece in shard.slices}
+    assert len(rows) == 13 and rows[SMALL] == SMALL_ROWS
+    assert {store.dtype for store in shard.stores} == {"float32", "float16", "int8"}
+    return shard
 
 
-def checksum(module: torch.nn.Module) -> str:
+@pytest.fixture(scope="module")
+def good_ids(tiny_shard: TableShard) -> dict[str, torch.Tensor]:
+    """Valid local ids for every slice of the shard: its last row twice and its first, int32 as on the wire."""
+    return {
+        piece.name: torch.tensor([piece.rows - 1, 0, piece.rows - 1], dtype=torch.int32) for piece in tiny_shard.slices
+    }
+
+
+def checksum(shard: TableShard) -> str:
+    """Digest of every stored tensor of ``shard``: values, and int8's scales and biases."""
     digest = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    for store in shard.stores:
+        for part, tensor in (("values", store.values), ("scale", store.scale), ("bias", store.bias)):
+            if tensor is not None:
+                digest.update(f"{store.slice.name}.{part}.{tensor.dtype}".encode())
+                digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
-GOOD_SPARSE = torch.tensor([[[2, -1]] * 26, [[0, 1]] * 26])  # [2, 26, 2] with padding; the smallest table has 3 rows
-
-
-def sparse(dtype: str = "int64", shape=(2, 26, 1), data: bytes | None = None, name: str = "sparse") -> pb.Tensor:
-    return pb.Tensor(name=name, dtype=dtype, shape=shape, data=bytes(8 * 52) if data is None else data)
+def ids(dtype: str = "int64", shape=(SMALL_ROWS,), data: bytes | None = None, name: str = SMALL) -> pb.Tensor:
+    """A raw, unchecked wire tensor: ``data`` defaults to the bytes of ``SMALL_ROWS`` int64 zeros, whatever
+    ``dtype`` and ``shape`` say."""
+    return pb.Tensor(name=name, dtype=dtype, shape=shape, data=bytes(8 * SMALL_ROWS) if data is None else data)
 
 
 def with_id(value: int, dtype: torch.dtype = torch.int64) -> pb.Tensor:
-    ids = torch.zeros(2, 26, 1, dtype=dtype)
-    ids[1, 4, 0] = value
-    return wire.encode("sparse", ids)
+    """``SMALL``'s ids 0, ``value``, 0."""
+    local = torch.zeros(SMALL_ROWS, dtype=dtype)
+    local[1] = value
+    return wire.encode(SMALL, local)
 
 
-def request(*tensors: pb.Tensor) -> bytes:
-    return pb.LookupRequest(inputs=tensors).SerializeToString()
+def request(good: dict[str, torch.Tensor], *tensors: pb.Tensor, output_dtype: str = "") -> bytes:
+    """A LookupRequest of ``good`` with ``tensors`` instead of the inputs of their names (others are added)."""
+    names = {tensor.name for tensor in tensors}
+    inputs = [*wire.encode_all({name: ids for name, ids in good.items() if name not in names}), *tensors]
+    return pb.LookupRequest(inputs=inputs, output_dtype=output_dtype).SerializeToString()
 
 
-HOSTILE = {
-    "garbage bytes": (LOOKUP, b"\xff\xfe\x00 garbage \x12\x99", "malformed LookupRequest message"),
-    "garbage Info": (INFO, b"\x0a\xff\xff\xff", "malformed InfoRequest message"),
-    "byte count lies": (LOOKUP, request(sparse(data=bytes(100))), "data holds 100 bytes, but shape [2, 26, 1]"),
-    "unknown dtype": (LOOKUP, request(sparse(dtype="complex64")), "unknown dtype 'complex64'"),
-    "float ids": (LOOKUP, request(sparse(dtype="float32", data=bytes(4 * 52))), "(inputs: sparse float32[2, 26, 1])"),
-    "wrong rank": (LOOKUP, request(sparse(shape=[52])), "(inputs: sparse int64[52])"),
-    "too few tables": (LOOKUP, request(sparse(shape=[2, 3, 1], data=bytes(48))), "sparse int64[2, 3, 1]"),
-    "id out of range": (LOOKUP, request(with_id(10**9)), "1000000000"),
-    "id below -1": (LOOKUP, request(with_id(-5)), "tensor 'sparse': id -5 at [1, 4, 0]; ids are >= 0, or -1"),
-    "int32 id below -1": (LOOKUP, request(with_id(-2, torch.int32)), "tensor 'sparse': id -2 at [1, 4, 0]"),
-    "huge count": (LOOKUP, request(sparse(shape=[2**40, 26, 1], data=b"")), "28587302322176 elements, at most"),
-    "huge empty": (LOOKUP, request(sparse(shape=[2**40, 26, 0], data=b"")), "empty shape [1099511627776, 26, 0]"),
-    "overflowing empty": (LOOKUP, request(sparse(shape=[0, 2**62, 2**62], data=b"")), "empty shape [0, 4611686"),
-    "negative dim": (LOOKUP, request(sparse(shape=[-1, 26, 1], data=b"")), "negative dimension"),
-    "too many dims": (LOOKUP, request(sparse(shape=[1] * 9, data=bytes(8))), "9 dimensions, at most 8"),
-    "long empty shape": (LOOKUP, request(sparse(shape=[0] + [2**62] * 100_000, data=b"")), "100001 dimensions"),
-    "duplicate input": (LOOKUP, request(sparse(), sparse()), "tensor 'sparse' appears more than once"),
-    "long unknown name": (LOOKUP, request(sparse(), sparse(name="x" * 100_000)), "... (100000 characters)"),
+Payload = Callable[[dict[str, torch.Tensor]], bytes]
+HOSTILE: dict[str, tuple[str, Payload, str]] = {
+    "garbage bytes": (LOOKUP, lambda good: b"\xff\xfe\x00 garbage \x12\x99", "malformed LookupRequest message"),
+    "garbage Info": (INFO, lambda good: b"\x0a\xff\xff\xff", "malformed InfoRequest message"),
+    "byte count lies": (
+        LOOKUP,
+        lambda good: request(good, ids(data=bytes(100))),
+        "tensor 'embeddings.8': data holds 100 bytes, but shape [3] of int64 needs 24",
+    ),
+    "unknown dtype": (
+        LOOKUP,
+        lambda good: request(good, ids(dtype="complex64")),
+        "tensor 'embeddings.8': unknown dtype 'complex64'",
+    ),
+    "float ids": (
+        LOOKUP,
+        lambda good: request(good, ids(dtype="float32", data=bytes(4 * SMALL_ROWS))),
+        "shard 0: input 'embeddings.8': ids must be a 1-D int32 or int64 tensor, got float32[3]",
+    ),
+    "wrong rank": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[SMALL_ROWS, 1])),
+        "shard 0: input 'embeddings.8': ids must be a 1-D int32 or int64 tensor, got int64[3, 1]",
+    ),
+    "id out of range": (
+        LOOKUP,
+        lambda good: request(good, with_id(SMALL_ROWS)),
+        "shard 0: input 'embeddings.8': id 3 is out of range; valid ids are [0, 3)",
+    ),
+    "id below -1": (
+        LOOKUP,
+        lambda good: request(good, with_id(-5)),
+        "shard 0: tensor 'embeddings.8': id -5 at [1]; ids are >= 0, or -1",
+    ),
+    "int32 id below -1": (
+        LOOKUP,
+        lambda good: request(good, with_id(-2, torch.int32)),
+        "shard 0: tensor 'embeddings.8': id -2 at [1]",
+    ),
+    "id -1": (
+        LOOKUP,
+        lambda good: request(good, with_id(-1, torch.int32)),
+        "shard 0: input 'embeddings.8': id -1 is out of range; valid ids are [0, 3)",
+    ),
+    "huge count": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[2**40], data=b"")),
+        "tensor 'embeddings.8': 1099511627776 elements, at most",
+    ),
+    "huge empty": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[2**40, 0], data=b"")),
+        "tensor 'embeddings.8': empty shape [1099511627776, 0] spans 1099511627776 elements",
+    ),
+    "overflowing empty": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[0, 2**62, 2**62], data=b"")),
+        "empty shape [0, 4611686",
+    ),
+    "negative dim": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[-1], data=b"")),
+        "tensor 'embeddings.8': negative dimension in shape [-1]",
+    ),
+    "too many dims": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[1] * 9, data=bytes(8))),
+        "tensor 'embeddings.8': 9 dimensions, at most 8",
+    ),
+    "long empty shape": (
+        LOOKUP,
+        lambda good: request(good, ids(shape=[0] + [2**62] * 100_000, data=b"")),
+        "100001 dimensions",
+    ),
+    "duplicate input": (
+        LOOKUP,
+        lambda good: request(good, ids(), ids()),
+        "tensor 'embeddings.8' appears more than once",
+    ),
+    "missing input": (
+        LOOKUP,
+        lambda good: request({name: local for name, local in good.items() if name != SMALL}),
+        "shard 0: missing input 'embeddings.8'; expected inputs: embeddings.0, ",
+    ),
+    "long unknown name": (LOOKUP, lambda good: request(good, ids(name="x" * 100_000)), "... (100000 characters)"),
     "many inputs": (
         LOOKUP,
-        request(*(sparse(name=f"n{i}", data=b"", shape=[0]) for i in range(50_000))),
+        lambda good: request(good, *(ids(name=f"n{i}", data=b"", shape=[0]) for i in range(50_000))),
         "unknown input 'n2'; 49997 more unknown inputs",
+    ),
+    "unknown output_dtype": (
+        LOOKUP,
+        lambda good: request(good, output_dtype="float64"),
+        "output_dtype 'float64' is not one of float32, float16, bfloat16",
     ),
 }
 
 
 @pytest.mark.parametrize("case", HOSTILE)
-def test_hostile_message_is_invalid_argument_and_leaves_the_shard_serving_and_untouched(tiny_shard, case: str):
+def test_hostile_message_is_invalid_argument_and_leaves_the_shard_serving_and_untouched(tiny_shard, good_ids, case):
     method, payload, details = HOSTILE[case]
 
     async def body():
-        before = checksum(tiny_shard.module)
+        before = checksum(tiny_shard)
         async with serving(tiny_shard) as server:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await raw_call(server, method, payload)
-            raw = await raw_call(server, LOOKUP, lookup_bytes({"sparse": GOOD_SPARSE}))
+                await raw_call(server, method, payload(good_ids))
+            response = pb.LookupResponse.FromString(await raw_call(server, LOOKUP, lookup_bytes(good_ids)))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert details in info.value.details() and len(info.value.details()) <= 2048
         with torch.inference_mode():
-            expected = tiny_shard.module(sparse=GOOD_SPARSE)
-        assert_same(wire.decode_all(pb.LookupResponse.FromString(raw).outputs), expected)
-        assert checksum(tiny_shard.module) == before
+            expected = tiny_shard.module(**good_ids)
+        assert_same(wire.decode_all(response.outputs), expected)
+        assert response.version == tiny_shard.version
+        assert checksum(tiny_shard) == before
 
     asyncio.run(body())
 
 
-def test_oversized_message_is_resource_exhausted_and_leaves_the_shard_serving_and_untouched(tiny_shard):
+def test_oversized_message_is_resource_exhausted_and_leaves_the_shard_serving_and_untouched(tiny_shard, good_ids):
     async def body():
-        before = checksum(tiny_shard.module)
-        big = lookup_bytes({"sparse": torch.zeros(2, 26, 2048, dtype=torch.int64)})  # 852 KiB
+        before = checksum(tiny_shard)
+        big = lookup_bytes({**good_ids, SMALL: torch.zeros(2**18, dtype=torch.int32)})  # 1 MiB of ids
         async with serving(tiny_shard, max_message_bytes=512 * 1024) as server:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await raw_call(server, LOOKUP, big)
-            await raw_call(server, LOOKUP, lookup_bytes({"sparse": GOOD_SPARSE}))
+            await raw_call(server, LOOKUP, lookup_bytes(good_ids))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert checksum(tiny_shard.module) == before
+        assert checksum(tiny_shard) == before
 
     asyncio.run(body())

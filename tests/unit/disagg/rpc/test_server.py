@@ -1,4 +1,5 @@
-"""EmbeddingServer on loopback: lookups, refusals that leave it serving, deadlines, health, message limits."""
+"""EmbeddingServer on loopback: lookups, output dtypes, versions, refusals that leave it serving, deadlines, health,
+message limits, the in-flight count."""
 
 import asyncio
 import contextlib
@@ -6,8 +7,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,7 +20,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
-from disagg.rpc.client import ShardClient
 from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, _Servicer
 from tests.helpers import REPO
 from tests.helpers.embedding_shards import ToyShard, serving, toy_inputs, toy_shard
@@ -33,8 +35,8 @@ async def stub_for(server: EmbeddingServer, **options):
         yield pb_grpc.EmbeddingShardStub(channel), health_pb2_grpc.HealthStub(channel)
 
 
-def lookup_request(inputs: dict[str, torch.Tensor]) -> pb.LookupRequest:
-    return pb.LookupRequest(inputs=wire.encode_all(inputs))
+def lookup_request(inputs: dict[str, torch.Tensor], output_dtype: str = "") -> pb.LookupRequest:
+    return pb.LookupRequest(inputs=wire.encode_all(inputs), output_dtype=output_dtype)
 
 
 async def assert_still_serves(stub, shard: ToyShard) -> None:
@@ -44,28 +46,114 @@ async def assert_still_serves(stub, shard: ToyShard) -> None:
 
 def test_info_and_loopback_address():
     async def body():
-        shard = toy_shard(index=1)
+        shard = toy_shard(index=1, version="v-info")
         async with serving(shard, model="toy", num_shards=3) as server, stub_for(server) as (stub, _):
             assert server.address.startswith("127.0.0.1:") and not server.address.endswith(":0")
             info = await stub.Info(pb.InfoRequest(), timeout=5)
-        assert (info.model, info.shard_index, info.num_shards) == ("toy", 1, 3)
+        assert (info.model, info.shard_index, info.num_shards, info.version) == ("toy", 1, 3, "v-info")
         assert tuple(info.input_names) == ("ids_a", "ids_b") and tuple(info.output_names) == ("pooled_a", "pooled_b")
         assert info.parameter_bytes == shard.parameter_bytes == 2 * 10 * 4 * 4
 
     asyncio.run(body())
 
 
-def test_lookup_equals_calling_the_module():
+def test_lookup_equals_calling_the_module_and_carries_the_version():
     async def body():
-        shard = toy_shard()
+        shard = toy_shard(version="v-lookup")
         inputs = {"ids_a": torch.tensor([0, 9, 3]), "ids_b": torch.tensor([5, 5, 1])}
         async with serving(shard) as server, stub_for(server) as (stub, _):
             response = await stub.Lookup(lookup_request(inputs), timeout=5)
+        assert response.version == "v-lookup"
         outputs = wire.decode_all(response.outputs)
         expected = shard.module(**inputs)
         assert outputs.keys() == expected.keys()
         for name, tensor in expected.items():
+            assert outputs[name].dtype == torch.float32
             torch.testing.assert_close(outputs[name], tensor, rtol=0, atol=0)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("output_dtype", ["float16", "bfloat16", "float32"])
+def test_output_dtype_casts_the_float32_rows(output_dtype):
+    async def body():
+        shard = toy_shard()
+        inputs = {"ids_a": torch.tensor([0, 9, 3]), "ids_b": torch.tensor([5, 5, 1])}
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            full = await stub.Lookup(lookup_request(inputs), timeout=5)
+            cast = await stub.Lookup(lookup_request(inputs, output_dtype), timeout=5)
+        assert cast.version == full.version == shard.version
+        dtype = getattr(torch, output_dtype)
+        expected = {name: tensor.to(dtype) for name, tensor in wire.decode_all(full.outputs).items()}
+        outputs = wire.decode_all(cast.outputs)
+        assert outputs.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert outputs[name].dtype == tensor.dtype
+            assert torch.equal(outputs[name], tensor)
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("output_dtype", ["int8", "float64", "FLOAT16"])
+def test_unknown_output_dtype_is_invalid_argument_naming_the_field_and_never_computed(output_dtype):
+    async def body():
+        shard = toy_shard()
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Lookup(lookup_request(toy_inputs(shard), output_dtype), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = info.value.details()
+            assert "output_dtype" in details and repr(output_dtype) in details
+            assert all(allowed in details for allowed in ("float32", "float16", "bfloat16"))
+            await assert_still_serves(stub, shard)
+        assert shard.module.calls == 1
+
+    asyncio.run(body())
+
+
+class _Gate:
+    """Wraps a module: signals ``entered`` when called, then waits for ``release`` before computing."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, **inputs):
+        self.entered.set()
+        assert self.release.wait(10), "never released"
+        return self.module(**inputs)
+
+
+def test_lookups_in_flight_counts_calls_until_answered_or_refused():
+    async def body():
+        shard = toy_shard()
+        gate = _Gate(shard.module)
+        gated = replace(shard, module=gate)
+        server = EmbeddingServer(gated)
+        assert server.lookups_in_flight == 0
+        await server.start()
+        try:
+            async with stub_for(server) as (stub, _):
+                pending = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=10))
+                assert await asyncio.to_thread(gate.entered.wait, 10)
+                assert server.lookups_in_flight == 1
+                gate.release.set()
+                await pending
+                assert server.lookups_in_flight == 0
+                for request in (
+                    lookup_request({"ids_a": torch.zeros(1, dtype=torch.int64)}),
+                    lookup_request(toy_inputs(shard), output_dtype="int8"),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await stub.Lookup(request, timeout=5)
+                    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    assert server.lookups_in_flight == 0
+                await stub.Info(pb.InfoRequest(), timeout=5)
+                assert server.lookups_in_flight == 0
+        finally:
+            await server.stop(0)
+        assert shard.module.calls == 1
 
     asyncio.run(body())
 
@@ -265,32 +353,34 @@ def test_stop_is_idempotent_and_stops_serving():
 
 @pytest.mark.slow
 def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm():
-    from disagg import partition
     from disagg.spec import preset_spec
+    from disagg.tables import TableLayout, build_embedding_shard
 
-    command = [sys.executable, "-m", "disagg.rpc.server", "--preset", "tiny", "--seed", "3"]
-    command += ["--shard", "1", "--num-shards", "2", "--port", "0", "--torch-threads", "1"]
+    command = [sys.executable, "-m", "disagg.rpc.server", "--preset", "tiny", "--seed", "3", "--shard", "1"]
+    command += ["--num-shards", "2", "--row-wise-min-mb", "0.03", "--storage-dtype", "int8", "--port", "0"]
+    command += ["--torch-threads", "1"]
     process = subprocess.Popen(command, cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         line = next((line for line in process.stderr if "serving" in line), "")
-        match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+) \(plaintext\): outputs ", line)
+        match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+) \(plaintext\): version (\w+), ", line)
         assert match, f"no serving line, process exited with {process.poll()}"
-        expected_shard = partition.build_embedding_shard(preset_spec("tiny"), 3, 1, 2)
-        sparse = torch.arange(4 * 26 * 2, dtype=torch.int64).reshape(4, 26, 2) % 4 - 1  # [B, tables, H], -1 pads
+        layout = TableLayout(2, row_wise_min_bytes=int(0.03 * 2**20), storage_dtype="int8")
+        expected_shard = build_embedding_shard(preset_spec("tiny"), 3, 1, layout)
+        assert any("[" in name for name in expected_shard.input_names)  # some tables split row-wise
+        inputs = {piece.name: torch.arange(piece.rows, dtype=torch.int32) % 7 for piece in expected_shard.slices}
 
         async def lookup():
-            client = ShardClient(1, [match.group(1)])
-            try:
-                info = await client.info(timeout_s=10)
-                return info, await client.lookup({"sparse": sparse}, timeout_s=10)
-            finally:
-                await client.close()
+            async with grpc.aio.insecure_channel(match.group(1)) as channel:
+                stub = pb_grpc.EmbeddingShardStub(channel)
+                info = await stub.Info(pb.InfoRequest(), timeout=10)
+                return info, await stub.Lookup(lookup_request(inputs), timeout=10)
 
-        info, outputs = asyncio.run(lookup())
+        info, response = asyncio.run(lookup())
         assert (info.model, info.shard_index, info.num_shards) == ("tiny", 1, 2)
+        assert info.version == response.version == match.group(2) == expected_shard.version
         assert tuple(info.output_names) == expected_shard.output_names
-        with torch.inference_mode():
-            expected = expected_shard.module(sparse=sparse)
+        outputs = wire.decode_all(response.outputs)
+        expected = expected_shard.module(**inputs)
         for name in expected_shard.output_names:
             torch.testing.assert_close(outputs[name], expected[name], rtol=0, atol=0)
         process.send_signal(signal.SIGTERM)

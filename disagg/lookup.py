@@ -1,0 +1,231 @@
+"""The embedding part of a model computed on the dense side from rows held elsewhere.
+
+Per batch: each table's ids are deduplicated (``EmbeddingLookups.unique_ids``); ids whose rows the hot-embedding
+cache holds skip the RPC; the others go, as local int32 ids, only to the shards holding their table slices (one
+call per shard, split into concurrent chunks when a reply would pass half the gRPC message limit); the rows come
+back in ``wire_dtype`` and the bags are pooled here through the inverse index. The shard clients refuse rows of a
+table version other than the expected one (``ShardVersionMismatch``), so the cache only ever holds rows of the
+model this replica serves; it is dropped for a shard's tables whenever the shard reports a new version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from disagg.embedding_cache import EmbeddingCache
+from disagg.partition import EmbeddingLookups, TableIds
+from disagg.rpc.client import EmbeddingClient
+from disagg.tables import TableShard, TableSlice
+from serving.common.metrics import NO_METRICS, Metrics
+
+_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class RowSource(Protocol):
+    """Where rows come from: ``disagg.rpc.client.EmbeddingClient`` (the shards over gRPC) or ``LocalRows``."""
+
+    async def lookup(
+        self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """Rows for each slice's local ids (``inputs`` by slice name); slices with no ids may be left out."""
+        ...
+
+
+class LocalRows:
+    """The shards' tables in this process: what ``EmbeddingClient`` returns, without gRPC (evaluation, tests)."""
+
+    def __init__(self, shards: Sequence[TableShard]) -> None:
+        self._shards = tuple(shards)
+
+    async def lookup(
+        self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str = ""
+    ) -> dict[str, torch.Tensor]:
+        dtype = getattr(torch, output_dtype or "float32")
+        found: dict[str, torch.Tensor] = {}
+        for shard in self._shards:
+            mine = {name: inputs[name] for name in shard.input_names}
+            if any(ids.numel() for ids in mine.values()):
+                found |= {name: rows.to(dtype) for name, rows in shard.module(**mine).items()}
+        return found
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The tables of one row width, looked up together: their slices in id order, each slice's bounds in the
+    group's id space (table ``i`` starts at ``base[i]``)."""
+
+    dim: int
+    tables: tuple[str, ...]
+    base: torch.Tensor  # int64 [tables]
+    slices: tuple[TableSlice, ...]
+    slice_starts: torch.Tensor  # int64 [slices], in the group's id space
+    slice_stops: torch.Tensor
+
+    @classmethod
+    def of(cls, dim: int, tables: Sequence[str], rows: Sequence[int], pieces: Mapping[str, Sequence[TableSlice]]
+           ) -> _Group:
+        base = [0, *torch.tensor(rows).cumsum(0).tolist()[:-1]]
+        ordered = [(start + piece.row_start, start + piece.row_stop, piece)
+                   for table, start in zip(tables, base, strict=True)
+                   for piece in sorted(pieces[table], key=lambda piece: piece.row_start)]
+        return cls(dim, tuple(tables), torch.tensor(base, dtype=torch.int64), tuple(piece for *_, piece in ordered),
+                   torch.tensor([low for low, _, _ in ordered]), torch.tensor([high for _, high, _ in ordered]))
+
+
+@dataclass
+class _Missing:
+    """One group's ids the cache did not hold: their positions in the group's unique ids, ids and table counts."""
+
+    positions: torch.Tensor
+    ids: torch.Tensor
+    counts: list[int]
+
+
+@dataclass
+class _Batch:
+    """One batch between its preparation and its pooling: unique ids, their rows so far, what is still missing."""
+
+    unique: dict[str, TableIds]
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # group dim -> [unique ids of the group, dim]
+    counts: dict[int, list[int]] = field(default_factory=dict)  # group dim -> unique ids per table
+    missing: dict[int, _Missing] = field(default_factory=dict)
+    #: slice name -> local int32 ids to fetch (every slice of the plan, empty when nothing is missing)
+    requests: dict[str, torch.Tensor] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+
+class RemoteEmbeddings:
+    """``await embeddings(inputs, timeout_s=...)`` returns what ``partition.embedding_part(**inputs)`` would.
+
+    ``plan[i]`` lists the slices shard ``i`` of ``source`` holds (``TableLayout.plan``); ``source`` takes their
+    names as inputs. ``cache`` (None: no cache) holds float32 rows by table.
+    """
+
+    def __init__(
+        self,
+        lookups: EmbeddingLookups,
+        plan: Sequence[Sequence[TableSlice]],
+        source: RowSource,
+        *,
+        cache: EmbeddingCache | None = None,
+        wire_dtype: str = "float32",
+        max_message_bytes: int = 64 * 1024 * 1024,
+        metrics: Metrics = NO_METRICS,
+    ) -> None:
+        if wire_dtype not in _WIRE_BYTES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(_WIRE_BYTES)}, got {wire_dtype!r}")
+        self.lookups = lookups
+        self.cache = cache
+        self.source = source
+        self._plan = [tuple(slices) for slices in plan]
+        self._wire_dtype = wire_dtype
+        self._max_reply_bytes = max_message_bytes // 2
+        self._metrics = metrics
+        pieces: dict[str, list[TableSlice]] = {table: [] for table in lookups.tables}
+        self._shard_tables: list[set[str]] = []
+        for slices in plan:
+            for piece in slices:
+                if piece.table not in pieces:
+                    raise ValueError(f"the plan holds table {piece.table!r}, which the model does not look up")
+                pieces[piece.table].append(piece)
+            self._shard_tables.append({piece.table for piece in slices})
+        for table, held in pieces.items():
+            covered = sorted((piece.row_start, piece.row_stop) for piece in held)
+            edges = [0, *(bound for pair in covered for bound in pair), lookups.tables[table][0]]
+            if not covered or edges[0::2] != edges[1::2]:
+                raise ValueError(f"the plan's slices of table {table!r} do not cover its rows exactly once: {covered}")
+        self._groups = [
+            _Group.of(dim, names, [lookups.tables[name][0] for name in names], pieces)
+            for dim in dict.fromkeys(dim for _, dim in lookups.tables.values())
+            for names in [[name for name, (_, width) in lookups.tables.items() if width == dim]]
+        ]
+
+    async def __call__(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
+        batch = await asyncio.to_thread(self._prepare, inputs)
+        fetched = await self._fetch(batch.requests, timeout_s)
+        return await asyncio.to_thread(self._finish, inputs, batch, fetched)
+
+    def drop_cached_on_new_versions(self, client: EmbeddingClient) -> None:
+        """Drop a shard's tables from the cache whenever ``client`` sees that shard answer with a new version."""
+        for shard in client.shards:
+            shard.on_new_version = lambda index, _version: self.drop_cached(index)
+
+    def drop_cached(self, shard_index: int) -> None:
+        """Forget the cached rows of every table shard ``shard_index`` holds a slice of."""
+        if self.cache is not None:
+            for table in self._shard_tables[shard_index]:
+                self.cache.clear(table)
+
+    def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> _Batch:
+        """Deduplicate, take what the cache holds, and sort the missing ids into their slices."""
+        batch = _Batch(self.lookups.unique_ids(inputs))
+        for group in self._groups:
+            ids = torch.cat([batch.unique[table].ids for table in group.tables])
+            counts = [batch.unique[table].ids.shape[0] for table in group.tables]
+            rows = torch.empty(ids.shape[0], group.dim)
+            table = torch.repeat_interleave(torch.arange(len(group.tables)), torch.tensor(counts))
+            if self.cache is None:
+                missing = torch.arange(ids.shape[0])
+            else:
+                hit, cached = self.cache.lookup(group.tables, counts, ids)
+                rows[hit] = cached
+                missing = torch.nonzero(~hit).squeeze(1)
+                batch.hits += ids.shape[0] - missing.shape[0]
+            batch.misses += missing.shape[0]
+            missing_table = table.index_select(0, missing)
+            missing_ids = ids.index_select(0, missing)
+            spaced = missing_ids + group.base.index_select(0, missing_table)  # sorted: tables in order, ids sorted
+            bounds = torch.searchsorted(spaced, group.slice_stops)
+            per_slice = torch.diff(bounds, prepend=torch.zeros(1, dtype=torch.int64))
+            local = (spaced - torch.repeat_interleave(group.slice_starts, per_slice)).to(torch.int32)
+            batch.requests |= dict(zip((piece.name for piece in group.slices), local.split(per_slice.tolist()),
+                                       strict=True))
+            batch.rows[group.dim], batch.counts[group.dim] = rows, counts
+            batch.missing[group.dim] = _Missing(
+                missing, missing_ids, torch.bincount(missing_table, minlength=len(group.tables)).tolist())
+        return batch
+
+    async def _fetch(self, requests: dict[str, torch.Tensor], timeout_s: float) -> dict[str, torch.Tensor]:
+        """Rows for every requested id, in request order; concurrent chunks keep each reply under the limit."""
+        if not any(ids.numel() for ids in requests.values()):  # the cache held every row
+            return {}
+        reply_bytes = max(
+            sum(requests[piece.name].shape[0] * piece.dim * _WIRE_BYTES[self._wire_dtype] for piece in slices)
+            for slices in self._plan
+        )
+        chunks = max(1, math.ceil(reply_bytes / self._max_reply_bytes))
+        if chunks == 1:
+            return await self.source.lookup(requests, timeout_s=timeout_s, output_dtype=self._wire_dtype)
+        parts = {name: torch.tensor_split(ids, chunks) for name, ids in requests.items()}
+        replies = await asyncio.gather(*(
+            self.source.lookup({name: split[chunk] for name, split in parts.items()}, timeout_s=timeout_s,
+                                output_dtype=self._wire_dtype)
+            for chunk in range(chunks)
+        ))
+        return {name: torch.cat([reply[name] for reply in replies if name in reply])
+                for name in requests if any(name in reply for reply in replies)}
+
+    def _finish(
+        self, inputs: Mapping[str, torch.Tensor], batch: _Batch, fetched: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Fill the fetched rows in, cache them, pool."""
+        rows: dict[str, torch.Tensor] = {}
+        for group in self._groups:
+            group_rows, missing = batch.rows[group.dim], batch.missing[group.dim]
+            if missing.positions.shape[0]:
+                got = [fetched[piece.name] for piece in group.slices if piece.name in fetched]
+                fresh = torch.cat(got).to(torch.float32)
+                group_rows[missing.positions] = fresh
+                if self.cache is not None:
+                    self.cache.insert(group.tables, missing.counts, missing.ids, fresh)
+            rows |= dict(zip(group.tables, group_rows.split(batch.counts[group.dim]), strict=True))
+        if self.cache is not None:
+            self._metrics.embedding_cache(batch.hits, batch.misses)
+        return self.lookups(inputs, batch.unique, rows)
