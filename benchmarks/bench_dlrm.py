@@ -49,14 +49,15 @@ from serving.common.memory import serve_processes
 from serving.common.net import free_port
 
 GiB = 2**30
-MODES = ("monolithic", "disaggregated")
 
 
 # -- deployment ----------------------------------------------------------------------------------------------------
 
 def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str | None = None, replicas: int = 1,
-               wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru") -> dict[str, Any]:
-    """One app of the Serve config: ``name`` at ``/<name>/v2``."""
+               wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru", threads: int | None = None,
+               storage: str = "float32") -> dict[str, Any]:
+    """One app of the Serve config: ``name`` at ``/<name>/v2``; ``threads`` (default ``--threads`` monolithic,
+    ``--dense-threads`` disaggregated) per monolithic or dense replica."""
     spec = preset_spec(preset or args.preset)
     table_bytes = spec.total_rows * spec.embedding_dim * 4
     ingress = "MonolithicDLRM" if serving == "monolithic" else "DisaggregatedDLRM"
@@ -67,12 +68,13 @@ def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str
     return {
         "name": name, "route_prefix": f"/{name}/v2", "import_path": "disagg.app:build_app",
         "args": {
-            "model": {"preset": preset or args.preset, "torch_threads": args.threads, "weights": "seeded"},
+            "model": {"preset": preset or args.preset, "weights": "seeded", "torch_threads": threads or (
+                args.threads if serving == "monolithic" else args.dense_threads)},
             "serving": serving,
             "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
-                          "torch_threads": 1, "wire_dtype": wire,
+                          "torch_threads": 1, "wire_dtype": wire, "storage_dtype": storage,
                           "cache": {"max_bytes": int(cache_fraction * table_bytes), "policy": policy}},
-            "batching": {"max_batch_size": 8},
+            "batching": {"max_batch_size": args.max_batch_size},
         },
         "deployments": deployments,
     }
@@ -206,46 +208,55 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
 
 
 def scale_out(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
-    results: dict[str, dict[int, dict[str, Any]]] = {mode: {} for mode in MODES}
+    """N monolithic replicas against N dense replicas sharing one shard set (float32 tables; int8 tables too);
+    each replica gets ``cores // N`` torch threads (at least one), so neither side oversubscribes the cores."""
+    systems = {"monolithic": {"serving": "monolithic"}, "disaggregated": {"serving": "disaggregated"},
+               "disaggregated_int8": {"serving": "disaggregated", "storage": "int8"}}
+    results: dict[str, dict[int, dict[str, Any]]] = {name: {} for name in systems}
     batches = workload(args.scale_batch)
     for replicas in args.replicas:
-        names = {mode: f"scale-{mode[:4]}" for mode in MODES}
-        handles = deploy([app_config(names[mode], args, serving=mode, replicas=replicas) for mode in MODES], port)
-        for mode in MODES:
-            handles[names[mode]].infer.remote(*batches[0]).result(timeout_s=300)
-            results[mode][replicas] = {"memory": app_memory(names[mode]), "rows_per_s": [], "errors": []}
+        threads = max(1, psutil.cpu_count() // replicas)
+        names = {name: f"scale-{index}" for index, name in enumerate(systems)}
+        handles = deploy([app_config(names[name], args, replicas=replicas, threads=threads, **options)
+                          for name, options in systems.items()], port)
+        for name in systems:
+            handles[names[name]].infer.remote(*batches[0]).result(timeout_s=300)
+            results[name][replicas] = {"memory": app_memory(names[name]), "rows_per_s": [], "errors": [],
+                                       "threads": threads}
         for repeat in range(args.repeats):
-            for mode in MODES if repeat % 2 == 0 else reversed(MODES):
-                served = throughput(handles[names[mode]], batches, replicas * args.clients, args.seconds)
-                results[mode][replicas]["rows_per_s"].append(served["rows_per_s"])
-                results[mode][replicas]["errors"].append(served["errors"])
-                print("scale_out", mode, replicas, repeat, served, flush=True)
+            for name in systems if repeat % 2 == 0 else reversed(systems):
+                served = throughput(handles[names[name]], batches, replicas * args.clients, args.seconds)
+                results[name][replicas]["rows_per_s"].append(served["rows_per_s"])
+                results[name][replicas]["errors"].append(served["errors"])
+                print("scale_out", name, replicas, repeat, served, flush=True)
         serve.shutdown()
     return results
 
 
 def cache_sweep(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
-    variants = {f"{policy}-{fraction:g}": (policy, fraction) for fraction in args.cache_fractions
-                for policy in (("lru",) if fraction == 0 else ("lru", "lfu"))}
-    apps = [app_config(f"cache-{i}", args, serving="disaggregated", cache_fraction=fraction, policy=policy)
-            for i, (policy, fraction) in enumerate(variants.values())]
-    handles = dict(zip(variants, deploy(apps, port).values(), strict=True))
+    """Per policy, one disaggregated app per cache size (each with its own shards) alive at once, interleaved."""
     batches = workload(args.cache_batch)
-    results: dict[str, dict[str, list]] = {name: {"hit_rate": [], "rows_per_s": [], "errors": []}
-                                           for name in variants}
-    for handle in handles.values():  # warm the caches with the same stream the runs use
-        for batch in batches[: args.warm_batches]:
-            handle.infer.remote(*batch).result(timeout_s=300)
-    for repeat in range(args.repeats):
-        for name in variants if repeat % 2 == 0 else reversed(variants):
-            hits_before, lookups_before = cache_counts(handles[name])
-            served = throughput(handles[name], batches, args.clients, args.seconds)
-            hits, lookups = cache_counts(handles[name])
-            results[name]["hit_rate"].append((hits - hits_before) / max(1, lookups - lookups_before))
-            results[name]["rows_per_s"].append(served["rows_per_s"])
-            results[name]["errors"].append(served["errors"])
-            print("cache", name, repeat, results[name]["hit_rate"][-1], served, flush=True)
-    serve.shutdown()
+    results: dict[str, dict[str, list]] = {}
+    for policy in ("lru", "lfu"):
+        fractions = [f for f in args.cache_fractions if f > 0 or policy == "lru"]
+        variants = {f"{policy}-{fraction:g}": fraction for fraction in fractions}
+        apps = [app_config(f"cache-{i}", args, serving="disaggregated", cache_fraction=fraction, policy=policy)
+                for i, fraction in enumerate(variants.values())]
+        handles = dict(zip(variants, deploy(apps, port).values(), strict=True))
+        results |= {name: {"hit_rate": [], "rows_per_s": [], "errors": []} for name in variants}
+        for handle in handles.values():  # warm the caches with the same stream the runs use
+            for batch in batches[: args.warm_batches]:
+                handle.infer.remote(*batch).result(timeout_s=300)
+        for repeat in range(args.repeats):
+            for name in variants if repeat % 2 == 0 else reversed(variants):
+                hits_before, lookups_before = cache_counts(handles[name])
+                served = throughput(handles[name], batches, args.clients, args.seconds)
+                hits, lookups = cache_counts(handles[name])
+                results[name]["hit_rate"].append((hits - hits_before) / max(1, lookups - lookups_before))
+                results[name]["rows_per_s"].append(served["rows_per_s"])
+                results[name]["errors"].append(served["errors"])
+                print("cache", name, repeat, results[name]["hit_rate"][-1], served, flush=True)
+        serve.shutdown()
     return results
 
 
@@ -299,8 +310,9 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
     summary: dict[str, float] = {}
     if same := results.get("same_cores"):
         lines += ["## Same cores", "",
-                  f"Every system on the same {psutil.cpu_count()} cores; monolithic and dense replicas "
-                  f"{args.threads} torch threads, shards 1 each, cache {args.cache_fraction:.0%} of the table bytes; "
+                  f"Every system on the same {psutil.cpu_count()} cores; monolithic replica {args.threads} torch "
+                  f"threads, dense replica {args.dense_threads}, shards 1 each, cache {args.cache_fraction:.0%} of the "
+                  "table bytes; "
                   f"{args.clients} callers for {args.seconds:g} s per throughput run.", "",
                   "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request |",
                   "|---|---|---|---|---|---|---|---|"]
@@ -326,15 +338,16 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
     if scale := results.get("scale_out"):
         lines += ["## Scale-out: N replicas, each monolithic one holding every table, the dense ones sharing one "
                   "shard set", "",
-                  f"Batch {args.scale_batch}, {args.clients} callers per replica; memory is the sum over every "
-                  "replica process of the app (shards included).", "",
+                  f"Batch {args.scale_batch}, {args.clients} callers per replica, each replica "
+                  f"{psutil.cpu_count()} // N torch threads (at least 1); memory is the sum over every replica "
+                  "process of the app (shards and directory included); `disaggregated_int8` stores the tables "
+                  "int8 row-wise. Summary ratios: `disaggregated` (float32 tables) against `monolithic`.", "",
                   "| N | system | RSS GiB | USS GiB | PSS GiB | rows/s | rows/s per GiB RSS |",
                   "|---|---|---|---|---|---|---|"]
         for replicas in args.replicas:
-            for mode in MODES:
-                entry = scale[mode][replicas]
+            for name, entry in ((name, by_n[replicas]) for name, by_n in scale.items()):
                 memory, rate = entry["memory"], statistics.median(entry["rows_per_s"])
-                lines.append(f"| {replicas} | {mode} | {memory['rss'] / GiB:.2f} | {memory['uss'] / GiB:.2f} | "
+                lines.append(f"| {replicas} | {name} | {memory['rss'] / GiB:.2f} | {memory['uss'] / GiB:.2f} | "
                              f"{memory['pss'] / GiB:.2f} | {_cell(entry['rows_per_s'], '.0f')} | "
                              f"{rate / (memory['rss'] / GiB):.0f} |")
         top = max(args.replicas)
@@ -345,7 +358,10 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
         ) / (statistics.median(mono["rows_per_s"]) / mono["memory"]["rss"])
         lines.append("")
     if cache := results.get("cache"):
-        lines += ["## Hot-embedding cache (Zipf ids)", "", f"Batch {args.cache_batch}.", "",
+        lines += ["## Hot-embedding cache (Zipf ids)", "",
+                  f"Batch {args.cache_batch}; cache size as a fraction of the table bytes; hit rate over unique ids "
+                  f"per batch (after deduplication); caches warmed with {args.warm_batches} batches of the stream; "
+                  "the sizes of one policy interleaved.", "",
                   "| cache | hit rate | rows/s |", "|---|---|---|"]
         for name, entry in cache.items():
             lines.append(f"| {name} | {_cell(entry['hit_rate'], '.3f')} | {_cell(entry['rows_per_s'], '.0f')} |")
@@ -389,7 +405,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--clients", type=int, default=8, help="concurrent callers (per replica in scale_out)")
     parser.add_argument("--shards", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of monolithic and dense replicas")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each monolithic replica")
+    parser.add_argument("--dense-threads", type=int, default=1, help="torch threads of each dense replica")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="requests merged into one batch (both)")
     parser.add_argument("--cache-fraction", type=float, default=0.05, help="dense replicas' cache in same_cores")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--scale-batch", type=int, default=256)

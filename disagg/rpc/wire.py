@@ -33,6 +33,11 @@ if sys.byteorder != "little":  # the wire is little-endian and tensors are sent 
     raise ImportError("disagg.rpc.wire supports little-endian hosts only")
 
 
+#: Decoded tensors view read-only bytes, as documented above; torch warns about that on every ``frombuffer``.
+#: One process-wide filter for exactly that message (``catch_warnings`` per tensor costs more than the decode).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
 def encode(name: str, tensor: torch.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> pb.Tensor:
     """``tensor`` as a wire ``Tensor`` called ``name``; ValueError for a dtype, rank or size the wire refuses."""
     dtype_name = _NAMES.get(tensor.dtype)
@@ -58,9 +63,7 @@ def decode(message: pb.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> t
         )
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # read-only bytes: torch warns once that writing would be undefined
-        warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-        return torch.frombuffer(message.data, dtype=dtype).view(shape)
+    return torch.frombuffer(message.data, dtype=dtype).view(shape)
 
 
 def encode_all(tensors: Mapping[str, torch.Tensor], *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> list[pb.Tensor]:
