@@ -125,11 +125,12 @@ class ShardClient:
     no replica serves it, ``ShardVersionMismatch``. ``on_new_version(shard_index, version)`` runs whenever a reply
     reports a version other than the previous reply's (a shard restarted with other tables); it may be set later.
 
-    gRPC's own round-robin and retry policy (a service config) are not used for failover: the replica list changes
-    at run time and Python's grpc cannot update a channel's addresses without a custom resolver, and its retry
-    policy retries neither a hung replica (DEADLINE_EXCEEDED) nor on another address by choice. The channel options
-    use gRPC's reconnect backoff and keepalive; health: the servers serve ``grpc.health.v1`` and report NOT_SERVING
-    while draining, which ``ShardClient`` sees as UNAVAILABLE answers and fails over from.
+    gRPC's own round-robin, retry policy (service config) and client-side health checking are not used for
+    failover: the replica list changes at run time and Python's grpc cannot update a channel's addresses without a
+    custom resolver, which it cannot register; its retry policy neither retries a hung replica (DEADLINE_EXCEEDED)
+    nor lets the caller pick the next address; and health checking needs the round-robin policy. The servers do
+    serve ``grpc.health.v1`` (NOT_SERVING while draining) for load balancers and probes; this client learns of a
+    replica's end from its failed calls and from the directory. gRPC's reconnect backoff is used (channel options).
     """
 
     def __init__(

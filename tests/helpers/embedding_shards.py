@@ -36,6 +36,20 @@ class ToyTables(nn.Module):
         }
 
 
+class Gate:
+    """Wraps a shard module: sets ``entered`` when a lookup reaches it, then waits for ``release`` to compute."""
+
+    def __init__(self, module) -> None:
+        self.module = module
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, **inputs):
+        self.entered.set()
+        assert self.release.wait(10), "never released"
+        return self.module(**inputs)
+
+
 @dataclass(frozen=True)
 class ToyShard:
     """Stand-in for ``disagg.tables.TableShard``."""

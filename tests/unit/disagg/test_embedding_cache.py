@@ -39,6 +39,15 @@ def batch(tables: dict[str, torch.Tensor]) -> tuple[list[str], list[int], torch.
     return list(tables), [ids.numel() for ids in tables.values()], torch.cat(list(tables.values()))
 
 
+def run_in_threads(worker, seeds) -> None:
+    """``worker(seed)`` for each seed, each in its own thread, all at once; returns when all are done."""
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in seeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def assert_consistent(cache: TableCache) -> None:
     """Every filled slot holds the row of its own tag, and no id is in two slots."""
     filled = cache.tags >= 0
@@ -172,11 +181,7 @@ def test_concurrent_lookups_and_inserts_only_return_rows_inserted_for_the_id(pol
             misses = ids[~hit]
             cache.insert(misses, row_of(misses))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(worker, seeds=range(4))
     assert errors == []
     assert cache.hits > 0
     assert_consistent(cache)
@@ -389,11 +394,7 @@ def test_concurrent_embedding_cache_batches_only_return_rows_inserted_for_the_ta
                 [ids.numel() for ids in tables.values()]), strict=True)}
             cache.insert(*batch(misses), rows_of(misses))
 
-    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(worker, seeds=range(4))
     assert errors == []
     assert all(hits > 0 for hits, _ in cache.stats().values())
     everything = {"a": torch.arange(400), "b": torch.arange(400)}

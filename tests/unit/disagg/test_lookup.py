@@ -171,3 +171,18 @@ def test_a_shard_restarted_with_other_tables_gives_503_drops_its_cached_rows_and
     _assert_close(first, _reference(sparse), atol=1e-6)
     assert cached_after_restart and not cached_after_restart & shard_one  # shard 1's tables dropped, shard 0's kept
     _assert_close(recovered, _reference(fresh), atol=1e-6)  # nothing of the other model was left in the cache
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_dedup_cache_and_row_wise_slices_together_equal_the_monolithic_part_batch_after_batch(policy):
+    layout = TableLayout(3, row_wise_min_bytes=ROW_WISE)
+    lookups = embedding_lookups(build_dense_part(SPEC, SEED))
+    shards = [build_embedding_shard(SPEC, SEED, index, layout) for index in range(3)]
+    cache = EmbeddingCache(lookups.tables, max_bytes=SPEC.total_rows * SPEC.embedding_dim, policy=policy)
+    embeddings = RemoteEmbeddings(lookups, layout.plan(lookups.tables), LocalRows(shards), cache=cache)
+    generator = SyntheticRequests(SPEC, seed=8, max_hotness=3)
+    for _ in range(4):  # the cache fills, evicts and serves hits across the batches
+        _, sparse = generator.batch(128)
+        _assert_close(_run(embeddings, sparse), _reference(sparse), atol=1e-6)
+    hits, lookups_made = map(sum, zip(*cache.stats().values(), strict=True))
+    assert 0 < hits < lookups_made

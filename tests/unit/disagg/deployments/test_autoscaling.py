@@ -20,7 +20,7 @@ from disagg.deployments.autoscaling import (
     desired_replicas,
 )
 from disagg.rpc.server import EmbeddingServer
-from tests.helpers.embedding_shards import toy_inputs, toy_shard
+from tests.helpers.embedding_shards import Gate, toy_inputs, toy_shard
 from tests.unit.disagg.rpc.test_server import lookup_request, stub_for
 
 POLICY_PATH = "disagg.deployments.autoscaling:BusyTimePolicy"
@@ -32,20 +32,6 @@ class FakeClock:
 
     def __call__(self) -> float:
         return self.now
-
-
-class Gate:
-    """Wraps a shard module: ``entered`` is set when a lookup reaches it, which then waits for ``release``."""
-
-    def __init__(self, module) -> None:
-        self.module = module
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, **inputs):
-        self.entered.set()
-        assert self.release.wait(10), "never released"
-        return self.module(**inputs)
 
 
 # --- BusyMeter -------------------------------------------------------------------------------------------------

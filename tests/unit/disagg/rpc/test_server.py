@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -22,7 +21,7 @@ from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
 from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, _Servicer
 from tests.helpers import REPO
-from tests.helpers.embedding_shards import ToyShard, serving, toy_inputs, toy_shard
+from tests.helpers.embedding_shards import Gate, ToyShard, serving, toy_inputs, toy_shard
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -111,24 +110,10 @@ def test_unknown_output_dtype_is_invalid_argument_naming_the_field_and_never_com
     asyncio.run(body())
 
 
-class _Gate:
-    """Wraps a module: signals ``entered`` when called, then waits for ``release`` before computing."""
-
-    def __init__(self, module) -> None:
-        self.module = module
-        self.entered = threading.Event()
-        self.release = threading.Event()
-
-    def __call__(self, **inputs):
-        self.entered.set()
-        assert self.release.wait(10), "never released"
-        return self.module(**inputs)
-
-
 def test_lookups_in_flight_counts_calls_until_answered_or_refused():
     async def body():
         shard = toy_shard()
-        gate = _Gate(shard.module)
+        gate = Gate(shard.module)
         gated = replace(shard, module=gate)
         server = EmbeddingServer(gated)
         assert server.lookups_in_flight == 0
