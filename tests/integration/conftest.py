@@ -6,7 +6,8 @@ The config is the one `make serve` uses, deployed through the same Serve control
 `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
 replicas are placed on them by those resources, as on a real cluster. Variants added for the tests:
 `diffusion-cfg` (/cfg), `dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure`
-(/secure/v2, the same DLRM with its shards on every interface behind mutual TLS and a shared token).
+(/secure/v2, the same DLRM with its shards on every interface behind mutual TLS and a shared token, and a
+hot-embedding cache).
 """
 
 import copy
@@ -129,8 +130,9 @@ def _with_dlrm_pools_and_monolithic_variant(config: ServeDeploySchema) -> ServeD
 def _with_secured_dlrm_variant(config: ServeDeploySchema, pki: PKI) -> ServeDeploySchema:
     """Adds `dlrm-secure` at /secure/v2: the `dlrm` app with one replica per shard bound to 0.0.0.0 (an exposed
     address: the shards refuse it without TLS or a token), serving mutual TLS with a certificate naming only
-    `embedding.internal` and demanding `SECURE_TOKEN`, which only this app's processes get, by its runtime_env.
-    No pool resources: each deployment takes a sliver of the head's CPUs."""
+    `embedding.internal` and demanding `SECURE_TOKEN`, which only this app's processes get, by its runtime_env,
+    and with a hot-embedding cache in its dense replica. No pool resources: each deployment takes a sliver of the
+    head's CPUs."""
     raw = config.model_dump(exclude_unset=True)
     dlrm = next(app for app in raw["applications"] if app["name"] == "dlrm")
     secure = copy.deepcopy(dlrm)
@@ -139,6 +141,7 @@ def _with_secured_dlrm_variant(config: ServeDeploySchema, pki: PKI) -> ServeDepl
     secure["args"].setdefault("embedding", {}).update(
         replicas_per_shard=1, bind_host="0.0.0.0", tls_cert_file=str(pki.named_cert),
         tls_key_file=str(pki.named_key), tls_ca_file=str(pki.ca), tls_server_name=SERVER_NAME, tls_client_auth=True,
+        cache={"max_bytes": 262144},
     )
     secure["deployments"] = [{"name": deployment["name"], "ray_actor_options": {"num_cpus": 0.01}}
                              for deployment in dlrm["deployments"]]

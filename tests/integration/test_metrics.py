@@ -32,6 +32,8 @@ from serving.common.metrics import (
     CFG_LOCAL_FALLBACKS,
     CFG_LORA_LOCAL_ROWS,
     CONTROLNET_CALL_LATENCY,
+    EMBEDDING_BYTES,
+    EMBEDDING_CACHE_LOOKUPS,
     EMBEDDING_FAILOVERS,
     EMBEDDING_RPC_LATENCY,
     LORA_CACHE_BYTES,
@@ -72,6 +74,10 @@ EXPECTED: list[tuple[MetricSpec, dict[str, str]]] = [
     (BAND_DECODES, {"application": "diffusion-cfg", "outcome": "split"}),  # the worker decoded the lower band
     (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "0", "method": "Lookup", "status": "ok"}),
     (EMBEDDING_RPC_LATENCY, {"application": "dlrm", "shard": "1", "method": "Lookup", "status": "ok"}),
+    (EMBEDDING_BYTES, {"application": "dlrm", "direction": "sent"}),
+    (EMBEDDING_BYTES, {"application": "dlrm", "direction": "received"}),
+    (EMBEDDING_CACHE_LOOKUPS, {"application": "dlrm-secure", "outcome": "miss"}),  # the app with a cache
+    (EMBEDDING_CACHE_LOOKUPS, {"application": "dlrm-secure", "outcome": "hit"}),
 ]
 
 
@@ -121,7 +127,7 @@ def _dlrm_body(seed: int) -> dict:
 
 def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:
     """One generation with a ControlNet and a LoRA, one guided generation on the parallel-CFG app, and one DLRM
-    inference on the disaggregated app."""
+    inference on each disaggregated app (the plain one and the secured one with a cache)."""
     image = {"prompt": "a square", "size": "64x64", "num_inference_steps": 2, "seed": seed,
              "controlnets": [{"name": "edges", "image": encode_b64(square())}],
              "loras": [{"name": lora, "scale": 0.8}]}
@@ -130,8 +136,9 @@ def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:
     guided = {"prompt": "a square", "size": "64x64", "num_inference_steps": 2, "seed": seed, "guidance_scale": 5.0}
     response = http.post("/cfg/v1/images/generations", json=guided)
     assert response.status_code == 200, response.text
-    response = http.post("/v2/models/dlrm/infer", json=_dlrm_body(seed))
-    assert response.status_code == 200, response.text
+    for prefix in ("/v2", "/secure/v2"):
+        response = http.post(f"{prefix}/models/dlrm/infer", json=_dlrm_body(seed))
+        assert response.status_code == 200, response.text
 
 
 def test_every_swiftserve_metric_is_exported_non_zero_after_traffic(http, probe_lora):
