@@ -20,11 +20,10 @@ import torch
 
 from disagg.embedding_cache import EmbeddingCache
 from disagg.partition import EmbeddingLookups, TableIds
+from disagg.rpc import wire
 from disagg.rpc.client import EmbeddingClient
 from disagg.tables import TableShard, TableSlice
 from serving.common.metrics import NO_METRICS, Metrics
-
-_WIRE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class RowSource(Protocol):
@@ -46,7 +45,7 @@ class LocalRows:
     async def lookup(
         self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str = ""
     ) -> dict[str, torch.Tensor]:
-        dtype = getattr(torch, output_dtype or "float32")
+        dtype = wire.ROW_DTYPES[output_dtype]
         found: dict[str, torch.Tensor] = {}
         for shard in self._shards:
             mine = {name: inputs[name] for name in shard.input_names}
@@ -119,8 +118,8 @@ class RemoteEmbeddings:
         max_message_bytes: int = 64 * 1024 * 1024,
         metrics: Metrics = NO_METRICS,
     ) -> None:
-        if wire_dtype not in _WIRE_BYTES:
-            raise ValueError(f"wire_dtype must be one of {', '.join(_WIRE_BYTES)}, got {wire_dtype!r}")
+        if wire_dtype not in wire.ROW_DTYPE_NAMES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(wire.ROW_DTYPE_NAMES)}, got {wire_dtype!r}")
         self.lookups = lookups
         self.cache = cache
         self.source = source
@@ -196,9 +195,9 @@ class RemoteEmbeddings:
         """Rows for every requested id, in request order; concurrent chunks keep each reply under the limit."""
         if not any(ids.numel() for ids in requests.values()):  # the cache held every row
             return {}
+        row_element = wire.ROW_DTYPES[self._wire_dtype].itemsize
         reply_bytes = max(
-            sum(requests[piece.name].shape[0] * piece.dim * _WIRE_BYTES[self._wire_dtype] for piece in slices)
-            for slices in self._plan
+            sum(requests[piece.name].shape[0] * piece.dim * row_element for piece in slices) for slices in self._plan
         )
         chunks = max(1, math.ceil(reply_bytes / self._max_reply_bytes))
         if chunks == 1:

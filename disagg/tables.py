@@ -15,15 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch import nn
 
+from disagg.config import StorageDtype
 from disagg.model import DLRM, materialize_
 from disagg.spec import DLRMSpec
 
-StorageDtype = Literal["float32", "float16", "int8"]
 STORAGE_DTYPES: tuple[str, ...] = get_args(StorageDtype)
 
 #: int8 storage: 256 levels per row between the row's minimum (``bias``) and maximum.

@@ -38,13 +38,6 @@ MiB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 #: The id that pads a bag (contributes nothing); integer inputs below it are refused.
 PADDING_ID = -1
-#: ``LookupRequest.output_dtype`` values and the dtype floating outputs are cast to; "" means float32.
-OUTPUT_DTYPES: dict[str, torch.dtype] = {
-    "": torch.float32,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 #: Longest status details sent (gRPC refuses trailers above 16 KiB), longest input name quoted in them, and most
 #: unknown input names listed.
@@ -203,12 +196,12 @@ class _Servicer:
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
-        output_dtype = OUTPUT_DTYPES.get(request.output_dtype)
+        output_dtype = wire.ROW_DTYPES.get(request.output_dtype)
         if output_dtype is None:
             await _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(filter(None, OUTPUT_DTYPES))} "
+                f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(wire.ROW_DTYPE_NAMES)} "
                 "(empty means float32)",
             )
         if problem := self._name_problem([message.name for message in request.inputs]):

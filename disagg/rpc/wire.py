@@ -25,6 +25,10 @@ DTYPES: dict[str, torch.dtype] = {
     "int32": torch.int32,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+#: Element types rows may be sent in (``LookupRequest.output_dtype``); "" means float32.
+ROW_DTYPES: dict[str, torch.dtype] = {"": torch.float32, "float32": torch.float32, "float16": torch.float16,
+                                      "bfloat16": torch.bfloat16}
+ROW_DTYPE_NAMES = tuple(name for name in ROW_DTYPES if name)
 MAX_DIMS = 8
 #: Default cap on the elements of one tensor (512 MiB of float32), far above one request's pooled embeddings.
 DEFAULT_MAX_ELEMENTS = 1 << 27
