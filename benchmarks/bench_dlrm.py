@@ -102,6 +102,18 @@ def app_memory(app: str) -> dict[str, float]:
     return totals
 
 
+def app_cpu_seconds(app: str) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the replica processes of ``app``, summed per deployment."""
+    totals: dict[str, float] = {}
+    for title, process in serve_processes().items():
+        if title.startswith(f"ServeReplica:{app}:"):
+            deployment = title.split(":")[2].split("#")[0]
+            role = "shards" if deployment.startswith("EmbeddingShard") else deployment
+            times = process.cpu_times()
+            totals[role] = totals.get(role, 0.0) + times.user + times.system
+    return totals
+
+
 # -- load ----------------------------------------------------------------------------------------------------------
 
 class Outcomes:
@@ -157,7 +169,8 @@ def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: f
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    return {"rows_per_s": outcomes.rows / (time.perf_counter() - started), "errors": outcomes.errors}
+    seconds = time.perf_counter() - started
+    return {"rows_per_s": outcomes.rows / seconds, "seconds": seconds, "errors": outcomes.errors}
 
 
 def grpc_bytes(handle: DeploymentHandle) -> int:
@@ -192,12 +205,17 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
             for name in order:
                 handle = handles[name]
                 entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "rows_per_s": [],
-                                                      "bytes_per_request": [], "errors": []})
+                                                      "bytes_per_request": [], "cpu_us_per_row": [], "errors": []})
                 before = grpc_bytes(handle) if name != "monolithic" else 0
                 measured = latency(handle, batches, args.latency_seconds)
                 if name != "monolithic":
                     entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
+                cpu_before = app_cpu_seconds(name.replace("_", "-"))
                 served = throughput(handle, batches, args.clients, args.seconds)
+                cpu_after = app_cpu_seconds(name.replace("_", "-"))
+                rows_served = served["rows_per_s"] * served["seconds"]
+                entry["cpu_us_per_row"].append(
+                    {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / rows_served for role in cpu_after})
                 entry["p50_ms"].append(measured["p50_ms"])
                 entry["p99_ms"].append(measured["p99_ms"])
                 entry["rows_per_s"].append(served["rows_per_s"])
@@ -314,8 +332,11 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   f"threads, dense replica {args.dense_threads}, shards 1 each, cache {args.cache_fraction:.0%} of the "
                   "table bytes; "
                   f"{args.clients} callers for {args.seconds:g} s per throughput run.", "",
-                  "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "CPU µs per row: CPU time of the app's replica processes during the throughput runs over the rows "
+                  "answered, in all and (ingress + shard directory + shards); the load generator is not counted.", "",
+                  "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request | "
+                  "CPU µs/row |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         worst_throughput, worst_p50 = [], []
         for batch in args.batches:
             mono = same["monolithic"][batch]
@@ -331,7 +352,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                 bytes_cell = f"{statistics.median(row['bytes_per_request']):,.0f}" if row["bytes_per_request"] else "-"
                 lines.append(
                     f"| {batch} | {name} | {_cell(row['p50_ms'])} | {_cell(row['p99_ms'])} | "
-                    f"{_cell(row['rows_per_s'], '.0f')} | {ratio:.2f}x{tie} | {p50:.2f}x | {bytes_cell} |")
+                    f"{_cell(row['rows_per_s'], '.0f')} | {ratio:.2f}x{tie} | {p50:.2f}x | {bytes_cell} | "
+                    f"{_cpu_cell(row['cpu_us_per_row'])} |")
         summary["throughput_ratio_same_cores"] = min(worst_throughput)
         summary["p50_ratio_same_cores"] = max(worst_p50)
         lines.append("")
@@ -388,6 +410,14 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
         summary["auc_change_int8"] = auc["auc_change_int8"]
         lines.append("")
     return "\n".join(lines), summary
+
+
+def _cpu_cell(runs: list[dict[str, float]]) -> str:
+    """Median CPU µs per row of each role over ``runs``: ``total (ingress + directory + shards)``."""
+    roles = sorted({role for run in runs for role in run}, key=lambda role: {"ShardDirectory": 1, "shards": 2}.get(role, 0))
+    medians = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in roles}
+    parts = " + ".join(f"{value:.1f}" for value in medians.values())
+    return f"{sum(medians.values()):.1f}" + (f" ({parts})" if len(medians) > 1 else "")
 
 
 def _cell(values: list[float], fmt: str = ".1f") -> str:

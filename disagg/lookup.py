@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 
 from disagg.embedding_cache import EmbeddingCache
-from disagg.partition import EmbeddingLookups, TableIds
+from disagg.id_space import IdGroup, IdSpace
+from disagg.partition import EmbeddingLookups, UniqueIds
 from disagg.rpc import wire
 from disagg.rpc.client import EmbeddingClient
 from disagg.tables import TableShard, TableSlice
@@ -55,31 +56,30 @@ class LocalRows:
 
 
 @dataclass(frozen=True)
-class _Group:
-    """The tables of one row width, looked up together: their slices in id order, each slice's bounds in the
-    group's id space (table ``i`` starts at ``base[i]``)."""
+class _Slices:
+    """The slices of one row width's tables in id-space order, each slice's bounds in the space, and the first id
+    of each table (``IdSpace``)."""
 
-    dim: int
-    tables: tuple[str, ...]
-    base: torch.Tensor  # int64 [tables]
+    group: IdGroup
     slices: tuple[TableSlice, ...]
-    slice_starts: torch.Tensor  # int64 [slices], in the group's id space
-    slice_stops: torch.Tensor
+    starts: torch.Tensor  # int64 [slices]
+    stops: torch.Tensor
+    bases: torch.Tensor  # int64 [tables of the group]
+    table_bounds: torch.Tensor  # int64 [tables + 1]
 
     @classmethod
-    def of(cls, dim: int, tables: Sequence[str], rows: Sequence[int], pieces: Mapping[str, Sequence[TableSlice]]
-           ) -> _Group:
-        base = [0, *torch.tensor(rows).cumsum(0).tolist()[:-1]]
-        ordered = [(start + piece.row_start, start + piece.row_stop, piece)
-                   for table, start in zip(tables, base, strict=True)
-                   for piece in sorted(pieces[table], key=lambda piece: piece.row_start)]
-        return cls(dim, tuple(tables), torch.tensor(base, dtype=torch.int64), tuple(piece for *_, piece in ordered),
-                   torch.tensor([low for low, _, _ in ordered]), torch.tensor([high for _, high, _ in ordered]))
+    def of(cls, space: IdSpace, group: IdGroup, pieces: Mapping[str, Sequence[TableSlice]]) -> _Slices:
+        ordered = [piece for table in group.tables for piece in sorted(pieces[table], key=lambda p: p.row_start)]
+        return cls(group, tuple(ordered),
+                   torch.tensor([space.base[piece.table] + piece.row_start for piece in ordered], dtype=torch.int64),
+                   torch.tensor([space.base[piece.table] + piece.row_stop for piece in ordered], dtype=torch.int64),
+                   space.bases(group.tables), space.bounds(group.tables))
 
 
 @dataclass
 class _Missing:
-    """One group's ids the cache did not hold: their positions in the group's unique ids, ids and table counts."""
+    """One width's ids the cache did not hold: their positions among the width's unique ids, their table-local ids
+    and how many per table (for the cache insert)."""
 
     positions: torch.Tensor
     ids: torch.Tensor
@@ -90,10 +90,9 @@ class _Missing:
 class _Batch:
     """One batch between its preparation and its pooling: unique ids, their rows so far, what is still missing."""
 
-    unique: dict[str, TableIds]
-    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # group dim -> [unique ids of the group, dim]
-    counts: dict[int, list[int]] = field(default_factory=dict)  # group dim -> unique ids per table
-    missing: dict[int, _Missing] = field(default_factory=dict)
+    unique: UniqueIds
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)  # width -> [its unique ids, dim], cached rows in
+    missing: dict[int, _Missing] = field(default_factory=dict)  # width -> what the cache lacked (with a cache)
     #: slice name -> local int32 ids to fetch (every slice of the plan, empty when nothing is missing)
     requests: dict[str, torch.Tensor] = field(default_factory=dict)
     hits: int = 0
@@ -140,11 +139,7 @@ class RemoteEmbeddings:
             edges = [0, *(bound for pair in covered for bound in pair), lookups.tables[table][0]]
             if not covered or edges[0::2] != edges[1::2]:
                 raise ValueError(f"the plan's slices of table {table!r} do not cover its rows exactly once: {covered}")
-        self._groups = [
-            _Group.of(dim, names, [lookups.tables[name][0] for name in names], pieces)
-            for dim in dict.fromkeys(dim for _, dim in lookups.tables.values())
-            for names in [[name for name, (_, width) in lookups.tables.items() if width == dim]]
-        ]
+        self._parts = [_Slices.of(lookups.space, group, pieces) for group in lookups.space.groups]
 
     async def __call__(self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float) -> dict[str, torch.Tensor]:
         batch = await asyncio.to_thread(self._prepare, inputs)
@@ -165,30 +160,26 @@ class RemoteEmbeddings:
     def _prepare(self, inputs: Mapping[str, torch.Tensor]) -> _Batch:
         """Deduplicate, take what the cache holds, and sort the missing ids into their slices."""
         batch = _Batch(self.lookups.unique_ids(inputs))
-        for group in self._groups:
-            ids = torch.cat([batch.unique[table].ids for table in group.tables])
-            counts = [batch.unique[table].ids.shape[0] for table in group.tables]
-            rows = torch.empty(ids.shape[0], group.dim)
-            table = torch.repeat_interleave(torch.arange(len(group.tables)), torch.tensor(counts))
-            if self.cache is None:
-                missing = torch.arange(ids.shape[0])
-            else:
-                hit, cached = self.cache.lookup(group.tables, counts, ids)
+        for part in self._parts:
+            unique = batch.unique.groups[part.group.dim]
+            missing = unique.ids  # space ids, sorted: by slice, then id
+            if self.cache is not None:
+                local = unique.ids - torch.repeat_interleave(part.bases, torch.tensor(unique.counts))
+                hit, cached = self.cache.lookup(part.group.tables, unique.counts, local)
+                rows = torch.empty(unique.ids.shape[0], part.group.dim)
                 rows[hit] = cached
-                missing = torch.nonzero(~hit).squeeze(1)
-                batch.hits += ids.shape[0] - missing.shape[0]
+                positions = torch.nonzero(~hit).squeeze(1)
+                missing = unique.ids.index_select(0, positions)
+                batch.rows[part.group.dim] = rows
+                batch.missing[part.group.dim] = _Missing(
+                    positions, local.index_select(0, positions),
+                    torch.searchsorted(missing, part.table_bounds).diff().tolist())
+                batch.hits += unique.ids.shape[0] - missing.shape[0]
             batch.misses += missing.shape[0]
-            missing_table = table.index_select(0, missing)
-            missing_ids = ids.index_select(0, missing)
-            spaced = missing_ids + group.base.index_select(0, missing_table)  # sorted: tables in order, ids sorted
-            bounds = torch.searchsorted(spaced, group.slice_stops)
-            per_slice = torch.diff(bounds, prepend=torch.zeros(1, dtype=torch.int64))
-            local = (spaced - torch.repeat_interleave(group.slice_starts, per_slice)).to(torch.int32)
-            batch.requests |= dict(zip((piece.name for piece in group.slices), local.split(per_slice.tolist()),
+            per_slice = torch.searchsorted(missing, part.stops).diff(prepend=torch.zeros(1, dtype=torch.int64))
+            local_ids = (missing - torch.repeat_interleave(part.starts, per_slice)).to(torch.int32)
+            batch.requests |= dict(zip((piece.name for piece in part.slices), local_ids.split(per_slice.tolist()),
                                        strict=True))
-            batch.rows[group.dim], batch.counts[group.dim] = rows, counts
-            batch.missing[group.dim] = _Missing(
-                missing, missing_ids, torch.bincount(missing_table, minlength=len(group.tables)).tolist())
         return batch
 
     async def _fetch(self, requests: dict[str, torch.Tensor], timeout_s: float) -> dict[str, torch.Tensor]:
@@ -215,16 +206,19 @@ class RemoteEmbeddings:
         self, inputs: Mapping[str, torch.Tensor], batch: _Batch, fetched: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """Fill the fetched rows in, cache them, pool."""
-        rows: dict[str, torch.Tensor] = {}
-        for group in self._groups:
-            group_rows, missing = batch.rows[group.dim], batch.missing[group.dim]
+        rows: dict[int, torch.Tensor] = {}
+        for part in self._parts:
+            dim = part.group.dim
+            got = [fetched[piece.name] for piece in part.slices if piece.name in fetched]
+            fresh = torch.cat(got).to(torch.float32) if got else torch.empty(0, dim)
+            missing = batch.missing.get(dim)
+            if missing is None:  # no cache: the fetched rows are every unique id's, in order
+                rows[dim] = fresh
+                continue
+            rows[dim] = batch.rows[dim]
             if missing.positions.shape[0]:
-                got = [fetched[piece.name] for piece in group.slices if piece.name in fetched]
-                fresh = torch.cat(got).to(torch.float32)
-                group_rows[missing.positions] = fresh
-                if self.cache is not None:
-                    self.cache.insert(group.tables, missing.counts, missing.ids, fresh)
-            rows |= dict(zip(group.tables, group_rows.split(batch.counts[group.dim]), strict=True))
+                rows[dim][missing.positions] = fresh
+                self.cache.insert(part.group.tables, missing.counts, missing.ids, fresh)
         if self.cache is not None:
             self._metrics.embedding_cache(batch.hits, batch.misses)
         return self.lookups(inputs, batch.unique, rows)

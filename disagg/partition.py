@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from disagg.id_space import IdSpace
 from disagg.model import DLRM, materialize_
 from disagg.spec import DLRMSpec
 
@@ -50,12 +52,21 @@ class Partition:
         return self.dense_part(**{name: inputs[name] for name in self.dense_inputs}, **cut)
 
 
-class TableIds(NamedTuple):
-    """One table's ids in a batch, deduplicated over every embedding op that reads the table."""
+class GroupIds(NamedTuple):
+    """A batch's unique ids of the tables of one row width (an ``IdGroup``)."""
 
-    #: int64 [u]: the sorted unique ids
+    #: int64 [u]: the sorted unique space ids (so by table in group order, then by id)
     ids: Tensor
-    #: op name -> position in ``ids`` of each id that op was fed (its id tensor's shape and integer dtype)
+    #: per table of the group, in group order: how many of ``ids`` are its
+    counts: list[int]
+
+
+class UniqueIds(NamedTuple):
+    """A batch's ids deduplicated over every embedding op, by row width."""
+
+    #: row width -> that group's unique ids
+    groups: dict[int, GroupIds]
+    #: op name -> position in its group's ``ids`` of each id the op was fed (its id tensor's shape and dtype)
     index: dict[str, Tensor]
 
 
@@ -63,16 +74,17 @@ class TableIds(NamedTuple):
 class EmbeddingLookups:
     """How the dense side computes an embedding part from table rows fetched elsewhere (a cache, a shard).
 
-    Per batch: ``unique = lookups.unique_ids(inputs)``; fetch each table's rows, float32 ``[len(ids), dim]`` with row
-    ``i`` the table's row ``unique[table].ids[i]``; ``lookups(inputs, unique, rows)`` then returns what
-    ``embedding_part(**inputs)`` returns, bit for bit: each lookup runs the same kernel over the same rows in the
-    same order, reading them through its inverse index.
+    Per batch: ``unique = lookups.unique_ids(inputs)``; fetch the rows of each width's unique ids, float32
+    ``[len(ids), dim]`` with row ``i`` the row of space id ``unique.groups[dim].ids[i]`` (``space``); then
+    ``lookups(inputs, unique, rows)`` returns what ``embedding_part(**inputs)`` returns, bit for bit: each lookup
+    runs the same kernel over the same rows in the same order, reading them through its inverse index.
 
     - ``ids(**{name: inputs[name] for name in inputs})`` returns ``{op name: id tensor that op is fed}``.
-    - ``pool`` is the embedding part with each op ``op`` reading the placeholders ``rows_input(op)`` (its table's
-      fetched rows) and ``index_input(op)`` (its ``TableIds.index``), plus ``padding_input(op)`` (the position of
-      the module's ``padding_idx`` in the unique ids, None when absent) for the ops in ``padding``; its other
-      placeholders are ``inputs``. It holds no table.
+    - ``pool`` is the embedding part with each op ``op`` reading the placeholders ``rows_input(dim)`` (the fetched
+      rows of its table's width) and ``index_input(op)`` (its ``UniqueIds.index``), plus ``padding_input(op)``
+      (the position of the module's ``padding_idx`` among the group's unique ids, None when absent) for the ops in
+      ``padding``; its other placeholders are ``inputs``. Bags of one width, mode and weighting fed 2-D ids run as
+      one ``embedding_bag`` call (``pool_bags``). It holds no table.
     - ``op_tables``: op name -> table (the embedding module's qualified name, e.g. ``"embeddings.3"``), in graph
       order; ``tables``: table -> ``(rows, dim)`` of its weight, in the part's module order; ``padding``: op name ->
       its module's ``padding_idx``, for the ``nn.EmbeddingBag`` ops that set one.
@@ -85,85 +97,100 @@ class EmbeddingLookups:
     tables: Mapping[str, tuple[int, int]]
     padding: Mapping[str, int]
 
-    def unique_ids(self, inputs: Mapping[str, Tensor]) -> dict[str, TableIds]:
-        """Per table, the sorted unique ids its ops are fed in this batch and each op's inverse index.
+    @functools.cached_property
+    def space(self) -> IdSpace:
+        """The id space of ``tables``."""
+        return IdSpace.of(self.tables)
 
-        One ``torch.unique`` over every table (ids offset by their table's position in a global id space), so the
-        cost barely grows with the number of tables. Raises ValueError naming the table when an id is outside
-        ``[0, rows)``.
+    def unique_ids(self, inputs: Mapping[str, Tensor]) -> UniqueIds:
+        """The sorted unique ids of each width's tables in this batch and each op's inverse index.
+
+        One ``torch.unique`` over every table (ids offset into the ``space``), so the cost barely grows with the
+        number of tables. Raises ValueError naming the table when an id is outside ``[0, rows)``.
         """
         fed = self.ids(**{name: inputs[name] for name in self.inputs})
-        ops, space = self._id_space.ops, self._id_space
-        sizes = [fed[op].numel() for op in ops]
+        plan = self._plan
+        sizes = [fed[op].numel() for op in plan.ops]
         counts = torch.tensor(sizes)
-        flat = torch.cat([fed[op].reshape(-1) for op in ops]).to(torch.int64)
-        outside = (flat < 0) | (flat >= torch.repeat_interleave(space.op_rows, counts))
+        flat = torch.cat([fed[op].reshape(-1) for op in plan.ops]).to(torch.int64)
+        outside = (flat < 0) | (flat >= torch.repeat_interleave(plan.op_rows, counts))
         if bool(outside.any()):
             first = int(outside.to(torch.uint8).argmax())
-            op = ops[int(torch.searchsorted(counts.cumsum(0), torch.tensor(first), right=True))]
+            op = plan.ops[int(torch.searchsorted(counts.cumsum(0), torch.tensor(first), right=True))]
             table = self.op_tables[op]
             raise ValueError(f"table {table!r}: id {int(flat[first])} is outside its rows [0, {self.tables[table][0]})")
-        ids, inverse = torch.unique(flat + torch.repeat_interleave(space.op_base, counts), sorted=True,
+        ids, inverse = torch.unique(flat + torch.repeat_interleave(plan.op_base, counts), sorted=True,
                                     return_inverse=True)
-        bounds = torch.searchsorted(ids, space.bounds).tolist()
-        parts = dict(zip(ops, inverse.split(sizes), strict=True))
-        unique = {}
-        for position, (table, table_ops) in enumerate(space.table_ops.items()):
-            low, high = bounds[position], bounds[position + 1]
-            index = {op: (parts[op] - low).reshape(fed[op].shape).to(fed[op].dtype) for op in table_ops}
-            unique[table] = TableIds(ids[low:high] - space.base[position], index)
-        return unique
+        table_counts = torch.searchsorted(ids, plan.table_bounds).diff().tolist()
+        groups: dict[int, GroupIds] = {}
+        starts: dict[int, int] = {}  # width -> where its run starts in ``ids``
+        first_table = start = 0
+        for group in self.space.groups:
+            counts_of_group = table_counts[first_table:first_table + len(group.tables)]
+            stop = start + sum(counts_of_group)
+            groups[group.dim], starts[group.dim] = GroupIds(ids[start:stop], counts_of_group), start
+            first_table, start = first_table + len(group.tables), stop
+        index = {}
+        for op, positions in zip(plan.ops, inverse.split(sizes), strict=True):
+            shift = starts[plan.op_dims[op]]
+            index[op] = (positions - shift if shift else positions).reshape(fed[op].shape).to(fed[op].dtype)
+        return UniqueIds(groups, index)
+
+    def table_ids(self, unique: UniqueIds, table: str) -> Tensor:
+        """Table ``table``'s sorted unique ids in ``unique``, as its own row numbers."""
+        dim = self.tables[table][1]
+        group = next(group for group in self.space.groups if group.dim == dim)
+        position = group.tables.index(table)
+        counts = unique.groups[dim].counts
+        start = sum(counts[:position])
+        return unique.groups[dim].ids[start:start + counts[position]] - self.space.base[table]
 
     @functools.cached_property
-    def _id_space(self) -> _IdSpace:
-        return _IdSpace.of(self.tables, self.op_tables)
+    def _plan(self) -> _OpPlan:
+        return _OpPlan.of(self.space, self.op_tables, self.tables)
 
     def __call__(
-        self, inputs: Mapping[str, Tensor], unique: Mapping[str, TableIds], rows: Mapping[str, Tensor]
+        self, inputs: Mapping[str, Tensor], unique: UniqueIds, rows: Mapping[int, Tensor]
     ) -> dict[str, Tensor]:
-        """``{cut name: tensor}`` of the embedding part, pooled from ``rows[table]`` (row i: table row
-        ``unique[table].ids[i]``). Raises ValueError naming a table whose rows are missing or not ``[u, dim]``."""
-        for table, (_, dim) in self.tables.items():
-            if table not in rows or table not in unique:
-                raise ValueError(f"no unique ids or rows for table {table!r}")
-            expected = (unique[table].ids.shape[0], dim)
-            if tuple(rows[table].shape) != expected:
-                raise ValueError(f"rows of table {table!r} are {tuple(rows[table].shape)}, expected {expected}")
+        """``{cut name: tensor}`` of the embedding part, pooled from ``rows[dim]`` (row i: the row of space id
+        ``unique.groups[dim].ids[i]``). Raises ValueError naming a width whose rows are missing or misshapen."""
         feeds = {name: inputs[name] for name in self.inputs}
+        for group in self.space.groups:
+            if group.dim not in rows or group.dim not in unique.groups:
+                raise ValueError(f"no unique ids or rows for the tables of width {group.dim}")
+            expected = (unique.groups[group.dim].ids.shape[0], group.dim)
+            if tuple(rows[group.dim].shape) != expected:
+                raise ValueError(f"rows of width {group.dim} are {tuple(rows[group.dim].shape)}, expected {expected}")
+            feeds[rows_input(group.dim)] = rows[group.dim]
         for op, table in self.op_tables.items():
-            feeds[rows_input(op)] = rows[table]
-            feeds[index_input(op)] = unique[table].index[op]
+            feeds[index_input(op)] = unique.index[op]
             if op in self.padding:
-                feeds[padding_input(op)] = _position(unique[table].ids, self.padding[op])
+                dim = self.tables[table][1]
+                feeds[padding_input(op)] = _position(unique.groups[dim].ids, self.space.base[table] + self.padding[op])
         return self.pool(**feeds)
 
 
 @dataclass(frozen=True)
-class _IdSpace:
-    """Every table's ids in one space: table ``i`` (in ``tables`` order) starts at ``base[i]``."""
+class _OpPlan:
+    """The ops in space order (grouped by table, tables in space order) with what ``unique_ids`` needs of each."""
 
-    table_ops: dict[str, list[str]]  # table -> the ops reading it
-    ops: list[str]  # every op, grouped by table in table order
-    base: list[int]
-    bounds: Tensor  # int64 [tables + 1]: base, then the end of the last table
-    op_base: Tensor  # int64 [ops]: the base of each op's table
+    ops: list[str]
+    op_base: Tensor  # int64 [ops]: the first space id of each op's table
     op_rows: Tensor  # int64 [ops]: the rows of each op's table
+    op_dims: dict[str, int]
+    table_bounds: Tensor  # int64 [tables + 1] in space order
 
     @classmethod
-    def of(cls, tables: Mapping[str, tuple[int, int]], op_tables: Mapping[str, str]) -> _IdSpace:
-        table_ops = {table: [op for op, used in op_tables.items() if used == table] for table in tables}
-        ends = torch.tensor([rows for rows, _ in tables.values()], dtype=torch.int64).cumsum(0)
-        base = [0, *ends.tolist()[:-1]]
-        ops = [op for table_ops_ in table_ops.values() for op in table_ops_]
-        position = {table: index for index, table in enumerate(tables)}
-        op_base = torch.tensor([base[position[op_tables[op]]] for op in ops], dtype=torch.int64)
-        op_rows = torch.tensor([tables[op_tables[op]][0] for op in ops], dtype=torch.int64)
-        return cls(table_ops, ops, base, torch.tensor([*base, int(ends[-1])]), op_base, op_rows)
+    def of(cls, space: IdSpace, op_tables: Mapping[str, str], tables: Mapping[str, tuple[int, int]]) -> _OpPlan:
+        ops = [op for table in space.tables for op, used in op_tables.items() if used == table]
+        return cls(ops, torch.tensor([space.base[op_tables[op]] for op in ops], dtype=torch.int64),
+                   torch.tensor([space.rows[op_tables[op]] for op in ops], dtype=torch.int64),
+                   {op: tables[op_tables[op]][1] for op in ops}, space.bounds(space.tables))
 
 
-def rows_input(op: str) -> str:
-    """The ``EmbeddingLookups.pool`` placeholder taking the fetched rows of embedding op ``op``'s table."""
-    return f"{op}_rows"
+def rows_input(dim: int) -> str:
+    """The ``EmbeddingLookups.pool`` placeholder taking the fetched rows of the tables of width ``dim``."""
+    return f"rows_{dim}"
 
 
 def index_input(op: str) -> str:
@@ -267,8 +294,12 @@ def embedding_lookups(partition: Partition) -> EmbeddingLookups:
                              "needs every lookup's ids before fetching rows")
     padding = {op.name: lookup.module.padding_idx for op, lookup in lookups.items()
                if isinstance(lookup.module, nn.EmbeddingBag) and lookup.module.padding_idx is not None}
+    used = set(op_tables.values())
+    tables = {name: tuple(module.weight.shape) for name, module in root.named_modules() if name in used}
+    dims = list(dict.fromkeys(dim for _, dim in tables.values()))
     clash = set(partition.embedding_inputs) & {
-        name for op in op_tables for name in (rows_input(op), index_input(op), padding_input(op))
+        *(rows_input(dim) for dim in dims),
+        *(name for op in op_tables for name in (index_input(op), padding_input(op))),
     }
     if clash:
         raise ValueError(f"model inputs {sorted(clash)} clash with the placeholders of the rewritten lookups")
@@ -277,21 +308,64 @@ def embedding_lookups(partition: Partition) -> EmbeddingLookups:
     for node in nodes:
         if node.op == "placeholder":
             env[node] = graph.node_copy(node)
-    feeds = {op: (graph.placeholder(rows_input(op.name)), graph.placeholder(index_input(op.name)),
-                  graph.placeholder(padding_input(op.name)) if op.name in padding else None) for op in lookups}
+    rows = {dim: graph.placeholder(rows_input(dim)) for dim in dims}
+    feeds = {op: (rows[tables[lookup.table][1]], graph.placeholder(index_input(op.name)),
+                  graph.placeholder(padding_input(op.name)) if op.name in padding else None)
+             for op, lookup in lookups.items()}
     for node in nodes:
         if node in lookups:
             env[node] = lookups[node].pooled(graph, *feeds[node], env.__getitem__)
         elif node not in env:
             env[node] = graph.node_copy(node, env.__getitem__)
     graph.eliminate_dead_code()
+    _fuse_bags(graph)
     pool = fx.GraphModule(root, graph, class_name="EmbeddingPool")
     read = sorted(name for name, _ in pool.named_parameters() if name.rpartition(".")[0] in op_tables.values())
     if read:
         raise ValueError(f"the embedding part reads {read} outside the lookups of their tables")
-    used = set(op_tables.values())
-    tables = {name: tuple(module.weight.shape) for name, module in root.named_modules() if name in used}
     return EmbeddingLookups(ids, pool, partition.embedding_inputs, op_tables, tables, padding)
+
+
+def pool_bags(rows: Tensor, indices: tuple[Tensor, ...], per_sample_weights: tuple[Tensor, ...] | None, mode: str
+              ) -> tuple[Tensor, ...]:
+    """``F.embedding_bag(indices[k], rows, mode=mode, per_sample_weights=per_sample_weights[k])`` for every ``k``
+    (2-D ``indices``), in one call when they have one bag size: a bag's result does not depend on its neighbours."""
+    if len({index.shape[1] for index in indices}) == 1:
+        weights = None if per_sample_weights is None else torch.cat(per_sample_weights)
+        pooled = F.embedding_bag(torch.cat(indices), rows, mode=mode, per_sample_weights=weights)
+        return pooled.split([index.shape[0] for index in indices])
+    return tuple(F.embedding_bag(index, rows, mode=mode,
+                                 per_sample_weights=None if per_sample_weights is None else per_sample_weights[k])
+                 for k, index in enumerate(indices))
+
+
+def _fuse_bags(graph: fx.Graph) -> None:
+    """Replaces the ``F.embedding_bag`` calls over 2-D ids (no offsets, no padding) that share rows, mode and
+    weighting with one ``pool_bags`` call after the last of them, leaving out any whose output is used earlier."""
+    nodes = list(graph.nodes)
+    position = {node: at for at, node in enumerate(nodes)}
+    sets: dict[tuple[fx.Node, str, bool], list[fx.Node]] = {}
+    for node in nodes:
+        if (node.op == "call_function" and node.target is F.embedding_bag and node.kwargs["offsets"] is None
+                and node.kwargs["padding_idx"] is None and not node.kwargs["include_last_offset"]):
+            key = (node.args[1], node.kwargs["mode"], node.kwargs["per_sample_weights"] is None)
+            sets.setdefault(key, []).append(node)
+    for (rows, mode, unweighted), members in sets.items():
+        while members and any(position[user] <= position[members[-1]] for member in members for user in member.users):
+            members = [member for member in members
+                       if all(position[user] > position[members[-1]] for user in member.users)]
+        if len(members) < 2:
+            continue
+        weights = None if unweighted else tuple(member.kwargs["per_sample_weights"] for member in members)
+        with graph.inserting_after(members[-1]):
+            fused = graph.call_function(pool_bags, (rows, tuple(member.args[0] for member in members), weights, mode))
+        previous = fused
+        for k, member in enumerate(members):
+            with graph.inserting_after(previous):
+                previous = graph.call_function(operator.getitem, (fused, k))
+            member.replace_all_uses_with(previous)
+            graph.erase_node(member)
+    graph.lint()
 
 
 def build_dense_part(spec: DLRMSpec, seed: int, weights: str | os.PathLike | None = None) -> Partition:

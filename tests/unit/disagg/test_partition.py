@@ -9,11 +9,12 @@ from disagg.model import DLRM, build_preset
 from disagg.partition import (
     EmbeddingLookups,
     Partition,
-    TableIds,
+    UniqueIds,
     build_dense_part,
     dense_stages,
     embedding_lookups,
     partition_embeddings,
+    pool_bags,
 )
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
@@ -169,9 +170,10 @@ def test_dense_stages_split_off_what_needs_no_embedding_and_compose_exactly() ->
         torch.testing.assert_close(output, model(dense, sparse), rtol=0, atol=1e-6)
 
 
-def fetched_rows(model: nn.Module, lookups: EmbeddingLookups, unique: dict[str, TableIds]) -> dict[str, torch.Tensor]:
-    """What a cache or shard would return: each table's rows at its unique ids."""
-    return {table: model.get_submodule(table).weight.detach()[unique[table].ids] for table in lookups.tables}
+def fetched_rows(model: nn.Module, lookups: EmbeddingLookups, unique: UniqueIds) -> dict[int, torch.Tensor]:
+    """What a cache or shard would return: per width, the rows of its unique ids, table after table."""
+    return {group.dim: torch.cat([model.get_submodule(table).weight.detach()[lookups.table_ids(unique, table)]
+                                  for table in group.tables]) for group in lookups.space.groups}
 
 
 @pytest.mark.parametrize("max_hotness", [1, 4])
@@ -200,18 +202,21 @@ def test_unique_ids_deduplicate_each_table_and_index_back_every_id(model: DLRM) 
     lookups = embedding_lookups(partition_embeddings(model))
     _, sparse = SyntheticRequests(model.spec, seed=4, max_hotness=4).batch(64)
     unique = lookups.unique_ids({"sparse": sparse})
-    assert list(unique) == list(lookups.tables)
+    assert list(unique.groups) == [model.spec.embedding_dim]  # one width: one run of ids, one rows tensor
+    group = unique.groups[model.spec.embedding_dim]
+    assert group.ids.dtype == torch.int64 and bool((group.ids[1:] > group.ids[:-1]).all())  # sorted, each id once
+    assert sum(group.counts) == group.ids.numel()
+    assert list(unique.index) == [f"embeddings_{t}" for t in range(model.spec.num_tables)]
     duplicated = 0
-    for t, (table, table_ids) in enumerate(unique.items()):
+    for t, table in enumerate(lookups.tables):
         used = sparse[:, t].clamp(min=0)  # what the DLRM feeds its bag (padding reads row 0 with weight 0)
-        ids = table_ids.ids
-        assert ids.dtype == torch.int64
-        assert bool((ids[1:] > ids[:-1]).all()), table  # sorted, each id once
+        ids = lookups.table_ids(unique, table)
+        assert ids.numel() == group.counts[t]
         assert set(ids.tolist()) == set(used.flatten().tolist()), table
-        assert list(table_ids.index) == [f"embeddings_{t}"]
-        assert torch.equal(ids[table_ids.index[f"embeddings_{t}"]], used), table
+        # the index points into the width's rows: table after table, so past every earlier table's ids
+        assert torch.equal(group.ids[unique.index[f"embeddings_{t}"]] - lookups.space.base[table], used), table
         duplicated += ids.numel() < used.numel()
-    assert duplicated == len(unique)  # Zipf ids repeat in every table: the dedup really shrinks what is fetched
+    assert duplicated == len(lookups.tables)  # Zipf ids repeat in every table: the dedup really shrinks the fetch
 
 
 def test_out_of_range_ids_and_misshapen_rows_are_named(model: DLRM) -> None:
@@ -223,9 +228,14 @@ def test_out_of_range_ids_and_misshapen_rows_are_named(model: DLRM) -> None:
     sparse[1, 1, 0] = 5
     unique = lookups.unique_ids({"sparse": sparse})
     rows = fetched_rows(model, lookups, unique)
-    rows["embeddings.2"] = rows["embeddings.2"][:, :-1]
-    with pytest.raises(ValueError, match=r"rows of table 'embeddings.2' are \(1, 15\), expected \(1, 16\)"):
+    dim = model.spec.embedding_dim
+    count = unique.groups[dim].ids.numel()
+    rows[dim] = rows[dim][:, :-1]
+    expected = rf"rows of width {dim} are \({count}, {dim - 1}\), expected \({count}, {dim}\)"
+    with pytest.raises(ValueError, match=expected):
         lookups({"sparse": sparse}, unique, rows)
+    with pytest.raises(ValueError, match=rf"no unique ids or rows for the tables of width {dim}"):
+        lookups({"sparse": sparse}, unique, {})
 
 
 class MixedLookups(nn.Module):
@@ -276,11 +286,12 @@ def test_lookups_of_mixed_modules_share_a_table_and_pool_exactly(padding: bool) 
     inputs = mixed_inputs(padding)
     with torch.inference_mode():
         unique = lookups.unique_ids(inputs)
-        words = unique["words"]
-        assert words.ids.tolist() == sorted({*inputs["query"].flatten().tolist(), *inputs["title"].flatten().tolist()})
-        assert torch.equal(words.ids[words.index["words"]], inputs["query"])
-        assert torch.equal(words.ids[words.index["words_1"]], inputs["title"])
-        assert (3 in unique["sites"].ids.tolist()) == padding
+        words = lookups.table_ids(unique, "words")
+        group = unique.groups[6]
+        assert words.tolist() == sorted({*inputs["query"].flatten().tolist(), *inputs["title"].flatten().tolist()})
+        assert torch.equal(group.ids[unique.index["words"]], inputs["query"])
+        assert torch.equal(group.ids[unique.index["words_1"]], inputs["title"])
+        assert (3 in lookups.table_ids(unique, "sites").tolist()) == padding
         pooled = lookups(inputs, unique, fetched_rows(mixed, lookups, unique))
         expected = partition.embedding_part(**{name: inputs[name] for name in partition.embedding_inputs})
         assert list(pooled) == list(expected)
@@ -288,6 +299,58 @@ def test_lookups_of_mixed_modules_share_a_table_and_pool_exactly(padding: bool) 
             assert torch.equal(pooled[name], tensor), name
         output = partition.dense_part(**{name: inputs[name] for name in partition.dense_inputs}, **pooled)
         torch.testing.assert_close(output, mixed(**inputs), rtol=0, atol=1e-6)
+
+
+def pool_calls(lookups: EmbeddingLookups) -> list[torch.fx.Node]:
+    return [node for node in lookups.pool.graph.nodes
+            if node.op == "call_function" and node.target in (pool_bags, F.embedding_bag)]
+
+
+def test_the_dlrm_bags_pool_in_one_call(model: DLRM) -> None:
+    lookups = embedding_lookups(partition_embeddings(model))
+    (fused,) = pool_calls(lookups)
+    assert fused.target is pool_bags and len(fused.args[1]) == model.spec.num_tables
+
+
+class TwoWidths(nn.Module):
+    """Two tables of width 8 (bags of 3 and of 2 ids) and two of width 4 (weighted bags of 2 ids, the second
+    weighted by the first's output), so fusion meets unequal bag sizes, a dependency and a second width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wide = nn.ModuleList(nn.EmbeddingBag(rows, 8, mode="sum") for rows in (30, 20))
+        self.narrow = nn.ModuleList(nn.EmbeddingBag(rows, 4, mode="sum") for rows in (10, 50))
+        generator = torch.Generator().manual_seed(3)
+        for table in [*self.wide, *self.narrow]:
+            nn.init.normal_(table.weight, generator=generator)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        first = self.narrow[0](c, per_sample_weights=torch.ones_like(c, dtype=torch.float32))
+        second = self.narrow[1](d, per_sample_weights=first[:, :2])
+        return torch.cat([self.wide[0](a), self.wide[1](b), first, second], dim=1)
+
+
+def test_fusion_keeps_unequal_bags_and_dependent_bags_exact_across_two_widths() -> None:
+    module = TwoWidths().eval()
+    partition = partition_embeddings(module)
+    lookups = embedding_lookups(partition)
+    assert [group.dim for group in lookups.space.groups] == [4, 8]  # in the order the forward first uses them
+    assert lookups.space.base == {"narrow.0": 0, "narrow.1": 10, "wide.0": 60, "wide.1": 90}
+    calls = pool_calls(lookups)
+    assert [call.target for call in calls].count(pool_bags) == 1  # the two wide bags; the narrow ones depend
+    generator = torch.Generator().manual_seed(11)
+    inputs = {name: torch.randint(0, rows, (5, size), generator=generator)
+              for name, rows, size in (("a", 30, 3), ("b", 20, 2), ("c", 10, 2), ("d", 50, 2))}
+    with torch.inference_mode():
+        unique = lookups.unique_ids(inputs)
+        wide = unique.groups[8]
+        assert wide.ids.min() >= 60  # the second width's run, indexed from its own start
+        assert torch.equal(wide.ids[unique.index["wide_1"]] - lookups.space.base["wide.1"], inputs["b"])
+        pooled = lookups(inputs, unique, fetched_rows(module, lookups, unique))
+        expected = partition.embedding_part(**inputs)
+        assert list(pooled) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(pooled[name], tensor), name
 
 
 class Renormalized(nn.Module):
