@@ -414,7 +414,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
 
 def _cpu_cell(runs: list[dict[str, float]]) -> str:
     """Median CPU µs per row of each role over ``runs``: ``total (ingress + directory + shards)``."""
-    roles = sorted({role for run in runs for role in run}, key=lambda role: {"ShardDirectory": 1, "shards": 2}.get(role, 0))
+    order = {"ShardDirectory": 1, "shards": 2}  # the ingress deployment first
+    roles = sorted({role for run in runs for role in run}, key=lambda role: order.get(role, 0))
     medians = {role: statistics.median(run.get(role, 0.0) for run in runs) for role in roles}
     parts = " + ".join(f"{value:.1f}" for value in medians.values())
     return f"{sum(medians.values()):.1f}" + (f" ({parts})" if len(medians) > 1 else "")
