@@ -3,11 +3,12 @@
 Sections (``--sections``, default all), every system deployed as a Serve app of ``disagg.app:build_app`` in one
 Ray cluster on this machine, requests sent through the ingress handles (``infer``; both sides skip HTTP alike):
 
-- ``same_cores``: monolithic (one replica, ``--threads`` torch threads) against disaggregated with float32 and
-  float16 rows on the wire (one dense replica with ``--threads`` threads, ``--shards`` shards of one thread each,
-  cache ``--cache-fraction`` of the table bytes), all on the same cores. Per batch size: p50/p99 of sequential
-  requests, then rows/s with ``--clients`` callers for ``--seconds``; gRPC bytes per request. Systems interleaved,
-  ``--repeats`` rounds.
+- ``same_cores``: monolithic (one replica, ``--threads`` torch threads; stacked tables and, as users' own model
+  runs, one table at a time) against disaggregated with float32 and float16 rows on the wire (one dense replica
+  with ``--dense-threads`` threads, ``--shards`` shards of one thread each, cache ``--cache-fraction`` of the table
+  bytes), all on the same cores. Per batch size: p50/p99 of sequential requests (``--latency-repeats`` runs), rows/s
+  with ``--clients`` callers for ``--seconds`` (``--repeats`` runs), CPU per row of each app's processes, gRPC
+  bytes per request. Systems interleaved.
 - ``scale_out``: N monolithic replicas (each holds every table) against N dense replicas sharing one shard set,
   N in ``--replicas``: total RSS / USS / PSS of every process of each app, rows/s at ``--scale-batch``, rows/s
   per GiB of RSS.
@@ -26,6 +27,7 @@ Writes ``benchmarks/results/bench_dlrm.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import threading
 import time
@@ -42,7 +44,7 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config
-from benchmarks.common import machine, provenance, ranges_overlap, write_results
+from benchmarks.common import RESULTS, machine, provenance, ranges_overlap, write_results
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
@@ -55,7 +57,7 @@ GiB = 2**30
 
 def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str | None = None, replicas: int = 1,
                wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru", threads: int | None = None,
-               storage: str = "float32") -> dict[str, Any]:
+               storage: str = "float32", stacked: bool = True) -> dict[str, Any]:
     """One app of the Serve config: ``name`` at ``/<name>/v2``; ``threads`` (default ``--threads`` monolithic,
     ``--dense-threads`` disaggregated) per monolithic or dense replica."""
     spec = preset_spec(preset or args.preset)
@@ -68,8 +70,8 @@ def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str
     return {
         "name": name, "route_prefix": f"/{name}/v2", "import_path": "disagg.app:build_app",
         "args": {
-            "model": {"preset": preset or args.preset, "weights": "seeded", "torch_threads": threads or (
-                args.threads if serving == "monolithic" else args.dense_threads)},
+            "model": {"preset": preset or args.preset, "weights": "seeded", "stacked_tables": stacked,
+                      "torch_threads": threads or (args.threads if serving == "monolithic" else args.dense_threads)},
             "serving": serving,
             "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
                           "torch_threads": 1, "wire_dtype": wire, "storage_dtype": storage,
@@ -191,6 +193,7 @@ def median_range(values: list[float]) -> dict[str, float]:
 
 def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
     systems = {"monolithic": {"serving": "monolithic"},
+               "monolithic_per_table": {"serving": "monolithic", "stacked": False},
                "disagg_fp32": {"serving": "disaggregated", "wire": "float32", "cache_fraction": args.cache_fraction},
                "disagg_fp16": {"serving": "disaggregated", "wire": "float16", "cache_fraction": args.cache_fraction}}
     handles = deploy([app_config(name.replace("_", "-"), args, **options) for name, options in systems.items()], port)
@@ -200,26 +203,29 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
         batches = workload(batch)
         for handle in handles.values():
             handle.infer.remote(*batches[0]).result(timeout_s=300)  # warm-up
-        for repeat in range(args.repeats):
+        for repeat in range(max(args.repeats, args.latency_repeats)):
             order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
             for name in order:
-                handle = handles[name]
+                handle, disaggregated = handles[name], name.startswith("disagg")
                 entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "rows_per_s": [],
                                                       "bytes_per_request": [], "cpu_us_per_row": [], "errors": []})
-                before = grpc_bytes(handle) if name != "monolithic" else 0
-                measured = latency(handle, batches, args.latency_seconds)
-                if name != "monolithic":
-                    entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
-                cpu_before = app_cpu_seconds(name.replace("_", "-"))
-                served = throughput(handle, batches, args.clients, args.seconds)
-                cpu_after = app_cpu_seconds(name.replace("_", "-"))
-                rows_served = served["rows_per_s"] * served["seconds"]
-                entry["cpu_us_per_row"].append(
-                    {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / rows_served for role in cpu_after})
-                entry["p50_ms"].append(measured["p50_ms"])
-                entry["p99_ms"].append(measured["p99_ms"])
-                entry["rows_per_s"].append(served["rows_per_s"])
-                entry["errors"].append({**measured["errors"], **served["errors"]})
+                if repeat < args.latency_repeats:
+                    before = grpc_bytes(handle) if disaggregated else 0
+                    measured = latency(handle, batches, args.latency_seconds)
+                    if disaggregated:
+                        entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
+                    entry["p50_ms"].append(measured["p50_ms"])
+                    entry["p99_ms"].append(measured["p99_ms"])
+                    entry["errors"].append(measured["errors"])
+                if repeat < args.repeats:
+                    cpu_before = app_cpu_seconds(name.replace("_", "-"))
+                    served = throughput(handle, batches, args.clients, args.seconds)
+                    cpu_after = app_cpu_seconds(name.replace("_", "-"))
+                    rows_served = served["rows_per_s"] * served["seconds"]
+                    entry["cpu_us_per_row"].append(
+                        {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / rows_served for role in cpu_after})
+                    entry["rows_per_s"].append(served["rows_per_s"])
+                    entry["errors"].append(served["errors"])
                 print("same_cores", name, batch, repeat, {k: v[-1] for k, v in entry.items() if v}, flush=True)
     serve.shutdown()
     return rows
@@ -331,21 +337,26 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   f"Every system on the same {psutil.cpu_count()} cores; monolithic replica {args.threads} torch "
                   f"threads, dense replica {args.dense_threads}, shards 1 each, cache {args.cache_fraction:.0%} of the "
                   "table bytes; "
-                  f"{args.clients} callers for {args.seconds:g} s per throughput run.", "",
+                  f"{args.clients} callers for {args.seconds:g} s per throughput run ({args.repeats} runs), "
+                  f"sequential requests for {args.latency_seconds:g} s per latency run ({args.latency_repeats} runs). "
+                  "`monolithic` stacks each width's tables and pools every bag in one call (`model.stacked_tables`, "
+                  "the default); `monolithic_per_table` runs the model's own modules, one table at a time. Ratios "
+                  "are against the stronger of the two at each batch size.", "",
                   "CPU µs per row: CPU time of the app's replica processes during the throughput runs over the rows "
                   "answered, in all and (ingress + shard directory + shards); the load generator is not counted.", "",
                   "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request | "
                   "CPU µs/row |",
                   "|---|---|---|---|---|---|---|---|---|"]
         worst_throughput, worst_p50 = [], []
-        for batch in args.batches:
-            mono = same["monolithic"][batch]
+        monoliths = [name for name in same if name.startswith("monolithic")]
+        for batch in args.batches:  # ratios against the stronger monolithic system at each batch size
+            mono = max((same[name][batch] for name in monoliths), key=lambda row: statistics.median(row["rows_per_s"]))
+            mono_p50 = min(statistics.median(same[name][batch]["p50_ms"]) for name in monoliths)
             for name, entry in same.items():
                 row = entry[batch]
                 ratio = statistics.median(row["rows_per_s"]) / statistics.median(mono["rows_per_s"])
-                p50 = statistics.median(row["p50_ms"]) / statistics.median(mono["p50_ms"])
-                tie = " (tie)" if name != "monolithic" and ranges_overlap(row["rows_per_s"], mono["rows_per_s"]) \
-                    else ""
+                p50 = statistics.median(row["p50_ms"]) / mono_p50
+                tie = " (tie)" if row is not mono and ranges_overlap(row["rows_per_s"], mono["rows_per_s"]) else ""
                 if name == "disagg_fp32":
                     worst_throughput.append(ratio)
                     worst_p50.append(p50)
@@ -433,13 +444,15 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256, 2048])
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each throughput run")
     parser.add_argument("--latency-seconds", type=float, default=6.0, help="length of each latency run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="throughput runs per point (latency: see below)")
+    parser.add_argument("--latency-repeats", type=int, default=5, help="latency runs per point")
     parser.add_argument("--clients", type=int, default=8, help="concurrent callers (per replica in scale_out)")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each monolithic replica")
     parser.add_argument("--dense-threads", type=int, default=1, help="torch threads of each dense replica")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests merged into one batch (both)")
-    parser.add_argument("--cache-fraction", type=float, default=0.05, help="dense replicas' cache in same_cores")
+    parser.add_argument("--cache-fraction", type=float, default=0.0,
+                        help="dense replicas' cache in same_cores (the cache section measures it apart)")
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--scale-batch", type=int, default=256)
     parser.add_argument("--cache-fractions", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.2])
@@ -481,10 +494,29 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
+    carried = carry_over(results)
     table, summary = report(args, results)
+    if carried:
+        table += "\n" + "Sections not rerun, carried over from earlier runs: " + ", ".join(
+            f"{section} (commit {commit[:10]})" for section, commit in carried.items()) + "\n"
     print(table)
-    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": vars(args),
-                                 "summary": summary, "rows": results}, table)
+    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": vars(args), "summary": summary,
+                                 "rows": results, "carried_over": carried}, table)
+
+
+def carry_over(results: dict[str, Any]) -> dict[str, str]:
+    """Adds to ``results`` the sections of the committed results this run did not measure; their commits by
+    section (the commit that measured each)."""
+    path = RESULTS / "bench_dlrm.json"
+    if not path.exists():
+        return {}
+    previous = json.loads(path.read_text())
+    carried = {}
+    for section, rows in previous["rows"].items():
+        if section not in results:
+            results[section] = rows
+            carried[section] = previous.get("carried_over", {}).get(section, previous["commit"])
+    return carried
 
 
 if __name__ == "__main__":

@@ -50,6 +50,11 @@ class DLRMModelConfig(BaseModel):
         None, ge=1, description="torch intra-op threads of a replica running the dense part (or the whole model); "
         "default: torch's (Ray sets it from the replica's `num_cpus`)."
     )
+    stacked_tables: bool = Field(
+        True, description="Monolithic replicas hold the tables of one row width in one tensor and pool every bag "
+        "of a batch in one embedding_bag call (as FBGEMM's table-batched embeddings do); false runs the model's "
+        "own modules one table at a time. The outputs are equal either way."
+    )
 
     @field_validator("preset")
     @classmethod

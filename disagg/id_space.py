@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,20 @@ class IdSpace:
         ends."""
         return torch.tensor([*(self.base[name] for name in tables), self.base[tables[-1]] + self.rows[tables[-1]]],
                             dtype=torch.int64)
+
+
+def stack_tables(model: nn.Module, space: IdSpace) -> dict[int, torch.Tensor]:
+    """Moves ``model``'s tables (``space``'s, by module name) into one tensor per width, rows in space order, and
+    makes each module's weight a view of it; returns them by width. Peak memory: the stack plus one table."""
+    stacked = {}
+    for group in space.groups:
+        first = model.get_submodule(group.tables[0]).weight
+        storage = torch.empty(group.stop - group.start, group.dim, dtype=first.dtype, device=first.device)
+        for table in group.tables:
+            module = model.get_submodule(table)
+            start = space.base[table] - group.start
+            view = storage[start:start + space.rows[table]]
+            view.copy_(module.weight.detach())
+            module.weight = nn.Parameter(view, requires_grad=module.weight.requires_grad)
+        stacked[group.dim] = storage
+    return stacked

@@ -110,15 +110,7 @@ class EmbeddingLookups:
         """
         fed = self.ids(**{name: inputs[name] for name in self.inputs})
         plan = self._plan
-        sizes = [fed[op].numel() for op in plan.ops]
-        counts = torch.tensor(sizes)
-        flat = torch.cat([fed[op].reshape(-1) for op in plan.ops]).to(torch.int64)
-        outside = (flat < 0) | (flat >= torch.repeat_interleave(plan.op_rows, counts))
-        if bool(outside.any()):
-            first = int(outside.to(torch.uint8).argmax())
-            op = plan.ops[int(torch.searchsorted(counts.cumsum(0), torch.tensor(first), right=True))]
-            table = self.op_tables[op]
-            raise ValueError(f"table {table!r}: id {int(flat[first])} is outside its rows [0, {self.tables[table][0]})")
+        flat, sizes, counts = self._flat_ids(fed)
         ids, inverse = torch.unique(flat + torch.repeat_interleave(plan.op_base, counts), sorted=True,
                                     return_inverse=True)
         table_counts = torch.searchsorted(ids, plan.table_bounds).diff().tolist()
@@ -144,6 +136,38 @@ class EmbeddingLookups:
         counts = unique.groups[dim].counts
         start = sum(counts[:position])
         return unique.groups[dim].ids[start:start + counts[position]] - self.space.base[table]
+
+    def pool_tables(self, inputs: Mapping[str, Tensor], tables: Mapping[int, Tensor]) -> dict[str, Tensor]:
+        """``embedding_part(**inputs)`` from whole tables: ``tables[dim]`` stacks every table of that width in space
+        order (``stack_tables``). No deduplication; one call per fused set of bags. ValueError names the table of an
+        id outside its rows."""
+        fed = self.ids(**{name: inputs[name] for name in self.inputs})
+        plan = self._plan
+        flat, sizes, counts = self._flat_ids(fed)
+        shifted = flat + torch.repeat_interleave(plan.op_shift, counts)
+        feeds = {name: inputs[name] for name in self.inputs}
+        for group in self.space.groups:
+            feeds[rows_input(group.dim)] = tables[group.dim]
+        for at, (op, index) in enumerate(zip(plan.ops, shifted.split(sizes), strict=True)):
+            feeds[index_input(op)] = index.view(fed[op].shape)
+            if op in self.padding:
+                feeds[padding_input(op)] = int(plan.op_shift[at]) + self.padding[op]
+        return self.pool(**feeds)
+
+    def _flat_ids(self, fed: Mapping[str, Tensor]) -> tuple[Tensor, list[int], Tensor]:
+        """Every op's ids in one int64 tensor (ops in plan order), the sizes as a list and a tensor; ValueError
+        names the table of an id outside its rows."""
+        plan = self._plan
+        sizes = [fed[op].numel() for op in plan.ops]
+        counts = torch.tensor(sizes)
+        flat = torch.cat([fed[op].reshape(-1) for op in plan.ops]).to(torch.int64)
+        outside = (flat < 0) | (flat >= torch.repeat_interleave(plan.op_rows, counts))
+        if bool(outside.any()):
+            first = int(outside.to(torch.uint8).argmax())
+            op = plan.ops[int(torch.searchsorted(counts.cumsum(0), torch.tensor(first), right=True))]
+            table = self.op_tables[op]
+            raise ValueError(f"table {table!r}: id {int(flat[first])} is outside its rows [0, {self.tables[table][0]})")
+        return flat, sizes, counts
 
     @functools.cached_property
     def _plan(self) -> _OpPlan:
@@ -178,14 +202,18 @@ class _OpPlan:
     op_base: Tensor  # int64 [ops]: the first space id of each op's table
     op_rows: Tensor  # int64 [ops]: the rows of each op's table
     op_dims: dict[str, int]
+    op_shift: Tensor  # int64 [ops]: the first row of each op's table in its width's stack
     table_bounds: Tensor  # int64 [tables + 1] in space order
 
     @classmethod
     def of(cls, space: IdSpace, op_tables: Mapping[str, str], tables: Mapping[str, tuple[int, int]]) -> _OpPlan:
         ops = [op for table in space.tables for op, used in op_tables.items() if used == table]
+        start = {table: group.start for group in space.groups for table in group.tables}
         return cls(ops, torch.tensor([space.base[op_tables[op]] for op in ops], dtype=torch.int64),
                    torch.tensor([space.rows[op_tables[op]] for op in ops], dtype=torch.int64),
-                   {op: tables[op_tables[op]][1] for op in ops}, space.bounds(space.tables))
+                   {op: tables[op_tables[op]][1] for op in ops},
+                   torch.tensor([space.base[op_tables[op]] - start[op_tables[op]] for op in ops], dtype=torch.int64),
+                   space.bounds(space.tables))
 
 
 def rows_input(dim: int) -> str:

@@ -20,7 +20,7 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
 from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction, BusyMeter
-from disagg.deployments.ingress import BatchedDLRM
+from disagg.deployments.ingress import MODEL_INPUTS, BatchedDLRM
 from disagg.embedding_cache import EmbeddingCache
 from disagg.lookup import RemoteEmbeddings
 from disagg.partition import Partition, build_dense_part, dense_stages, embedding_lookups
@@ -34,10 +34,6 @@ from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
 
 logger = get_logger("disagg.deployments.disaggregated")
-
-#: Parameter names of ``DLRM.forward``: the model inputs each part of the partition asks for by name.
-MODEL_INPUTS = ("dense", "sparse")
-
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.5})
 @serve.ingress()

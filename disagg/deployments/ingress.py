@@ -22,6 +22,9 @@ from serving.common.metrics import NO_METRICS, Metrics
 
 logger = get_logger("disagg.deployments.ingress")
 
+#: Parameter names of ``DLRM.forward``: the model inputs each part of a partition asks for by name.
+MODEL_INPUTS = ("dense", "sparse")
+
 
 class MergedBatch(NamedTuple):
     """Row-wise concatenation of several requests' inputs and each request's row count, in order."""

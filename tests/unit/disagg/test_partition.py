@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagg.id_space import stack_tables
 from disagg.model import DLRM, build_preset
 from disagg.partition import (
     EmbeddingLookups,
@@ -386,3 +387,46 @@ class Chained(nn.Module):
 def test_lookups_the_dense_side_cannot_reproduce_are_refused(module: nn.Module, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         embedding_lookups(partition_embeddings(module))
+
+
+@pytest.mark.parametrize("build", ["dlrm", "two_widths", "mixed"])
+def test_stacked_tables_pool_bit_equal_to_the_embedding_part_and_leave_the_model_unchanged(build: str) -> None:
+    if build == "dlrm":
+        spec = preset_spec("tiny")
+        module = DLRM(spec, seed=SEED).eval()
+        dense, sparse = SyntheticRequests(spec, seed=2, max_hotness=4).batch(16)
+        inputs = {"dense": dense, "sparse": sparse}
+    elif build == "two_widths":
+        module = TwoWidths().eval()
+        generator = torch.Generator().manual_seed(5)
+        inputs = {name: torch.randint(0, rows, (5, size), generator=generator)
+                  for name, rows, size in (("a", 30, 3), ("b", 20, 2), ("c", 10, 2), ("d", 50, 2))}
+    else:
+        module, inputs = MixedLookups().eval(), mixed_inputs(padding=True)
+    partition = partition_embeddings(module)
+    lookups = embedding_lookups(partition)
+    with torch.inference_mode():
+        before = module(**inputs)
+        tables = stack_tables(module, lookups.space)
+        assert sorted(tables) == sorted(group.dim for group in lookups.space.groups)
+        for table in lookups.tables:  # each module's weight now views its width's stack
+            weight = module.get_submodule(table).weight
+            assert weight.untyped_storage().data_ptr() == tables[weight.shape[1]].untyped_storage().data_ptr()
+        embedding_inputs = {name: inputs[name] for name in partition.embedding_inputs}
+        pooled = lookups.pool_tables(embedding_inputs, tables)
+        expected = partition.embedding_part(**embedding_inputs)
+        assert list(pooled) == list(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(pooled[name], tensor), name
+        after = module(**inputs)
+        assert torch.equal(after, before)
+
+
+def test_pool_tables_names_the_table_of_an_id_past_its_rows() -> None:
+    model = DLRM(preset_spec("tiny"), seed=SEED).eval()  # its own: stacking moves the weights
+    lookups = embedding_lookups(partition_embeddings(model))
+    tables = stack_tables(model, lookups.space)
+    sparse = torch.zeros(2, model.spec.num_tables, 1, dtype=torch.int64)
+    sparse[0, 3, 0] = model.spec.table_sizes[3]  # would read the next table's first row
+    with pytest.raises(ValueError, match=rf"table 'embeddings.3': id {model.spec.table_sizes[3]} is outside its rows"):
+        lookups.pool_tables({"sparse": sparse}, tables)
