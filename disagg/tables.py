@@ -269,22 +269,21 @@ class TableLookup:
         unknown = [name for name in inputs if name not in self._stores]
         if missing or unknown:
             raise ValueError(f"inputs: missing {missing}, unknown {unknown}; expected {list(self._stores)}")
-        for name, ids in inputs.items():
-            _check_local_ids(name, ids, self._stores[name].slice.rows)
-        return {name: store.lookup(inputs[name]) for name, store in self._stores.items()}
-
-
-def _check_local_ids(name: str, ids: torch.Tensor, rows: int) -> None:
-    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
-        raise ValueError(
-            f"input {name!r}: ids must be a 1-D int32 or int64 tensor, got {str(ids.dtype).removeprefix('torch.')}"
-            f"{list(ids.shape)}"
-        )
-    if ids.numel() == 0:
-        return
-    low, high = int(ids.min()), int(ids.max())
-    if low < 0 or high >= rows:
-        raise ValueError(f"input {name!r}: id {low if low < 0 else high} is out of range; valid ids are [0, {rows})")
+        rows = {}
+        for name, store in self._stores.items():
+            ids = inputs[name]
+            if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+                raise ValueError(
+                    f"input {name!r}: ids must be a 1-D int32 or int64 tensor, got "
+                    f"{str(ids.dtype).removeprefix('torch.')}{list(ids.shape)}"
+                )
+            try:  # index_select checks every id against the rows: no pass of our own over the ids
+                rows[name] = store.lookup(ids)
+            except (IndexError, RuntimeError):
+                low, high = int(ids.min()), int(ids.max())
+                raise ValueError(f"input {name!r}: id {low if low < 0 else high} is out of range; valid ids are "
+                                 f"[0, {store.slice.rows})") from None
+        return rows
 
 
 @dataclass(frozen=True)

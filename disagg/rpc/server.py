@@ -36,8 +36,6 @@ from serving.common.tokens import SecretDigest
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 MiB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
-#: The id that pads a bag (contributes nothing); integer inputs below it are refused.
-PADDING_ID = -1
 
 #: Longest status details sent (gRPC refuses trailers above 16 KiB), longest input name quoted in them, and most
 #: unknown input names listed.
@@ -214,7 +212,7 @@ class _Servicer:
         # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
         try:
             outputs = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, inputs)
-        except Exception as error:  # ids below -1 or out of range, wrong ranks or dtypes: the request's fault
+        except Exception as error:  # ids out of their slices, wrong ranks or dtypes: the request's fault
             await _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -242,8 +240,7 @@ class _Servicer:
         return f"shard {self._shard.index}: {'; '.join(parts)}; expected inputs: {', '.join(self._shard.input_names)}"
 
     def _run(self, inputs: Mapping[str, torch.Tensor]) -> Any:
-        _check_ids(inputs)
-        with torch.inference_mode():
+        with torch.inference_mode():  # the shard's module checks its ids (``TableLookup``: each in its slice)
             return self._shard.module(**inputs)
 
 
@@ -258,21 +255,6 @@ def _check_spans(messages: Iterable[pb.Tensor], max_elements: int) -> None:
             raise ValueError(
                 f"tensor {message.name!r}: empty shape {list(message.shape)} spans {span} elements counting its "
                 f"empty dimensions as 1, at most {max_elements} allowed"
-            )
-
-
-def _check_ids(inputs: Mapping[str, torch.Tensor]) -> None:
-    """ValueError naming the first integer input holding an id below ``PADDING_ID``."""
-    for name, tensor in inputs.items():
-        if tensor.dtype.is_floating_point or tensor.numel() == 0:
-            continue
-        below = (tensor < PADDING_ID).reshape(-1)
-        if below.any():
-            first = int(below.to(torch.uint8).argmax())  # no index list: all of a huge tensor may be below
-            position = [int(i) for i in torch.unravel_index(torch.tensor(first), tensor.shape)]
-            raise ValueError(
-                f"tensor {name!r}: id {int(tensor.reshape(-1)[first])} at {position}; ids are >= 0, "
-                f"or {PADDING_ID} for padding"
             )
 
 

@@ -461,12 +461,12 @@ HOSTILE: dict[str, tuple[str, Payload, str]] = {
     "id below -1": (
         LOOKUP,
         lambda good: request(good, with_id(-5)),
-        "shard 0: tensor 'embeddings.8': id -5 at [1]; ids are >= 0, or -1",
+        "shard 0: input 'embeddings.8': id -5 is out of range; valid ids are [0, 3)",
     ),
     "int32 id below -1": (
         LOOKUP,
         lambda good: request(good, with_id(-2, torch.int32)),
-        "shard 0: tensor 'embeddings.8': id -2 at [1]",
+        "shard 0: input 'embeddings.8': id -2 is out of range; valid ids are [0, 3)",
     ),
     "id -1": (
         LOOKUP,
