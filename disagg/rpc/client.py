@@ -124,6 +124,9 @@ class ShardClient:
     A replica answering with another table version than ``expected_version`` (when given) counts as failed; when
     no replica serves it, ``ShardVersionMismatch``. ``on_new_version(shard_index, version)`` runs whenever a reply
     reports a version other than the previous reply's (a shard restarted with other tables); it may be set later.
+    ``packed`` sends every input's ids as one tensor and gets every output's rows back as one (``LookupRequest``),
+    for shards whose output ``i`` has one row per id of input ``i`` (table shards): outputs are then keyed by input
+    name, and the encode and decode cost no longer grows with the number of slices.
 
     gRPC's own round-robin, retry policy (service config) and client-side health checking are not used for
     failover: the replica list changes at run time and Python's grpc cannot update a channel's addresses without a
@@ -148,9 +151,11 @@ class ShardClient:
         token: str = "",
         expected_version: str | None = None,
         on_new_version: Callable[[int, str], None] | None = None,
+        packed: bool = False,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self.shard_index = shard_index
+        self.packed = packed
         self.expected_version = expected_version
         self.on_new_version = on_new_version
         self._last_version: str | None = None
@@ -208,6 +213,8 @@ class ShardClient:
     ) -> dict[str, torch.Tensor]:
         """The shard's outputs for ``inputs`` (exactly its input names), from the first replica that answers with
         the expected table version; floating outputs in ``output_dtype`` ("" = float32)."""
+        if self.packed and self.input_names is not None:
+            return await self._packed_lookup(inputs, timeout_s=timeout_s, output_dtype=output_dtype)
         try:
             request = pb.LookupRequest(inputs=wire.encode_all(inputs, max_elements=self._max_tensor_elements),
                                        output_dtype=output_dtype)
@@ -215,6 +222,31 @@ class ShardClient:
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         response = await self._call("Lookup", request, timeout_s)
         return wire.decode_all(response.outputs, max_elements=self._max_tensor_elements)
+
+    async def _packed_lookup(
+        self, inputs: Mapping[str, torch.Tensor], *, timeout_s: float, output_dtype: str
+    ) -> dict[str, torch.Tensor]:
+        names = self.input_names
+        if set(inputs) != set(names):
+            raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"inputs must be exactly {', '.join(names)}; got {', '.join(inputs)}")
+        counts = [inputs[name].numel() for name in names]
+        try:
+            ids = wire.encode("ids", torch.cat([inputs[name].reshape(-1) for name in names]),
+                              max_elements=self._max_tensor_elements)
+        except ValueError as error:
+            raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
+        response = await self._call("Lookup", pb.LookupRequest(ids=ids, counts=counts, output_dtype=output_dtype),
+                                    timeout_s)
+        rows = wire.decode(response.rows, max_elements=self._max_tensor_elements)
+        widths = list(response.widths)
+        sizes = [count * width for count, width in zip(counts, widths, strict=False)]
+        if len(widths) != len(names) or rows.dim() != 1 or sum(sizes) != rows.numel():
+            raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INTERNAL,
+                                        f"packed reply of {list(rows.shape)} rows elements and widths {widths} does "
+                                        f"not match the {len(names)} inputs' counts {counts}")
+        return {name: part.view(count, width)
+                for name, part, count, width in zip(names, rows.split(sizes), counts, widths, strict=True)}
 
     async def close(self) -> None:
         self.update_addresses(())

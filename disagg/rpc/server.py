@@ -202,11 +202,9 @@ class _Servicer:
                 f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(wire.ROW_DTYPE_NAMES)} "
                 "(empty means float32)",
             )
-        if problem := self._name_problem([message.name for message in request.inputs]):
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        packed = request.HasField("ids")
         try:
-            _check_spans(request.inputs, self._max_elements)
-            inputs = wire.decode_all(request.inputs, max_elements=self._max_elements)
+            inputs = self._packed_inputs(request) if packed else self._named_inputs(request)
         except ValueError as error:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
@@ -219,11 +217,50 @@ class _Servicer:
                 f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
             )
         try:
-            selected = {name: _cast(outputs[name], output_dtype) for name in self._shard.output_names}
-            encoded = wire.encode_all(selected, max_elements=self._max_elements)
+            selected = [_cast(outputs[name], output_dtype) for name in self._shard.output_names]
+            if packed:
+                return self._packed_reply(selected, list(request.counts))
+            encoded = wire.encode_all(dict(zip(self._shard.output_names, selected, strict=True)),
+                                      max_elements=self._max_elements)
             return pb.LookupResponse(outputs=encoded, version=self._shard.version)
         except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
             await _abort(context, grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}")
+
+    def _named_inputs(self, request: pb.LookupRequest) -> dict[str, torch.Tensor]:
+        """One tensor per input name; ValueError naming what is wrong."""
+        if problem := self._name_problem([message.name for message in request.inputs]):
+            raise ValueError(problem)
+        _check_spans(request.inputs, self._max_elements)
+        return wire.decode_all(request.inputs, max_elements=self._max_elements)
+
+    def _packed_inputs(self, request: pb.LookupRequest) -> dict[str, torch.Tensor]:
+        """The packed ``ids`` split by ``counts`` into the inputs, in input-name order (views, no copy)."""
+        names = self._shard.input_names
+        if request.inputs:
+            raise ValueError(f"shard {self._shard.index}: a packed request (ids, counts) carries no `inputs`")
+        ids = wire.decode(request.ids, max_elements=self._max_elements)
+        counts = list(request.counts)
+        if ids.dim() != 1:
+            raise ValueError(f"shard {self._shard.index}: packed ids must be 1-D, got shape {list(ids.shape)}")
+        if len(counts) != len(names) or min(counts, default=0) < 0 or sum(counts) != ids.shape[0]:
+            raise ValueError(
+                f"shard {self._shard.index}: counts must give the ids of each of the {len(names)} inputs "
+                f"({', '.join(names)}) and add up to the {ids.shape[0]} packed ids; got {len(counts)} counts "
+                f"summing to {sum(counts)}"
+            )
+        return dict(zip(names, ids.split(counts), strict=True))
+
+    def _packed_reply(self, outputs: list[torch.Tensor], counts: list[int]) -> pb.LookupResponse:
+        """Every output flattened into one tensor; output ``i`` must be [counts[i], width] (one row per id)."""
+        widths = []
+        for name, output, count in zip(self._shard.output_names, outputs, counts, strict=True):
+            if output.dim() != 2 or output.shape[0] != count:
+                raise ValueError(f"packed replies need output {name!r} to be [{count}, width], got "
+                                 f"{list(output.shape)}")
+            widths.append(output.shape[1])
+        rows = torch.cat([output.reshape(-1) for output in outputs]) if outputs else torch.empty(0)
+        return pb.LookupResponse(rows=wire.encode("rows", rows, max_elements=self._max_elements), widths=widths,
+                                 version=self._shard.version)
 
     def _name_problem(self, names: Sequence[str]) -> str | None:
         """What is wrong with the input names, before any tensor is decoded; names at most ``_LISTED`` unknown
