@@ -6,9 +6,9 @@ Ray cluster on this machine, requests sent through the ingress handles (``infer`
 - ``same_cores``: monolithic (one replica, ``--threads`` torch threads; stacked tables and, as users' own model
   runs, one table at a time) against disaggregated with float32 and float16 rows on the wire (one dense replica
   with ``--dense-threads`` threads, ``--shards`` shards of one thread each, cache ``--cache-fraction`` of the table
-  bytes), all on the same cores. Per batch size: p50/p99 of sequential requests (``--latency-repeats`` runs), rows/s
-  with ``--clients`` callers for ``--seconds`` (``--repeats`` runs), CPU per row of each app's processes, gRPC
-  bytes per request. Systems interleaved.
+  bytes; and float32 with every table on one shard), all on the same cores. Per batch size: p50/p99 of sequential
+  requests (``--latency-repeats`` runs), rows/s with ``--clients`` callers for ``--seconds`` (``--repeats`` runs),
+  CPU per row of each app's processes, gRPC bytes per request. Systems interleaved.
 - ``scale_out``: N monolithic replicas (each holds every table) against N dense replicas sharing one shard set,
   N in ``--replicas``: total RSS / USS / PSS of every process of each app, rows/s at ``--scale-batch``, rows/s
   per GiB of RSS.
@@ -57,23 +57,24 @@ GiB = 2**30
 
 def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str | None = None, replicas: int = 1,
                wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru", threads: int | None = None,
-               storage: str = "float32", stacked: bool = True) -> dict[str, Any]:
+               storage: str = "float32", stacked: bool = True, shards: int | None = None) -> dict[str, Any]:
     """One app of the Serve config: ``name`` at ``/<name>/v2``; ``threads`` (default ``--threads`` monolithic,
-    ``--dense-threads`` disaggregated) per monolithic or dense replica."""
+    ``--dense-threads`` disaggregated) per monolithic or dense replica; ``shards`` (default ``--shards``)."""
+    shards = shards or args.shards
     spec = preset_spec(preset or args.preset)
     table_bytes = spec.total_rows * spec.embedding_dim * 4
     ingress = "MonolithicDLRM" if serving == "monolithic" else "DisaggregatedDLRM"
     deployments = [{"name": ingress, "num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.01}}]
     if serving == "disaggregated":
         deployments += [{"name": f"EmbeddingShard_{i}", "ray_actor_options": {"num_cpus": 0.01}}
-                        for i in range(args.shards)]
+                        for i in range(shards)]
     return {
         "name": name, "route_prefix": f"/{name}/v2", "import_path": "disagg.app:build_app",
         "args": {
             "model": {"preset": preset or args.preset, "weights": "seeded", "stacked_tables": stacked,
                       "torch_threads": threads or (args.threads if serving == "monolithic" else args.dense_threads)},
             "serving": serving,
-            "embedding": {"num_shards": args.shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
+            "embedding": {"num_shards": shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
                           "torch_threads": 1, "wire_dtype": wire, "storage_dtype": storage,
                           "cache": {"max_bytes": int(cache_fraction * table_bytes), "policy": policy}},
             "batching": {"max_batch_size": args.max_batch_size},
@@ -195,7 +196,8 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
     systems = {"monolithic": {"serving": "monolithic"},
                "monolithic_per_table": {"serving": "monolithic", "stacked": False},
                "disagg_fp32": {"serving": "disaggregated", "wire": "float32", "cache_fraction": args.cache_fraction},
-               "disagg_fp16": {"serving": "disaggregated", "wire": "float16", "cache_fraction": args.cache_fraction}}
+               "disagg_fp16": {"serving": "disaggregated", "wire": "float16", "cache_fraction": args.cache_fraction},
+               "disagg_fp32_1shard": {"serving": "disaggregated", "shards": 1, "cache_fraction": args.cache_fraction}}
     handles = deploy([app_config(name.replace("_", "-"), args, **options) for name, options in systems.items()], port)
     handles = {name: handles[name.replace("_", "-")] for name in systems}
     rows: dict[str, dict[int, dict[str, list]]] = {name: {} for name in systems}
@@ -341,7 +343,8 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   f"sequential requests for {args.latency_seconds:g} s per latency run ({args.latency_repeats} runs). "
                   "`monolithic` stacks each width's tables and pools every bag in one call (`model.stacked_tables`, "
                   "the default); `monolithic_per_table` runs the model's own modules, one table at a time. Ratios "
-                  "are against the stronger of the two at each batch size.", "",
+                  "are against the stronger of the two at each batch size. `disagg_fp32_1shard` holds every table "
+                  "on one shard (one call per batch instead of two); the summary ratios are `disagg_fp32`'s.", "",
                   "CPU µs per row: CPU time of the app's replica processes during the throughput runs over the rows "
                   "answered, in all and (ingress + shard directory + shards); the load generator is not counted.", "",
                   "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request | "
