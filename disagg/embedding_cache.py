@@ -15,6 +15,8 @@ from typing import Literal, get_args
 
 import torch
 
+from disagg.id_space import IdGroup, IdSpace
+
 CachePolicy = Literal["lru", "lfu"]
 
 _POLICIES: tuple[str, ...] = get_args(CachePolicy)
@@ -178,12 +180,13 @@ class TableCache:
 
 class _Group:
     """The tables of one row width, sharing one ``TableCache``: table ``i`` owns sets ``[set_start[i], set_start[i] +
-    sets[i])`` and its id ``x`` is tagged ``base[i] + x``."""
+    sets[i])`` and its id ``x`` is tagged ``base[i] + x``, its id in the width's run of the ``IdSpace``."""
 
-    def __init__(self, cache: TableCache, names: list[str], rows: list[int], sets: list[int]) -> None:
+    def __init__(self, cache: TableCache, group: IdGroup, space: IdSpace, sets: list[int]) -> None:
+        names = group.tables
         self.cache = cache
         self.index = {name: position for position, name in enumerate(names)}
-        self.base = torch.tensor([0, *rows[:-1]]).cumsum(0)
+        self.base = space.bases(names) - group.start
         self.sets = torch.tensor(sets)
         self.set_start = torch.tensor([0, *sets[:-1]]).cumsum(0)
         self.hits = torch.zeros(len(names), dtype=torch.int64)
@@ -215,17 +218,17 @@ class EmbeddingCache:
         self.ways = ways
         self._groups: dict[int, _Group] = {}
         self._group_of: dict[str, _Group] = {}
-        for dim in dict.fromkeys(dim for _, dim in tables.values()):
-            names = [name for name, (_, width) in tables.items() if width == dim]
-            sets = []
-            for name in names:
+        space = IdSpace.of(tables) if tables else None
+        for id_group in space.groups if space else ():
+            dim, sets = id_group.dim, []
+            for name in id_group.tables:
                 rows = tables[name][0]
                 share = max_bytes * rows * dim * 4 // total if total else 0
                 sets.append(math.ceil(min(share // (dim * 4 + _METADATA_BYTES), rows) / ways))
             cache = TableCache(dim, sum(sets) * ways, policy=policy, ways=ways)
-            group = _Group(cache, names, [tables[name][0] for name in names], sets)
+            group = _Group(cache, id_group, space, sets)
             self._groups[dim] = group
-            self._group_of |= dict.fromkeys(names, group)
+            self._group_of |= dict.fromkeys(id_group.tables, group)
 
     def lookup(self, tables: Sequence[str], counts: Sequence[int], ids: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
