@@ -281,6 +281,8 @@ class TableLookup:
                 rows[name] = store.lookup(ids)
             except (IndexError, RuntimeError):
                 low, high = int(ids.min()), int(ids.max())
+                if low >= 0 and high < store.slice.rows:  # not a bad id: the error is the store's own
+                    raise
                 raise ValueError(f"input {name!r}: id {low if low < 0 else high} is out of range; valid ids are "
                                  f"[0, {store.slice.rows})") from None
         return rows

@@ -217,11 +217,11 @@ class _Servicer:
                 f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
             )
         try:
-            selected = [_cast(outputs[name], output_dtype) for name in self._shard.output_names]
             if packed:
-                return self._packed_reply(selected, list(request.counts))
-            encoded = wire.encode_all(dict(zip(self._shard.output_names, selected, strict=True)),
-                                      max_elements=self._max_elements)
+                return self._packed_reply([outputs[name] for name in self._shard.output_names], list(request.counts),
+                                          output_dtype)
+            selected = {name: _cast(outputs[name], output_dtype) for name in self._shard.output_names}
+            encoded = wire.encode_all(selected, max_elements=self._max_elements)
             return pb.LookupResponse(outputs=encoded, version=self._shard.version)
         except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
             await _abort(context, grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}")
@@ -250,15 +250,16 @@ class _Servicer:
             )
         return dict(zip(names, ids.split(counts), strict=True))
 
-    def _packed_reply(self, outputs: list[torch.Tensor], counts: list[int]) -> pb.LookupResponse:
-        """Every output flattened into one tensor; output ``i`` must be [counts[i], width] (one row per id)."""
+    def _packed_reply(self, outputs: list[torch.Tensor], counts: list[int], dtype: torch.dtype) -> pb.LookupResponse:
+        """Every output flattened into one tensor, cast once to ``dtype``; output ``i`` must be [counts[i], width]
+        (one row per id)."""
         widths = []
         for name, output, count in zip(self._shard.output_names, outputs, counts, strict=True):
             if output.dim() != 2 or output.shape[0] != count:
                 raise ValueError(f"packed replies need output {name!r} to be [{count}, width], got "
                                  f"{list(output.shape)}")
             widths.append(output.shape[1])
-        rows = torch.cat([output.reshape(-1) for output in outputs]) if outputs else torch.empty(0)
+        rows = _cast(torch.cat([output.reshape(-1) for output in outputs]) if outputs else torch.empty(0), dtype)
         return pb.LookupResponse(rows=wire.encode("rows", rows, max_elements=self._max_elements), widths=widths,
                                  version=self._shard.version)
 

@@ -339,6 +339,18 @@ def test_module_refuses_bad_ids_naming_the_input(split_shard, ids, message):
     assert f"input {piece.name!r}: " + message.format(rows=piece.rows) in str(info.value)
 
 
+def test_a_store_error_with_ids_in_range_is_not_reported_as_a_bad_id(monkeypatch):
+    shard = build_embedding_shard(TINY, SEED, 0, TableLayout(2))  # its own: the store is patched
+    store = shard.stores[0]
+
+    def broken(ids: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("store failure")
+
+    monkeypatch.setattr(store, "lookup", broken)
+    with pytest.raises(RuntimeError, match="store failure"):
+        shard.module(**shard_inputs(shard))
+
+
 def test_module_refuses_missing_and_unknown_inputs(split_shard):
     inputs = shard_inputs(split_shard)
     first = split_shard.input_names[0]
