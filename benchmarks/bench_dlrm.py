@@ -92,28 +92,33 @@ def deploy(apps: list[dict[str, Any]], http_port: int) -> dict[str, DeploymentHa
             for app in apps}
 
 
+def app_processes(app: str) -> dict[str, psutil.Process]:
+    """Every replica process of ``app`` by its deployment (``<deployment>#<pid>``)."""
+    prefix = f"ServeReplica:{app}:"
+    return {title.removeprefix(prefix): process for title, process in serve_processes().items()
+            if title.startswith(prefix)}
+
+
 def app_memory(app: str) -> dict[str, float]:
     """Total RSS, USS and PSS (bytes) of every replica process of ``app``."""
     totals = {"rss": 0, "uss": 0, "pss": 0, "processes": 0}
-    for title, process in serve_processes().items():
-        if title.startswith(f"ServeReplica:{app}:"):
-            info = process.memory_full_info()
-            totals["rss"] += info.rss
-            totals["uss"] += info.uss
-            totals["pss"] += info.pss
-            totals["processes"] += 1
+    for process in app_processes(app).values():
+        info = process.memory_full_info()
+        totals["rss"] += info.rss
+        totals["uss"] += info.uss
+        totals["pss"] += info.pss
+        totals["processes"] += 1
     return totals
 
 
 def app_cpu_seconds(app: str) -> dict[str, float]:
     """CPU seconds (user + system) used so far by the replica processes of ``app``, summed per deployment."""
     totals: dict[str, float] = {}
-    for title, process in serve_processes().items():
-        if title.startswith(f"ServeReplica:{app}:"):
-            deployment = title.split(":")[2].split("#")[0]
-            role = "shards" if deployment.startswith("EmbeddingShard") else deployment
-            times = process.cpu_times()
-            totals[role] = totals.get(role, 0.0) + times.user + times.system
+    for title, process in app_processes(app).items():
+        deployment = title.split("#")[0]
+        role = "shards" if deployment.startswith("EmbeddingShard") else deployment
+        times = process.cpu_times()
+        totals[role] = totals.get(role, 0.0) + times.user + times.system
     return totals
 
 
@@ -172,8 +177,8 @@ def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: f
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    seconds = time.perf_counter() - started
-    return {"rows_per_s": outcomes.rows / seconds, "seconds": seconds, "errors": outcomes.errors}
+    return {"rows_per_s": outcomes.rows / (time.perf_counter() - started), "rows": outcomes.rows,
+            "errors": outcomes.errors}
 
 
 def grpc_bytes(handle: DeploymentHandle) -> int:
@@ -223,9 +228,9 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
                     cpu_before = app_cpu_seconds(name.replace("_", "-"))
                     served = throughput(handle, batches, args.clients, args.seconds)
                     cpu_after = app_cpu_seconds(name.replace("_", "-"))
-                    rows_served = served["rows_per_s"] * served["seconds"]
                     entry["cpu_us_per_row"].append(
-                        {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / rows_served for role in cpu_after})
+                        {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / served["rows"]
+                         for role in cpu_after})
                     entry["rows_per_s"].append(served["rows_per_s"])
                     entry["errors"].append(served["errors"])
                 print("same_cores", name, batch, repeat, {k: v[-1] for k, v in entry.items() if v}, flush=True)
