@@ -137,7 +137,7 @@ class _Servicer:
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
-            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self._counted_lookup),
+            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self.Lookup),
             "Info": self._handler("Info", pb.InfoRequest, pb.ShardInfo, self.Info),
         }
 
@@ -173,31 +173,34 @@ class _Servicer:
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ShardInfo:
         return self._info
 
-    async def _counted_lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        """``Lookup``, counted in ``lookups_in_flight`` until it is answered, refused or cancelled."""
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """Counted in ``lookups_in_flight`` until answered, refused or cancelled; a refusal leaves the count first."""
         if not self.lookups_in_flight:
             self._busy_since = time.monotonic()
         self.lookups_in_flight += 1
         try:
-            return await self.Lookup(request, context)
+            return await self._lookup(request, context)
+        except _Refusal as caught:
+            refusal = caught
         finally:
             self.lookups_in_flight -= 1
             if not self.lookups_in_flight:
                 self._busy_seconds += time.monotonic() - self._busy_since
+        await _abort(context, refusal.code, refusal.details)
 
     def busy_seconds(self) -> float:
         """Wall time with at least one ``Lookup`` in flight, the current spell included (the autoscaling metric)."""
         current = time.monotonic() - self._busy_since if self.lookups_in_flight else 0.0
         return self._busy_seconds + current
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+    async def _lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        """The reply to ``request``; raises ``_Refusal`` with the status a refused call ends with."""
         remaining = context.time_remaining()
         if remaining is not None and remaining <= 0:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
+            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
         output_dtype = wire.ROW_DTYPES.get(request.output_dtype)
         if output_dtype is None:
-            await _abort(
-                context,
+            raise _Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(wire.ROW_DTYPE_NAMES)} "
                 "(empty means float32)",
@@ -206,25 +209,25 @@ class _Servicer:
         try:
             inputs = self._packed_inputs(request) if packed else self._named_inputs(request)
         except ValueError as error:
-            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
         # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
         try:
             outputs = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, inputs)
         except Exception as error:  # ids out of their slices, wrong ranks or dtypes: the request's fault
-            await _abort(
-                context,
+            raise _Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
-            )
+            ) from error
         try:
             if packed:
-                return self._packed_reply([outputs[name] for name in self._shard.output_names], list(request.counts),
-                                          output_dtype)
+                return self._packed_reply(
+                    [outputs[name] for name in self._shard.output_names], list(request.counts), output_dtype
+                )
             selected = {name: _cast(outputs[name], output_dtype) for name in self._shard.output_names}
             encoded = wire.encode_all(selected, max_elements=self._max_elements)
             return pb.LookupResponse(outputs=encoded, version=self._shard.version)
         except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
-            await _abort(context, grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}")
+            raise _Refusal(grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}") from error
 
     def _named_inputs(self, request: pb.LookupRequest) -> dict[str, torch.Tensor]:
         """One tensor per input name; ValueError naming what is wrong."""
@@ -256,12 +259,14 @@ class _Servicer:
         widths = []
         for name, output, count in zip(self._shard.output_names, outputs, counts, strict=True):
             if output.dim() != 2 or output.shape[0] != count:
-                raise ValueError(f"packed replies need output {name!r} to be [{count}, width], got "
-                                 f"{list(output.shape)}")
+                raise ValueError(
+                    f"packed replies need output {name!r} to be [{count}, width], got {list(output.shape)}"
+                )
             widths.append(output.shape[1])
         rows = _cast(torch.cat([output.reshape(-1) for output in outputs]) if outputs else torch.empty(0), dtype)
-        return pb.LookupResponse(rows=wire.encode("rows", rows, max_elements=self._max_elements), widths=widths,
-                                 version=self._shard.version)
+        return pb.LookupResponse(
+            rows=wire.encode("rows", rows, max_elements=self._max_elements), widths=widths, version=self._shard.version
+        )
 
     def _name_problem(self, names: Sequence[str]) -> str | None:
         """What is wrong with the input names, before any tensor is decoded; names at most ``_LISTED`` unknown
@@ -298,6 +303,15 @@ def _check_spans(messages: Iterable[pb.Tensor], max_elements: int) -> None:
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+class _Refusal(Exception):
+    """A refused ``Lookup``: the status code and details the call ends with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
 
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
