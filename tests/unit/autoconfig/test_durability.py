@@ -281,18 +281,27 @@ def test_an_unfinished_trial_in_the_storage_is_neither_a_result_nor_a_block(tmp_
 # ---- SIGTERM and Ctrl-C of the CLI ------------------------------------------------------------------------------
 
 
-def _fake_run_trial(template: Any, app_name: str, configuration: dict[str, Any], workload: Any, slo_p99_ms: float,
-                    **options: Any) -> TrialRecord:
-    time.sleep(0.03)
-    return measure(Configuration(**configuration))
+def _fake_run_trial(stall_after: int | None) -> Callable[..., TrialRecord]:
+    """Fake trials of 30 ms; from trial ``stall_after + 1`` on, one lasts until a signal (or ``SILENT_CHILD_S``),
+    so the parent always stops the child in the middle of a trial, whatever the machine's load."""
+    started = 0
+
+    def run_trial(template: Any, app_name: str, configuration: dict[str, Any], workload: Any, slo_p99_ms: float,
+                  **options: Any) -> TrialRecord:
+        nonlocal started
+        started += 1
+        time.sleep(SILENT_CHILD_S if stall_after is not None and started > stall_after else 0.03)
+        return measure(Configuration(**configuration))
+
+    return run_trial
 
 
-def _cli_tune(argv: list[str], log: str) -> None:
+def _cli_tune(argv: list[str], log: str, stall_after: int | None) -> None:
     """The child: ``autoconfig tune`` as the console script runs it, on fake trials, as if connected to Ray."""
     sys.stdout = sys.stderr = open(log, "w", buffering=1)  # noqa: SIM115 (the child's output, until it exits)
     os.environ["COLUMNS"] = "250"  # one line per trial
     ray.is_initialized = lambda: True  # the CLI neither starts nor stops a cluster
-    autoconfig.trial.run_trial = _fake_run_trial
+    autoconfig.trial.run_trial = _fake_run_trial(stall_after)
     autoconfig.trial.delete_trial_app = lambda name: print(f"deleted trial app {name}")
     sys.exit(main(argv))
 
@@ -302,8 +311,10 @@ TRIAL_LINE = re.compile(r"^trial (\d+): (\{.*?\}) -> ", re.MULTILINE)
 
 def _cli_run(context: BaseContext, argv: list[str], log: Path, stop: signal.Signals | None = None,
              after_trials: int = 0) -> tuple[int, str]:
-    """Runs the CLI child, sending ``stop`` once it printed ``after_trials`` trials; exit code and output."""
-    child = context.Process(target=_cli_tune, args=(argv, str(log)), daemon=True)
+    """Runs the CLI child, sending ``stop`` once it printed ``after_trials`` trials (the next one stalls until
+    then); exit code and output."""
+    stall_after = after_trials if stop is not None else None
+    child = context.Process(target=_cli_tune, args=(argv, str(log), stall_after), daemon=True)
     child.start()
     deadline = time.monotonic() + SILENT_CHILD_S
     while stop is not None and child.is_alive() and time.monotonic() < deadline:
