@@ -30,6 +30,7 @@ class ProfileRecord(BaseModel):
 
     config: Configuration
     rps: float | None = Field(None, ge=0.0, description="Highest sustainable request rate found (requests/s).")
+    achieved_rps: float | None = Field(None, ge=0.0, description="2xx answers per second measured at that rate.")
     p50_ms: float | None = Field(None, ge=0.0, description="Median latency at that rate.")
     p99_ms: float | None = Field(None, ge=0.0, description="99th-percentile latency at that rate.")
     error_rate: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of failed requests at that rate.")

@@ -82,7 +82,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     searcher = (GridSearcher(space, order="deployment") if profiling
                 else SEARCHERS[args.searcher](space, args.seed, prior))
     settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
-                              rel_tolerance=args.tolerance)
+                              rel_tolerance=args.tolerance, min_requests=args.min_requests)
     done = len(study.history())
     console.print(f"study {study.name!r} in {args.storage}: {done} finished trial(s), budget {args.budget}, "
                   f"space of {space.size} configurations, searcher {args.searcher}")
@@ -101,8 +101,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
             def report(number, config, record):
                 progress.advance(bar)
+                achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
                 progress.console.print(f"trial {number}: {config.as_dict()} -> {record.status}, "
-                                       f"{record.sustainable_rps:.1f} rps, objective {record.objective:.2f}")
+                                       f"{record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}")
 
             outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
     except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
@@ -209,7 +210,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             space, title, objective = entry.space, f"profile {entry.name}", entry.objective
             history = [Observation(trial.config, trial.objective) for trial in entry.trials]
             records = [{"config": trial.config.as_dict(), "status": trial.status, "sustainable_rps": trial.rps or 0.0,
-                        "p99_ms": trial.p99_ms, "objective": trial.objective or 0.0} for trial in entry.trials]
+                        "achieved_rps": trial.achieved_rps, "p99_ms": trial.p99_ms,
+                        "objective": trial.objective or 0.0} for trial in entry.trials]
         else:
             study = TuningStudy.load(args.storage, args.study)
             space, title = study.space, f"study {study.name}"
@@ -234,13 +236,13 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 
 def _print_trials(console: Console, records: list[dict]) -> None:
     table = Table(title="trials")
-    for column in ("#", "configuration", "status", "rps", "p99 ms", "objective"):
+    for column in ("#", "configuration", "status", "rps", "achieved rps", "p99 ms", "objective"):
         table.add_column(column)
     for number, record in enumerate(records, start=1):
-        p99 = record.get("p99_ms")
+        p99, achieved = record.get("p99_ms"), record.get("achieved_rps")
         table.add_row(str(number), str(record["config"]), str(record.get("status")),
-                      f"{record.get('sustainable_rps', 0):.1f}", "-" if p99 is None else f"{p99:.1f}",
-                      f"{record.get('objective', 0):.2f}")
+                      f"{record.get('sustainable_rps', 0):.1f}", "-" if achieved is None else f"{achieved:.1f}",
+                      "-" if p99 is None else f"{p99:.1f}", f"{record.get('objective', 0):.2f}")
     console.print(table)
 
 
@@ -254,10 +256,14 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
     parser.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
-    parser.add_argument("--probe-s", type=float, default=5.0, help="seconds of load per probed rate")
+    parser.add_argument("--probe-s", type=float, default=1.0,
+                        help="seconds of a scouting probe (the doubling) and of the shortest deciding probe")
+    parser.add_argument("--min-requests", type=int, default=200,
+                        help="requests of a deciding probe (the reported rate and those found too high)")
     parser.add_argument("--start-rps", type=float, default=1.0, help="first request rate probed")
-    parser.add_argument("--max-probes", type=int, default=16, help="most rates probed per trial")
-    parser.add_argument("--tolerance", type=float, default=0.1, help="relative precision of the sustainable rate")
+    parser.add_argument("--max-probes", type=int, default=24, help="most probes per trial")
+    parser.add_argument("--tolerance", type=float, default=0.025,
+                        help="relative precision of the sustainable rate (the bisection's last step)")
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.add_argument("--workload", default=None,

@@ -2,13 +2,15 @@
 
 Requests leave on a seeded schedule whether or not earlier ones were answered, and latency counts from each
 request's *scheduled* send time; timeouts, transport errors and non-2xx answers are errors. The rate search
-doubles the rate until the SLO breaks, then bisects (docs/AUTOCONFIG.md, "The rate search").
+doubles the rate with short scouting probes until the SLO breaks, then decides with probes of at least
+``min_requests`` requests and bisects (docs/AUTOCONFIG.md, "The rate search").
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -40,20 +42,34 @@ class SearchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     start_rps: float = Field(1.0, gt=0, description="First rate probed; doubled while sustainable.")
-    probe_s: float = Field(5.0, gt=0, description="Duration of one probe's schedule.")
+    probe_s: float = Field(
+        1.0, gt=0, description="Length of a scouting probe (the doubling), and the shortest deciding probe."
+    )
+    min_requests: int = Field(
+        200, ge=1, le=1_000_000, description="Requests of a deciding probe: the reported rate, and the rates "
+        "found unsustainable, are measured with at least this many (at 200, the p99 is not the maximum)."
+    )
     max_error_rate: float = Field(0.01, ge=0, le=1, description="More errors than this: not sustainable.")
-    rel_tolerance: float = Field(0.1, gt=0, description="Bisection stops when (bad - good) / good is at most this.")
-    max_probes: int = Field(16, ge=1, description="Most probes in one search.")
+    rel_tolerance: float = Field(
+        0.025, gt=0, le=1, description="Bisection stops when (bad - good) / good is at most this."
+    )
+    max_probes: int = Field(24, ge=1, description="Most probes in one search.")
     max_total_s: float = Field(300.0, gt=0, description="No probe starts that would end after this many seconds.")
     max_rps: float = Field(100_000.0, gt=0, description="Rates are never raised beyond this.")
 
+    def deciding_requests(self, rate: float) -> int:
+        """Requests a deciding probe at ``rate`` plans: ``min_requests``, or more if ``probe_s`` holds more."""
+        return max(self.min_requests, round(rate * self.probe_s))
+
 
 class LoadResult(BaseModel):
-    """One probe: ``rate`` requests/s offered for ``duration_s``; latencies of the 2xx answers and, when the probe
-    ``stopped_early`` (the SLO already broken), of the ``cancelled`` requests as the time they had waited."""
+    """One probe: ``rate`` requests/s offered for ``duration_s`` (``planned`` requests); latencies of the 2xx
+    answers and, when the probe ``stopped_early`` (the SLO already broken), of the ``cancelled`` requests as the
+    time they had waited."""
 
     rate: float
     duration_s: float
+    planned: int = 0
     completed: int
     errors: int
     p50_ms: float | None
@@ -69,14 +85,17 @@ class LoadResult(BaseModel):
 
 
 class Probe(BaseModel):
-    """A measurement taken by the rate search and whether it met the SLO."""
+    """A measurement taken by the rate search, whether it met the SLO, and whether it planned enough requests
+    (``SearchSettings.min_requests``) to decide; a scout's verdict only steers the doubling."""
 
     result: LoadResult
     sustainable: bool
+    deciding: bool = True
 
 
 class RateSearchResult(BaseModel):
-    """The highest sustainable rate found (0: not even ``start_rps``) and every probe, in order."""
+    """The highest rate a deciding probe found sustainable (0: none) and every probe, in order; ``best`` is that
+    probe's measurement (its ``achieved_rps`` beside the offered rate)."""
 
     slo_p99_ms: float
     sustainable_rps: float
@@ -86,17 +105,36 @@ class RateSearchResult(BaseModel):
     duration_s: float
 
 
-def arrival_offsets(rate: float, duration_s: float, arrivals: Arrivals, rng: np.random.Generator) -> np.ndarray:
-    """Send times in seconds from the start, sorted, within ``[0, duration_s)``; at least one."""
+def arrival_offsets(
+    rate: float, duration_s: float, arrivals: Arrivals, rng: np.random.Generator, count: int | None = None
+) -> np.ndarray:
+    """Send times in seconds from the start, sorted, within ``[0, duration_s)``; at least one.
+
+    ``count`` fixes how many (a Poisson process given its count: uniform times); otherwise constant arrivals send
+    ``rate * duration_s`` and Poisson ones a Poisson-distributed number.
+    """
     if arrivals == "constant":
-        return np.arange(max(1, round(rate * duration_s))) / rate
-    count = max(1, int(rng.poisson(rate * duration_s)))
+        return np.arange(max(1, round(rate * duration_s)) if count is None else count) / rate
+    if count is None:
+        count = max(1, int(rng.poisson(rate * duration_s)))
     return np.sort(rng.uniform(0.0, duration_s, count))
 
 
 def is_sustainable(result: LoadResult, slo_p99_ms: float, max_error_rate: float) -> bool:
-    """Something completed, errors within bounds, and p99 within the SLO."""
-    return result.p99_ms is not None and result.p99_ms <= slo_p99_ms and result.error_rate <= max_error_rate
+    """Something completed, errors within bounds, p99 within the SLO, and the probe was not stopped for breaking
+    it."""
+    return (
+        not result.stopped_early
+        and result.p99_ms is not None
+        and result.p99_ms <= slo_p99_ms
+        and result.error_rate <= max_error_rate
+    )
+
+
+def late_budget(planned: int) -> int:
+    """Late requests a probe of ``planned`` may have with its p99 still possibly within the SLO: one more puts a
+    late one at or above the p99's position (``numpy.percentile``'s, 0.99 (planned - 1)), so the p99 is late."""
+    return planned - 1 - math.floor(0.99 * (planned - 1))
 
 
 def _is_late(scheduled: float, task: asyncio.Future[float | None], now: float, slo_s: float) -> bool:
@@ -141,20 +179,29 @@ class StressClient:
     async def __aexit__(self, *exc_info: object) -> None:
         await self._http.aclose()
 
-    async def measure(self, rate: float, duration_s: float, *, slo_p99_ms: float | None = None) -> LoadResult:
+    async def measure(
+        self, rate: float, duration_s: float, *, slo_p99_ms: float | None = None, requests: int | None = None
+    ) -> LoadResult:
         """Offer ``rate`` requests/s for ``duration_s`` seconds, then wait for every answer (or its timeout).
 
-        With ``slo_p99_ms``, the probe stops as soon as more than 1% of its planned requests are late (answered,
-        or still unanswered, past ``scheduled + slo_p99_ms``): their p99 is then above the SLO whatever happens
-        next, so sending stops and the open requests are cancelled instead of drained. Each cancelled request
-        counts with the time it had waited (a lower bound of its latency), ``stopped_early`` is set.
+        ``requests`` fixes how many are sent; the window then lasts ``max(duration_s, requests / rate)``.
+
+        With ``slo_p99_ms``, the probe stops as soon as more than ``late_budget`` (about 1%) of its planned
+        requests are late (answered, or still unanswered, past ``scheduled + slo_p99_ms``): their p99 is then
+        above the SLO whatever happens next, so sending stops and the open requests are cancelled instead of
+        drained. Each cancelled request counts with the time it had waited (a lower bound of its latency),
+        ``stopped_early`` is set, and the probe is not sustainable.
         ``achieved_rps`` is the 2xx answers over the window or, if the last answer came later, until it came.
         """
         if rate <= 0 or duration_s <= 0:
             raise ValueError(f"rate and duration_s must be > 0, got {rate} and {duration_s}")
+        if requests is not None:
+            if requests < 1:
+                raise ValueError(f"requests must be >= 1, got {requests}")
+            duration_s = max(duration_s, requests / rate)
         loop = asyncio.get_running_loop()
-        offsets = arrival_offsets(rate, duration_s, self.settings.arrivals, self._rng)
-        late_budget = int(0.01 * len(offsets))
+        offsets = arrival_offsets(rate, duration_s, self.settings.arrivals, self._rng, requests)
+        budget = late_budget(len(offsets))
         start = loop.time()
         sent: list[tuple[float, asyncio.Future[float | None]]] = []
         broken = asyncio.Event()
@@ -178,7 +225,7 @@ class StressClient:
                 while judged < len(sent) and now - sent[judged][0] > slo_s:
                     late += _is_late(*sent[judged], now, slo_s)
                     judged += 1
-                if late > late_budget:
+                if late > budget:
                     broken.set()
                     return
                 await asyncio.sleep(0.01)
@@ -208,6 +255,7 @@ class StressClient:
         return LoadResult(
             rate=rate,
             duration_s=duration_s,
+            planned=len(offsets),
             completed=len(ok_s),
             errors=len(answered) - len(ok_s),
             cancelled=len(waited),
@@ -242,56 +290,120 @@ class StressClient:
         *,
         on_probe: Callable[[Probe], None] | None = None,
     ) -> RateSearchResult:
-        """Double the rate until the SLO breaks, then bisect; ``on_probe`` sees every probe as it finishes."""
-        settings = settings or SearchSettings()
-        started = time.monotonic()
-        probes: list[Probe] = []
+        """Double the rate with scouts (``probe_s`` long) until one breaks the SLO; decide the rates at the top
+        with deciding probes (``min_requests``), going down until one holds; then bisect with deciding probes.
+        ``on_probe`` sees every probe as it finishes."""
+        return await _RateSearch(self, slo_p99_ms, settings or SearchSettings(), on_probe).run()
 
-        async def probe(rate: float) -> Probe:
-            measured = await self.measure(rate, settings.probe_s, slo_p99_ms=slo_p99_ms)
-            taken = Probe(result=measured, sustainable=is_sustainable(measured, slo_p99_ms, settings.max_error_rate))
-            probes.append(taken)
-            if on_probe is not None:
-                on_probe(taken)
-            return taken
 
-        def out_of_budget() -> StopReason | None:
-            if len(probes) >= settings.max_probes:
-                return "max_probes"
-            if time.monotonic() - started + settings.probe_s > settings.max_total_s:
-                return "max_time"
-            return None
+class _RateSearch:
+    """One ``find_sustainable_rate``: ``good`` is the highest rate a deciding probe held, ``bad_rate`` the lowest
+    one a deciding probe broke; scouts only say which rates to decide."""
 
-        good: Probe | None = None
-        bad_rate: float | None = None
+    def __init__(
+        self,
+        client: StressClient,
+        slo_p99_ms: float,
+        settings: SearchSettings,
+        on_probe: Callable[[Probe], None] | None,
+    ) -> None:
+        self._client = client
+        self._slo_p99_ms = slo_p99_ms
+        self._settings = settings
+        self._on_probe = on_probe
+        self._started = time.monotonic()
+        self.probes: list[Probe] = []
+        self.good: Probe | None = None
+        self.bad_rate: float | None = None
+        self.stop: StopReason | None = None
+
+    async def run(self) -> RateSearchResult:
+        settings = self._settings
         rate = min(settings.start_rps, settings.max_rps)
-        stop: StopReason | None = None
-        while stop is None and bad_rate is None:  # doubling
-            taken = await probe(rate)
-            if not taken.sustainable:
-                bad_rate = rate
-            elif rate >= settings.max_rps:
-                good, stop = taken, "max_rps"
-            else:
-                good, rate = taken, min(2 * rate, settings.max_rps)
-                stop = out_of_budget()
-        if good is None:
-            stop = "unsustainable"
-        while stop is None:  # bisection between good and bad_rate
-            assert good is not None and bad_rate is not None
-            if (bad_rate - good.result.rate) / good.result.rate <= settings.rel_tolerance:
-                stop = "converged"
-            elif (stop := out_of_budget()) is None:
-                taken = await probe((good.result.rate + bad_rate) / 2)
-                if taken.sustainable:
-                    good = taken
-                else:
-                    bad_rate = taken.result.rate
+        while self.stop is None and self.bad_rate is None:
+            undecided = await self._double(rate)
+            await self._decide_downwards(undecided)
+            if self.stop is not None or self.bad_rate is not None:
+                break
+            if self.good is None:
+                self.stop = "unsustainable"
+            elif self.good.result.rate >= settings.max_rps:
+                self.stop = "max_rps"
+            else:  # the top rate held when decided: the scout that broke was noise
+                rate = min(2 * self.good.result.rate, settings.max_rps)
+        if self.stop is None and self.good is None:
+            self.stop = "unsustainable"
+        while self.stop is None:  # bisection between good and bad_rate, every probe deciding
+            assert self.good is not None and self.bad_rate is not None
+            if (self.bad_rate - self.good.result.rate) / self.good.result.rate <= settings.rel_tolerance:
+                self.stop = "converged"
+            elif (taken := await self._probe((self.good.result.rate + self.bad_rate) / 2, deciding=True)) is not None:
+                self._judge(taken)
+        good = self.good
         return RateSearchResult(
-            slo_p99_ms=slo_p99_ms,
+            slo_p99_ms=self._slo_p99_ms,
             sustainable_rps=good.result.rate if good else 0.0,
             best=good.result if good else None,
-            probes=probes,
-            stop_reason=stop,
-            duration_s=time.monotonic() - started,
+            probes=self.probes,
+            stop_reason=self.stop,
+            duration_s=time.monotonic() - self._started,
         )
+
+    async def _double(self, rate: float) -> list[float]:
+        """Scouts from ``rate``, doubling, until one breaks the SLO or passes at ``max_rps``; the rates still to
+        decide, ascending (scouts that planned ``min_requests`` decided themselves)."""
+        undecided: list[float] = []
+        while self.stop is None:
+            taken = await self._probe(rate, deciding=False)
+            if taken is None:
+                break
+            if taken.deciding:
+                self._judge(taken)
+                undecided = [] if taken.sustainable else undecided
+            else:
+                undecided.append(rate)
+            if not taken.sustainable or rate >= self._settings.max_rps:
+                break
+            rate = min(2 * rate, self._settings.max_rps)
+        return undecided
+
+    async def _decide_downwards(self, undecided: list[float]) -> None:
+        """Deciding probes at ``undecided`` rates from the top down, until one holds."""
+        for rate in reversed(undecided):
+            taken = await self._probe(rate, deciding=True)
+            if taken is None:
+                return
+            self._judge(taken)
+            if taken.sustainable:
+                return
+
+    def _judge(self, taken: Probe) -> None:
+        rate = taken.result.rate
+        if taken.sustainable:
+            if self.good is None or rate > self.good.result.rate:
+                self.good = taken
+        elif self.bad_rate is None or rate < self.bad_rate:
+            self.bad_rate = rate
+
+    async def _probe(self, rate: float, *, deciding: bool) -> Probe | None:
+        """One probe (a scout lasts ``probe_s``; a deciding one sends ``deciding_requests``), or None and ``stop``
+        set when the caps leave no room for it."""
+        settings = self._settings
+        requests = settings.deciding_requests(rate) if deciding else None
+        length_s = settings.probe_s if requests is None else max(settings.probe_s, requests / rate)
+        if len(self.probes) >= settings.max_probes:
+            self.stop = "max_probes"
+        elif time.monotonic() - self._started + length_s > settings.max_total_s:
+            self.stop = "max_time"
+        if self.stop is not None:
+            return None
+        measured = await self._client.measure(rate, settings.probe_s, slo_p99_ms=self._slo_p99_ms, requests=requests)
+        taken = Probe(
+            result=measured,
+            sustainable=is_sustainable(measured, self._slo_p99_ms, settings.max_error_rate),
+            deciding=measured.planned >= settings.min_requests,
+        )
+        self.probes.append(taken)
+        if self._on_probe is not None:
+            self._on_probe(taken)
+        return taken

@@ -95,6 +95,7 @@ class TuningStudy:
             ProfileRecord(
                 config=_configuration(record["config"]),
                 rps=record.get("sustainable_rps"),
+                achieved_rps=record.get("achieved_rps"),
                 p50_ms=record.get("p50_ms"),
                 p99_ms=record.get("p99_ms"),
                 error_rate=record.get("error_rate"),

@@ -2,7 +2,8 @@
 
 Runs on the Ray cluster this process is connected to, beside the declarative applications already there (they
 are re-applied unchanged). Status: ``ok``, ``slo_violated`` (not even the start rate met the SLO) or ``failed``
-(error text recorded). The trial lifecycle: docs/AUTOCONFIG.md, "One trial".
+(error text recorded; also when the rate search ran out of probes or time before a deciding probe held). The
+trial lifecycle: docs/AUTOCONFIG.md, "One trial".
 """
 
 from __future__ import annotations
@@ -268,19 +269,7 @@ def run_trial(
         result = asyncio.run(
             _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
         )
-        fields |= {
-            "search": result,
-            "sustainable_rps": result.sustainable_rps,
-            "status": "ok" if result.best else "slo_violated",
-        }
-        if result.best is not None:
-            best = result.best
-            fields |= {
-                "p50_ms": best.p50_ms,
-                "p99_ms": best.p99_ms,
-                "error_rate": best.error_rate,
-                "achieved_rps": best.achieved_rps,
-            }
+        fields |= search_fields(result, search.min_requests)
     except Exception as exc:
         fields["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -297,6 +286,20 @@ def run_trial(
         duration_s=time.monotonic() - started,
         **fields,
     )
+
+
+def search_fields(result: RateSearchResult, min_requests: int) -> dict[str, Any]:
+    """A trial's fields from its rate search: ``ok`` with the best probe's measurements; ``slo_violated`` when no
+    rate held; ``failed`` when the caps stopped the search before any deciding probe (``min_requests``) held."""
+    fields: dict[str, Any] = {"search": result, "sustainable_rps": result.sustainable_rps}
+    best = result.best
+    if best is not None:
+        return fields | {"status": "ok", "p50_ms": best.p50_ms, "p99_ms": best.p99_ms,
+                         "error_rate": best.error_rate, "achieved_rps": best.achieved_rps}
+    if result.stop_reason in ("max_probes", "max_time"):
+        return fields | {"status": "failed", "error": f"the rate search reached its {result.stop_reason} cap "
+                         f"before a deciding probe ({min_requests} requests) held: raise max_probes or max_total_s"}
+    return fields | {"status": "slo_violated"}
 
 
 def delete_trial_app(name: str = TRIAL_APP_NAME) -> None:

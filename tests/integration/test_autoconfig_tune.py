@@ -28,8 +28,8 @@ def test_tune_writes_a_deployable_config_and_resumes_its_study(base_url, tmp_pat
     out = tmp_path / "tuned.yaml"
     argv = ["tune", "--config", str(REPO / "deploy" / "serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "500",
             "--budget", "2", "--searcher", "grid", "--space", str(space_file), "--storage", storage,
-            "--study", "it", "--probe-s", "1", "--warmup-s", "1", "--start-rps", "5", "--max-probes", "3",
-            "--tolerance", "0.5", "--out", str(out)]
+            "--study", "it", "--probe-s", "1", "--min-requests", "10", "--warmup-s", "1", "--start-rps", "5",
+            "--max-probes", "3", "--tolerance", "0.5", "--out", str(out)]
     assert main(argv) == 0
 
     study = TuningStudy.open(storage, "it", SearchSpace.parse(SPACE))

@@ -6,7 +6,15 @@ import httpx
 import numpy as np
 import pytest
 
-from autoconfig.stress import ClientSettings, SearchSettings, StressClient, arrival_offsets
+from autoconfig.stress import (
+    ClientSettings,
+    LoadResult,
+    SearchSettings,
+    StressClient,
+    arrival_offsets,
+    is_sustainable,
+    late_budget,
+)
 from autoconfig.workloads import Workload, dlrm_workload, parse_workload_options, workload_for_app
 from disagg.api.codec import decode_dlrm_request
 from disagg.api.protocol import InferRequest
@@ -19,16 +27,24 @@ WORKLOAD = Workload("POST", "/models/m/infer", lambda index: f'{{"i": {index}}}'
 
 class QueueServer:
     """One FIFO server with a fixed service time: latency is the service time below ``capacity_rps`` and grows
-    without bound above it."""
+    without bound above it. A request cancelled before its service began gives its slot back, so the backlog of
+    a probe stopped early is gone when the next one starts."""
 
     def __init__(self, capacity_rps: float) -> None:
         self.service_s = 1.0 / capacity_rps
         self.free_at = 0.0
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        now = asyncio.get_running_loop().time()
-        self.free_at = max(now, self.free_at) + self.service_s
-        await asyncio.sleep(self.free_at - now)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        start = max(now, self.free_at)
+        self.free_at = start + self.service_s
+        try:
+            await asyncio.sleep(start + self.service_s - now)
+        except asyncio.CancelledError:
+            if start > loop.time():
+                self.free_at -= self.service_s
+            raise
         return httpx.Response(200)
 
 
@@ -78,29 +94,59 @@ def _measure(server, rate: float, duration_s: float, slo_p99_ms: float | None = 
 
 
 def test_search_finds_the_rate_where_a_queueing_server_saturates():
-    capacity, slo_ms, probe_s = 100.0, 60.0, 0.5  # 10 ms per request; above capacity the queue grows all probe long
-    # The p99 request of a probe at rate r waits 0.99 probe_s (r / capacity - 1) in the queue, then 10 ms.
-    expected = capacity * (1 + (slo_ms - 10.0) / 1000 / (0.99 * probe_s))
-    search = SearchSettings(start_rps=50, probe_s=probe_s, rel_tolerance=0.05, max_probes=20)
+    capacity, slo_ms, service_ms, requests = 100.0, 60.0, 10.0, 60
+    # A deciding probe at rate r sends `requests` over requests / r seconds; above capacity its p99 request (the
+    # 0.99 * requests-th) waits 0.99 * requests * (1 / capacity - 1 / r) in the queue, then the service time.
+    expected = 1 / (1 / capacity - (slo_ms - service_ms) / 1000 / (0.99 * requests))
+    search = SearchSettings(start_rps=50, probe_s=0.2, min_requests=requests)  # bisects to 2.5%
     seen = []
     result = _search(QueueServer(capacity), slo_p99_ms=slo_ms, search=search, on_probe=seen.append)
-    assert 0.9 * expected <= result.sustainable_rps <= 1.02 * expected
+    assert 0.95 * expected <= result.sustainable_rps <= 1.02 * expected
     assert result.stop_reason == "converged"
     assert seen == result.probes
-    assert [probe.result.rate for probe in result.probes[:3]] == [50, 100, 200]  # doubled until broken
-    assert not result.probes[2].sustainable and result.probes[2].result.p99_ms > slo_ms
+    scouts = result.probes[:3]
+    assert [probe.result.rate for probe in scouts] == [50, 100, 200]  # doubled with scouts until one broke
+    assert not any(probe.deciding for probe in scouts) and not scouts[2].sustainable
+    decided = [(probe.result.rate, probe.sustainable) for probe in result.probes[3:5]]
+    assert decided == [(200, False), (100, True)]  # decided from the top down until a rate held
+    assert all(probe.deciding and probe.result.planned == requests for probe in result.probes[3:])
     assert result.best.rate == result.sustainable_rps and result.best.p99_ms <= slo_ms
-    bad = min(probe.result.rate for probe in result.probes if not probe.sustainable)
-    assert (bad - result.sustainable_rps) / result.sustainable_rps <= 0.05  # bisected to the tolerance
+    assert result.best.planned == requests
+    bad = min(probe.result.rate for probe in result.probes if probe.deciding and not probe.sustainable)
+    assert (bad - result.sustainable_rps) / result.sustainable_rps <= 0.025  # bisected to the tolerance
+
+
+class ColdStartServer:
+    """Its first ``cold`` requests take ``cold_s``; the others are answered at once."""
+
+    def __init__(self, cold: int, cold_s: float) -> None:
+        self.cold, self.cold_s, self.seen = cold, cold_s, 0
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen += 1
+        if self.seen <= self.cold:
+            await asyncio.sleep(self.cold_s)
+        return httpx.Response(200)
+
+
+def test_a_broken_scout_is_decided_again_and_the_doubling_resumes_when_the_rate_holds():
+    search = SearchSettings(start_rps=10, probe_s=0.2, min_requests=20, max_rps=40)
+    result = _search(ColdStartServer(cold=2, cold_s=0.3), slo_p99_ms=100.0, search=search)
+    probes = [(probe.result.rate, probe.deciding, probe.sustainable) for probe in result.probes]
+    assert probes == [(10, False, False), (10, True, True), (20, False, True), (40, False, True), (40, True, True)]
+    assert result.stop_reason == "max_rps" and result.sustainable_rps == 40
+    assert result.best.planned == 20 and result.best.completed == 20
 
 
 def test_a_server_that_always_errors_has_no_sustainable_rate():
-    result = _search(_failing, slo_p99_ms=1000.0, search=SearchSettings(start_rps=20, probe_s=0.2))
+    search = SearchSettings(start_rps=20, probe_s=0.2, min_requests=8)
+    result = _search(_failing, slo_p99_ms=1000.0, search=search)
     assert result.sustainable_rps == 0 and result.best is None
     assert result.stop_reason == "unsustainable"
-    [probe] = result.probes
-    assert probe.result.completed == 0 and probe.result.errors == 4 and probe.result.p99_ms is None
-    assert probe.result.error_rate == 1.0
+    scout, decided = result.probes
+    assert not scout.deciding and scout.result.errors == 4  # 0.2 s at 20 rps
+    assert decided.deciding and decided.result.errors == decided.result.planned == 8
+    assert decided.result.completed == 0 and decided.result.p99_ms is None and decided.result.error_rate == 1.0
 
 
 def test_in_flight_cap_holds_against_a_dead_server_and_waiting_requests_time_out():
@@ -130,6 +176,19 @@ def test_a_probe_stops_once_more_than_one_percent_of_its_requests_are_late():
     assert server.open == 0 and len(server.requests) == result.cancelled  # cancelled on the server too
 
 
+def test_one_request_over_the_late_budget_puts_the_p99_above_the_slo_and_a_stopped_probe_never_holds():
+    slo_ms = 50.0
+    for planned in range(1, 1001):
+        late = late_budget(planned) + 1
+        latencies = [0.0] * (planned - late) + [slo_ms + 1] * late
+        assert np.percentile(latencies, 99) > slo_ms, planned
+    assert [late_budget(n) for n in (10, 60, 200, 1000)] == [1, 1, 2, 10]  # about 1%
+    stopped = LoadResult(rate=10, duration_s=1, planned=60, completed=58, errors=0, cancelled=2, p50_ms=5,
+                         p99_ms=49, achieved_rps=9, stopped_early=True)
+    assert not is_sustainable(stopped, slo_ms, max_error_rate=0.01)
+    assert is_sustainable(stopped.model_copy(update={"stopped_early": False}), slo_ms, max_error_rate=0.01)
+
+
 def test_a_probe_within_the_slo_runs_its_whole_schedule():
     result = _measure(ConcurrencyServer(delay_s=0.0), rate=50, duration_s=0.4, slo_p99_ms=1000.0)
     assert not result.stopped_early and result.completed == 20 and result.cancelled == 0
@@ -144,18 +203,40 @@ def test_requests_follow_the_workload_and_the_schedule():
 
 
 @pytest.mark.parametrize(
-    ("search", "rates", "stop_reason"),
+    ("search", "rates", "stop_reason", "sustainable"),
     [
-        (SearchSettings(start_rps=10, probe_s=0.1, max_probes=3), [10, 20, 40], "max_probes"),
-        (SearchSettings(start_rps=10, probe_s=0.1, max_rps=30), [10, 20, 30], "max_rps"),
-        (SearchSettings(start_rps=10, probe_s=0.1, max_total_s=0.15), [10], "max_time"),
+        (SearchSettings(start_rps=10, probe_s=0.1, min_requests=2, max_probes=3), [10, 20, 40], "max_probes", 40),
+        (SearchSettings(start_rps=10, probe_s=0.1, min_requests=2, max_rps=30), [10, 20, 30], "max_rps", 30),
+        # Scouts of one request decide nothing: out of time after the first, nothing is known to hold.
+        (SearchSettings(start_rps=10, probe_s=0.1, min_requests=2, max_total_s=0.15), [10], "max_time", 0),
+        (SearchSettings(start_rps=10, probe_s=0.1, min_requests=100, max_probes=2), [10, 20], "max_probes", 0),
     ],
 )
-def test_search_stops_at_its_caps_with_the_last_good_rate(search, rates, stop_reason):
+def test_search_stops_at_its_caps_with_the_highest_decided_rate(search, rates, stop_reason, sustainable):
     result = _search(ConcurrencyServer(delay_s=0.0), slo_p99_ms=1000.0, search=search)
     assert [probe.result.rate for probe in result.probes] == rates
     assert result.stop_reason == stop_reason
-    assert result.sustainable_rps == rates[-1]
+    assert result.sustainable_rps == sustainable
+    assert (result.best is None) == (sustainable == 0)
+
+
+def test_a_deciding_probe_sends_its_requests_over_a_window_long_enough_for_them():
+    settings = SearchSettings(probe_s=0.5, min_requests=30)
+    assert settings.deciding_requests(20) == 30 and settings.deciding_requests(100) == 50  # 0.5 s holds more
+    server = ConcurrencyServer(delay_s=0.0)
+    result = _measure_requests(server, rate=100, duration_s=0.1, requests=30)
+    assert result.planned == result.completed == len(server.requests) == 30
+    assert result.duration_s == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="requests"):
+        _measure_requests(server, rate=100, duration_s=0.1, requests=0)
+
+
+def _measure_requests(server, rate: float, duration_s: float, requests: int):
+    async def run():
+        async with _client(server, arrivals="poisson") as client:
+            return await client.measure(rate, duration_s, requests=requests)
+
+    return asyncio.run(run())
 
 
 def test_poisson_arrivals_are_seeded_sorted_and_within_the_window():
@@ -169,6 +250,10 @@ def test_poisson_arrivals_are_seeded_sorted_and_within_the_window():
     assert 300 < len(first) < 500  # Poisson(400): 5 standard deviations either side
     constant = arrival_offsets(50.0, 0.2, "constant", np.random.default_rng(0))
     np.testing.assert_allclose(constant, np.arange(10) / 50.0)
+    counted = arrival_offsets(200.0, 2.0, "poisson", np.random.default_rng(1), count=123)
+    assert len(counted) == 123 and np.all(np.diff(counted) >= 0) and counted[-1] < 2.0
+    np.testing.assert_allclose(arrival_offsets(50.0, 0.2, "constant", np.random.default_rng(0), count=4),
+                               np.arange(4) / 50.0)
 
 
 def test_measure_refuses_a_non_positive_rate():

@@ -1,0 +1,37 @@
+"""What a trial records from its rate search (no Ray: the search results are built here)."""
+
+import pytest
+
+from autoconfig.stress import LoadResult, Probe, RateSearchResult
+from autoconfig.trial import search_fields
+
+
+def _load(rate: float, planned: int, p99_ms: float) -> LoadResult:
+    return LoadResult(rate=rate, duration_s=planned / rate, planned=planned, completed=planned, errors=0,
+                      p50_ms=p99_ms / 2, p99_ms=p99_ms, achieved_rps=0.98 * rate)
+
+
+def _search(best: LoadResult | None, stop_reason: str, probes: list[Probe]) -> RateSearchResult:
+    return RateSearchResult(slo_p99_ms=100, sustainable_rps=best.rate if best else 0.0, best=best, probes=probes,
+                            stop_reason=stop_reason, duration_s=1.0)
+
+
+def test_a_held_rate_is_ok_with_the_deciding_probes_measurements_and_achieved_rate():
+    best = _load(40, 200, 80)
+    fields = search_fields(_search(best, "converged", [Probe(result=best, sustainable=True)]), min_requests=200)
+    assert fields["status"] == "ok" and fields["sustainable_rps"] == 40
+    assert fields["achieved_rps"] == pytest.approx(39.2) and fields["p99_ms"] == 80 and "error" not in fields
+
+
+def test_no_rate_holding_is_an_slo_violation():
+    broken = Probe(result=_load(5, 200, 500), sustainable=False)
+    fields = search_fields(_search(None, "unsustainable", [broken]), min_requests=200)
+    assert fields["status"] == "slo_violated" and fields["sustainable_rps"] == 0 and "error" not in fields
+
+
+@pytest.mark.parametrize("cap", ["max_probes", "max_time"])
+def test_caps_reached_before_any_deciding_probe_held_fail_the_trial_and_say_why(cap):
+    scouts = [Probe(result=_load(rate, 5, 10), sustainable=True, deciding=False) for rate in (5, 10)]
+    fields = search_fields(_search(None, cap, scouts), min_requests=200)
+    assert fields["status"] == "failed" and fields["sustainable_rps"] == 0
+    assert cap in fields["error"] and "200 requests" in fields["error"]
