@@ -46,6 +46,23 @@ class ProfileRecord(BaseModel):
         return self
 
 
+class Repeats(BaseModel):
+    """One configuration measured several times, its trial first: the spread of its objective is the measurement
+    noise. ``objectives`` holds None for a run that did not hold a rate within the SLO."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: Configuration
+    objectives: list[float | None] = Field(min_length=2)
+
+    def relative_spread(self) -> float | None:
+        """Standard deviation over mean of the ok runs (None with fewer than two, or a mean of 0)."""
+        ok = [value for value in self.objectives if value is not None]
+        if len(ok) < 2 or not np.mean(ok):
+            return None
+        return float(np.std(ok, ddof=1) / np.mean(ok))
+
+
 class ModelDescription(BaseModel):
     """What was profiled; ``name`` identifies the entry (and its file), other fields are free-form."""
 
@@ -64,6 +81,7 @@ class BankEntry(BaseModel):
     space: SearchSpace
     objective: Literal["rps_per_share", "rps"] = "rps_per_share"
     trials: list[ProfileRecord]
+    repeats: list[Repeats] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _trials_in_space(self) -> BankEntry:
@@ -76,7 +94,18 @@ class BankEntry(BaseModel):
             if trial.config in first:
                 raise ValueError(f"trials[{i}].config: duplicate of trials[{first[trial.config]}]")
             first[trial.config] = i
+        for i, repeat in enumerate(self.repeats):
+            try:
+                self.space.index(repeat.config)
+            except SpaceError as exc:
+                raise ValueError(f"repeats[{i}].config: {exc}") from None
         return self
+
+    def noise(self) -> float | None:
+        """The median relative spread (std / mean) of the repeated configurations' objectives; None without
+        repeats."""
+        spreads = [spread for repeat in self.repeats if (spread := repeat.relative_spread()) is not None]
+        return float(np.median(spreads)) if spreads else None
 
     @property
     def name(self) -> str:

@@ -53,7 +53,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
-    from autoconfig.tuner import tune
+    from autoconfig.tuner import repeat_best, tune
     from autoconfig.workloads import parse_workload_options, workload_for_app
 
     try:
@@ -67,6 +67,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         profiling = args.command == "profile"  # the whole grid, recorded as a bank entry
         if profiling:
             ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
+            if args.repeat_best < 0 or args.repeats < 1:
+                raise ValueError(f"--repeat-best must be >= 0 and --repeats >= 1, got {args.repeat_best} and "
+                                 f"{args.repeats}")
             args.searcher, args.budget, args.seed = "grid", space.size, 0
         study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
         prior = load_bank(args.bank) if args.bank and not profiling else []
@@ -106,6 +109,15 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                                        f"{record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}")
 
             outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
+            if profiling and len(outcome.history) == space.size and args.repeats > 1:
+                progress.update(bar, total=args.budget + args.repeat_best * (args.repeats - 1))
+
+                def repeated(config, run, record):
+                    progress.advance(bar)
+                    progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {record.status}, "
+                                           f"{record.sustainable_rps:.1f} rps, objective {record.objective:.2f}")
+
+                repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats, on_repeat=repeated)
     except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
         console.print(f"[yellow]stopped:[/yellow] study {study.name!r} in {args.storage} keeps its "
                       f"{len(study.history())} finished trial(s); run the same command to resume")
@@ -125,7 +137,12 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         path = Path(args.bank) / f"{args.model_name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         entry.save(path)
-        console.print(f"[green]profiled[/green] {space.size} configurations; wrote {path}")
+        for repeat in entry.repeats:
+            console.print(f"noise: {repeat.config.as_dict()} objectives {repeat.objectives}")
+        noise = entry.noise()
+        console.print(f"[green]profiled[/green] {space.size} configurations; wrote {path}"
+                      + ("" if noise is None else f"; measurement noise (median std/mean of {len(entry.repeats)} "
+                         f"repeated configurations): {noise:.1%}"))
         return 0
     if outcome.best is None:
         closest = min(study.records(), key=lambda r: r.get("p99_ms") or float("inf"), default=None)
@@ -295,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     _trial_arguments(profile)
     profile.add_argument("--bank", required=True, help="profile bank directory to write MODEL_NAME.json into")
     profile.add_argument("--model-name", required=True, help="name of the bank entry (letters, digits, ._-)")
+    profile.add_argument("--repeat-best", type=int, default=3, help="configurations measured again after the grid "
+                         "(the best ones), to state the measurement noise in the entry")
+    profile.add_argument("--repeats", type=int, default=3, help="measurements of each of them, the first included "
+                         "(1: none repeated)")
     profile.set_defaults(run=_tune)
 
     evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")

@@ -15,11 +15,12 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from autoconfig.bank import BankEntry, ProfileRecord
+from autoconfig.bank import BankEntry, ProfileRecord, Repeats
 from autoconfig.searchers.base import Observation
 from autoconfig.space import Configuration, SearchSpace
 
 _SPACE_ATTR = "search_space"
+_REPEATS_ATTR = "repeats"
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -104,8 +105,30 @@ class TuningStudy:
             )
             for record in self.records()
         ]
+        first = {_configuration(record["config"]): record for record in self.records()}
+        repeats = [
+            Repeats(config=config, objectives=[_objective(first[config]), *map(_objective, runs)])
+            for config, runs in self.repeats().items()
+            if config in first
+        ]
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
-                         objective="rps_per_share" if objective == "rate_per_share" else "rps")
+                         objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
+
+    def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
+        """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""
+        stored = self._study.user_attrs.get(_REPEATS_ATTR, [])
+        return {_configuration(entry["config"]): entry["runs"] for entry in stored}
+
+    def record_repeat(self, config: Configuration, measurements: Mapping[str, Any]) -> None:
+        """Stores one more measurement of an already profiled ``config`` (the study's trials stay one per
+        configuration: the searchers' history is unchanged)."""
+        stored = list(self._study.user_attrs.get(_REPEATS_ATTR, []))
+        params = config.as_dict()
+        entry = next((entry for entry in stored if entry["config"] == params), None)
+        if entry is None:
+            stored.append(entry := {"config": params, "runs": []})
+        entry["runs"] = [*entry["runs"], {key: _json_safe(item) for key, item in measurements.items()}]
+        self._study.set_user_attr(_REPEATS_ATTR, stored)
 
     def record(self, config: Configuration, value: float | None, measurements: Mapping[str, Any]) -> None:
         """Stores one finished trial: ``value`` None marks it failed (crash, or no rate within the SLO)."""
@@ -125,6 +148,10 @@ def _configuration(params: Mapping[str, Any]) -> Configuration:
     """Back from Optuna's stored choices; count knobs as ints."""
     counts = {"max_batch_size", "num_replicas", "torch_threads"}
     return Configuration(**{name: int(value) if name in counts else value for name, value in params.items()})
+
+
+def _objective(record: Mapping[str, Any]) -> float | None:
+    return record.get("objective") if record.get("status") == "ok" else None
 
 
 def _json_safe(value: Any) -> Any:

@@ -58,3 +58,30 @@ def tune(
         if on_trial is not None:
             on_trial(len(history), config, record)
     return TuneOutcome(history, best_observation(history), ran, exhausted)
+
+
+def repeat_best(
+    study: TuningStudy,
+    profile: Callable[[Configuration], TrialRecord],
+    *,
+    configs: int,
+    runs: int,
+    on_repeat: Callable[[Configuration, int, TrialRecord], None] | None = None,
+) -> dict[Configuration, list[float | None]]:
+    """Measures the study's ``configs`` best feasible configurations again until each has ``runs`` measurements
+    (its trial first), storing each as it finishes (a resumed call only runs what is missing); every one's
+    objectives (None: not ok) by configuration, best first."""
+    ranked = sorted((o for o in study.history() if o.value is not None), key=lambda o: -o.value)[:configs]
+    stored = study.repeats()
+    for observation in ranked:
+        for run in range(1 + len(stored.get(observation.config, [])), runs):
+            record = profile(observation.config)
+            study.record_repeat(observation.config, record.model_dump(exclude={"search", "configuration"}))
+            if on_repeat is not None:
+                on_repeat(observation.config, run + 1, record)
+    stored = study.repeats()
+    return {
+        o.config: [o.value, *(run["objective"] if run["status"] == "ok" else None
+                              for run in stored.get(o.config, []))]
+        for o in ranked
+    }

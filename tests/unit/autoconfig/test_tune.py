@@ -3,13 +3,18 @@
 Kills at many points (SIGKILL, SIGTERM, Ctrl-C of the CLI): test_durability.py.
 """
 
-import pytest
+import json
 
+import pytest
+import yaml
+
+from autoconfig.bank import BankEntry, BankError
 from autoconfig.searchers import GridSearcher, RandomSearcher
 from autoconfig.space import Configuration, SearchSpace
 from autoconfig.study import StudyError, TuningStudy, sqlite_url
 from autoconfig.trial import TrialRecord
-from autoconfig.tuner import tune
+from autoconfig.tuner import repeat_best, tune
+from tests.helpers import REPO
 
 SPACE = SearchSpace.parse({"knobs": {
     "max_batch_size": {"values": [1, 4, 16]},
@@ -98,3 +103,89 @@ def test_profile_refuses_a_bad_model_name_before_any_trial(tmp_path, capsys):
     assert main(argv) == 2
     assert "name" in capsys.readouterr().out and not list(tmp_path.glob("*.json"))
 
+
+
+def _noisy(calls: list[Configuration]):
+    """``fake_profile``'s objective times 1.0, 1.1, 0.9, ... on the configuration's 1st, 2nd, 3rd measurement."""
+    base, seen = fake_profile([]), {}
+
+    def profile(config: Configuration) -> TrialRecord:
+        calls.append(config)
+        record = base(config)
+        factor = (1.0, 1.1, 0.9, 1.2)[seen.get(config, 0)]
+        seen[config] = seen.get(config, 0) + 1
+        return record.model_copy(update={"objective": record.objective * factor})
+
+    return profile
+
+
+def test_the_best_configurations_are_measured_again_and_the_spread_is_the_entrys_noise(tmp_path):
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
+    calls: list[Configuration] = []
+    profile = _noisy(calls)
+    tune(study, GridSearcher(SPACE), profile, budget=SPACE.size)
+    seen = []
+    measured = repeat_best(study, profile, configs=2, runs=3, on_repeat=lambda c, run, r: seen.append((c, run)))
+    best = [config for config, _ in measured.items()]
+    assert [(c.max_batch_size, c.num_replicas) for c in best] == [(16, 2), (16, 2)]  # 32 rps, two of them
+    assert len(set(best)) == 2
+    assert all(values == pytest.approx([32.0, 35.2, 28.8]) for values in measured.values())
+    assert [run for _, run in seen] == [2, 3, 2, 3] and len(calls) == SPACE.size + 4
+    assert len(study.history()) == SPACE.size  # the searchers' history keeps one trial per configuration
+    entry = study.to_bank_entry({"name": "noisy"}, {}, "max_rate")
+    assert [repeat.objectives for repeat in entry.repeats] == [pytest.approx([32.0, 35.2, 28.8])] * 2
+    assert entry.noise() == pytest.approx(0.1)  # std [1.0, 1.1, 0.9] = 0.1 over a mean of 1.0
+    again = BankEntry.load(_saved(entry, tmp_path / "noisy.json"))
+    assert again.repeats == entry.repeats
+
+
+def test_repeats_resume_where_they_stopped(tmp_path):
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
+    tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)
+    repeat_best(study, fake_profile([]), configs=1, runs=2)
+    calls: list[Configuration] = []
+    measured = repeat_best(TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE), fake_profile(calls),
+                           configs=2, runs=3)
+    assert len(calls) == 1 + 2  # the first configuration's third run, the second one's second and third
+    assert all(len(values) == 3 for values in measured.values())
+
+
+def test_a_bank_entry_refuses_a_repeat_outside_its_space(tmp_path):
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
+    tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)
+    raw = study.to_bank_entry({"name": "x"}, {}, "max_rate").model_dump(mode="json")
+    raw["repeats"] = [{"config": {**raw["trials"][0]["config"], "max_batch_size": 3}, "objectives": [1.0, 2.0]}]
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(BankError, match=r"repeats\[0\]\.config"):
+        BankEntry.load(path)
+
+
+def _saved(entry: BankEntry, path) -> str:
+    entry.save(path)
+    return str(path)
+
+
+def test_profile_writes_the_grid_and_the_repeats_with_their_noise(tmp_path, monkeypatch, capsys):
+    import ray
+
+    import autoconfig.trial
+    from autoconfig.cli import main
+
+    profile = _noisy([])
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as if connected: the CLI starts no cluster
+    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
+        Configuration(**config)))
+    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    argv = ["profile", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--bank", str(tmp_path / "bank"),
+            "--model-name", "m", "--repeat-best", "2", "--repeats", "3"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    entry = BankEntry.load(tmp_path / "bank" / "m.json")
+    assert len(entry.trials) == SPACE.size and len(entry.repeats) == 2
+    assert "measurement noise" in out and "10.0%" in out and out.count("repeat 3/3") == 2
+    assert main([*argv[:-4], "--repeat-best", "-1", "--repeats", "3"]) == 2
+    assert "--repeat-best" in capsys.readouterr().out
