@@ -86,6 +86,14 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 else SEARCHERS[args.searcher](space, args.seed, prior))
     settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                               rel_tolerance=args.tolerance, min_requests=args.min_requests)
+    if args.accelerator == "cpu":
+        from serving.common.cpu_share import CgroupCpu, CpuShareError
+
+        try:
+            CgroupCpu.find()
+        except CpuShareError as error:  # replicas on other nodes may still enforce theirs; they log if not
+            console.print(f"[yellow]warning:[/yellow] device_share is only reserved on this node, not enforced "
+                          f"({error})")
     done = len(study.history())
     console.print(f"study {study.name!r} in {args.storage}: {done} finished trial(s), budget {args.budget}, "
                   f"space of {space.size} configurations, searcher {args.searcher}")

@@ -21,6 +21,7 @@ from autoconfig.serve_config import validate_app_args
 
 Accelerator = Literal["cpu", "gpu"]
 CUDA_MEMORY_FRACTION_ENV = "SWIFTSERVE_CUDA_MEMORY_FRACTION"
+CPU_SHARE_ENV = "SWIFTSERVE_CPU_SHARE"
 MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
@@ -120,6 +121,7 @@ def apply_knobs(
     threads = knobs.torch_threads
     if accelerator == "cpu":
         actor["num_cpus"] = knobs.device_share
+        env[CPU_SHARE_ENV] = str(knobs.device_share)  # the replica enforces it (serving.common.cpu_share)
         threads = threads or max(1, round(knobs.device_share))
     else:
         if knobs.device_share > 1 and not float(knobs.device_share).is_integer():

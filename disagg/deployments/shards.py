@@ -20,6 +20,7 @@ from disagg.rpc.tls import server_tls
 from disagg.spec import preset_spec
 from disagg.tables import build_embedding_shard
 from serving.common.constants import EMBEDDING_TOKEN
+from serving.common.cpu_share import enforce_replica_share
 from serving.common.logging import get_logger
 
 logger = get_logger("disagg.deployments.shards")
@@ -60,6 +61,7 @@ class EmbeddingShardServer:
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
                        directory: DeploymentHandle) -> None:
         config = DLRMAppConfig.model_validate(config)
+        enforce_replica_share(f"EmbeddingShard_{shard_index}")
         embedding = config.embedding
         host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
         if problem := exposure_problem(host, secured=embedding.tls or bool(EMBEDDING_TOKEN)):

@@ -21,6 +21,10 @@ CUDA_MEMORY_FRACTION: float | None = (
     float(os.environ["SWIFTSERVE_CUDA_MEMORY_FRACTION"]) if os.environ.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") else None
 )
 
+#: CPUs a replica may use, enforced at its start (``serving.common.cpu_share``: a CFS quota, whole cores pinned);
+#: set per deployment by ``autoconfig`` device shares on CPU. Unset: no limit beyond Ray's reservation.
+CPU_SHARE: float | None = float(os.environ["SWIFTSERVE_CPU_SHARE"]) if os.environ.get("SWIFTSERVE_CPU_SHARE") else None
+
 #: API key of both HTTP apps, enforced by ``serving.common.auth``; empty or unset means auth is off.
 #: Surrounding whitespace (a trailing newline from a secret file) is dropped: HTTP cannot carry it.
 API_KEY: str = os.environ.get("SWIFTSERVE_API_KEY", "").strip()

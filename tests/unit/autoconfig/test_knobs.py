@@ -33,6 +33,9 @@ def _deployments(app: dict) -> dict[str, dict]:
     return {deployment["name"]: deployment for deployment in app["deployments"]}
 
 
+CPU_SHARE_1_6 = {"num_cpus": 1.6, "runtime_env": {"env_vars": {"SWIFTSERVE_CPU_SHARE": "1.6"}}}
+
+
 def test_dlrm_on_cpu_sets_live_batching_replicas_cpus_and_torch_threads(template):
     configured = configure_serve_config(template, "dlrm", CONFIGURATION)
     app = _app(configured, "dlrm")
@@ -41,7 +44,8 @@ def test_dlrm_on_cpu_sets_live_batching_replicas_cpus_and_torch_threads(template
     assert args.model.torch_threads == 2  # round(1.6)
     dense = _deployments(app)["DisaggregatedDLRM"]
     assert dense["num_replicas"] == 3
-    assert dense["ray_actor_options"] == {"num_cpus": 1.6}
+    # Ray reserves the share; the replica enforces it (a CFS quota of 1.6 CPUs, two cores pinned).
+    assert dense["ray_actor_options"] == CPU_SHARE_1_6
     # Batching goes to the replica's live user_config (what its reconfigure validates), room for two batches.
     assert dense["user_config"] == {"max_batch_size": 32, "batch_wait_timeout_s": 0.02}
     assert BatchingConfig.model_validate(dense["user_config"]) == BatchingConfig(
@@ -69,7 +73,7 @@ def test_monolithic_dlrm_targets_the_monolithic_deployment(template):
         "num_replicas": 3,
         "user_config": {"max_batch_size": 32, "batch_wait_timeout_s": 0.02},
         "max_ongoing_requests": 64,
-        "ray_actor_options": {"num_cpus": 1.6},
+        "ray_actor_options": CPU_SHARE_1_6,
     }
 
 
@@ -82,7 +86,7 @@ def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_
     deployments = _deployments(app)
     model = deployments["DiffusionModel"]
     assert model["num_replicas"] == 3
-    assert model["ray_actor_options"] == {"num_cpus": 1.6}  # threads via args, no env
+    assert model["ray_actor_options"] == CPU_SHARE_1_6  # threads via args
     # Rows per step go to the replica's live user_config; the wait timeout has no diffusion counterpart.
     assert model["user_config"] == {"max_batch_rows": 32}
     assert EngineTuning.model_validate(model["user_config"]).apply(args.engine).max_batch_rows == 32
@@ -190,7 +194,7 @@ def test_batching_and_replica_changes_update_the_trial_app_in_place(template, ap
     "change",
     [
         {"device_share": 0.8},  # ray_actor_options.num_cpus, and args.model.torch_threads (1, not 2)
-        {"device_share": 1.7},  # num_cpus only: round(1.7) == round(1.6) == 2 threads
+        {"device_share": 1.7},  # num_cpus and the enforced share: round(1.7) == round(1.6) == 2 threads
         {"torch_threads": 3},
     ],  # args.model.torch_threads only
 )
