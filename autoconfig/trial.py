@@ -55,6 +55,7 @@ class TrialRecord(BaseModel):
     device_share: float | None = None
     num_replicas: int | None = None
     resources: float | None = None
+    deployment_resources: dict[str, float] | None = None
     duration_s: float
     error: str | None = None
     search: RateSearchResult | None = None
@@ -93,11 +94,24 @@ def trial_application(
     return ServeApplicationSchema.model_validate(raw)
 
 
+def deployment_resources(app_details: Mapping[str, Any], accelerator: Accelerator) -> dict[str, float]:
+    """CPUs (or GPUs) each deployment of a deployed app holds, from Serve's details of the app: per replica
+    (``ray_actor_options``, Serve's default of one CPU when unset) times its target replicas."""
+    option, default = ("num_cpus", 1.0) if accelerator == "cpu" else ("num_gpus", 0.0)
+    held = {}
+    for name, deployment in app_details.get("deployments", {}).items():
+        options = deployment.get("deployment_config", {}).get("ray_actor_options") or {}
+        per_replica = options.get(option)
+        replicas = deployment.get("target_num_replicas", len(deployment.get("replicas", [])))
+        held[name] = (default if per_replica is None else float(per_replica)) * replicas
+    return held
+
+
 def _deploy(
     app: ServeApplicationSchema, template: ServeDeploySchema, http_port: int | None, timeout_s: float
-) -> tuple[str, float]:
-    """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix and the start time
-    (``time.time()``) of its newest model replica."""
+) -> tuple[str, float, dict[str, Any]]:
+    """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix, the start time
+    (``time.time()``) of its newest model replica, and Serve's details of the deployed app."""
     client = start_serve(template, http_port=http_port or free_port())
     instance = client.get_serve_details()
     kept = instance.get("applications", {}).get(app.name, {}).get("deployed_app_config")
@@ -125,7 +139,8 @@ def _deploy(
         raise TimeoutError(f"{exc}: {_status_messages(app.name)}") from None
     host = client.http_config.host
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}", newest
+    details = client.get_serve_details()["applications"][app.name]
+    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}", newest, details
 
 
 #: Options Serve changes on running replicas (or by adding and removing replicas), no restart. Serve fills the
@@ -262,7 +277,9 @@ def run_trial(
         _check_cluster_fits(app, accelerator)
         emit(TrialEvent(phase="deploy", message=f"deploying {app_name} as {trial_app_name} at {dict(configuration)}"))
         deploying = True
-        base_url, newest_replica = _deploy(app, template, http_port, deploy_timeout_s)
+        base_url, newest_replica, details = _deploy(app, template, http_port, deploy_timeout_s)
+        held = deployment_resources(details, accelerator)  # every deployment's share: shards, ingress...
+        fields |= {"resources": sum(held.values()), "deployment_resources": held}
         if newest_replica >= started_wall:  # this trial started replicas: their first requests run cold
             warmup_s += cold_warmup_s
         emit(TrialEvent(phase="warmup", message=f"warming up {warmup_s:g} s at {search.start_rps:g} rps"))

@@ -70,6 +70,7 @@ def test_trial_of_the_tiny_dlrm_finds_a_rate_within_the_slo_and_removes_the_app(
     assert record.sustainable_rps >= 5 and record.p99_ms <= SLO_MS and record.error_rate <= 0.01
     assert record.achieved_rps > 0
     assert record.resources == 0.25 and record.objective == pytest.approx(record.sustainable_rps / 0.25)
+    assert record.deployment_resources == {"MonolithicDLRM": 0.25}  # the app's only deployment, as deployed
     assert [probe.result.rate for probe in record.search.probes][:2] == [5, 10]
     phases = [event.phase for event in events]
     assert phases[:2] == ["deploy", "warmup"] and phases[-1] == "teardown"

@@ -3,7 +3,7 @@
 import pytest
 
 from autoconfig.stress import LoadResult, Probe, RateSearchResult
-from autoconfig.trial import search_fields
+from autoconfig.trial import deployment_resources, search_fields
 
 
 def _load(rate: float, planned: int, p99_ms: float) -> LoadResult:
@@ -35,3 +35,18 @@ def test_caps_reached_before_any_deciding_probe_held_fail_the_trial_and_say_why(
     fields = search_fields(_search(None, cap, scouts), min_requests=200)
     assert fields["status"] == "failed" and fields["sustainable_rps"] == 0
     assert cap in fields["error"] and "200 requests" in fields["error"]
+
+
+def test_an_apps_resources_count_every_deployment_with_serves_default_of_one_cpu():
+    details = {"deployments": {
+        "DisaggregatedDLRM": {"deployment_config": {"ray_actor_options": {"num_cpus": 0.5}}, "target_num_replicas": 3},
+        "EmbeddingShard_0": {"deployment_config": {"ray_actor_options": {"num_cpus": 0.25}}, "target_num_replicas": 2},
+        "ShardDirectory": {"deployment_config": {"ray_actor_options": {"num_cpus": 0}}, "target_num_replicas": 1},
+        "Ingress": {"deployment_config": {}, "replicas": [{}, {}]},  # no options: Serve reserves one CPU each
+        "Model": {"deployment_config": {"ray_actor_options": {"num_cpus": 1, "num_gpus": 0.5}},
+                  "target_num_replicas": 2},
+    }}
+    assert deployment_resources(details, "cpu") == {"DisaggregatedDLRM": 1.5, "EmbeddingShard_0": 0.5,
+                                                    "ShardDirectory": 0.0, "Ingress": 2.0, "Model": 2.0}
+    assert deployment_resources(details, "gpu") == {"DisaggregatedDLRM": 0.0, "EmbeddingShard_0": 0.0,
+                                                    "ShardDirectory": 0.0, "Ingress": 0.0, "Model": 1.0}
