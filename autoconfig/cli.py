@@ -18,6 +18,10 @@ from rich.table import Table
 
 from autoconfig import __version__
 
+#: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
+SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "best-on-average", "prior-only", "tpe-warm")
+BANK_SEARCHERS = frozenset({"meta", "best-on-average", "prior-only", "tpe-warm"})
+
 
 def _check(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.serve_config import ServeConfigError, load_serve_config
@@ -78,12 +82,17 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
-    if args.searcher == "meta" and not prior:
-        console.print("[red]error:[/red] --searcher meta needs --bank DIR (profiles of other models to learn from)")
+    if args.searcher in BANK_SEARCHERS and not prior:
+        console.print(f"[red]error:[/red] --searcher {args.searcher} needs --bank DIR (profiles of other models to "
+                      "learn from)")
         return 2
     # A profile walks the grid in deployment order: the kept trial app restarts replicas a few times per grid.
-    searcher = (GridSearcher(space, order="deployment") if profiling
-                else SEARCHERS[args.searcher](space, args.seed, prior))
+    try:
+        searcher = (GridSearcher(space, order="deployment") if profiling
+                    else SEARCHERS[args.searcher](space, args.seed, prior))
+    except ValueError as error:  # a bank with no profile over this space's knobs
+        console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}")
+        return 2
     settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                               rel_tolerance=args.tolerance, min_requests=args.min_requests)
     if args.accelerator == "cpu":
@@ -310,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help="search the configuration of one application under a p99 SLO")
     _trial_arguments(tune)
     tune.add_argument("--budget", type=int, default=12, help="finished trials the study should hold")
-    tune.add_argument("--searcher", choices=("grid", "random", "tpe", "gp", "meta"), default="tpe")
+    tune.add_argument("--searcher", choices=SEARCHER_NAMES, default="tpe",
+                      help="meta, best-on-average, prior-only and tpe-warm learn from --bank")
     tune.add_argument("--bank", help="profile bank directory (the meta searcher learns from it)")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")
@@ -328,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")
     evaluate.add_argument("--bank", required=True, help="profile bank directory (one JSON file per model)")
-    evaluate.add_argument("--searchers", default="random,tpe,gp,meta", help="comma-separated searcher names")
+    evaluate.add_argument("--searchers", default="random,tpe,gp,meta,best-on-average,prior-only,tpe-warm",
+                          help="comma-separated searcher names")
     evaluate.add_argument("--seeds", type=int, default=5, help="runs per searcher and held-out model")
     evaluate.add_argument("--budget", type=int, default=None, help="trials per run (default: the whole space)")
     evaluate.add_argument("--tolerance", type=float, default=0.05, help="'near the optimum' as a fraction")

@@ -5,6 +5,7 @@ from autoconfig.searchers.grid import GridSearcher
 from autoconfig.searchers.meta import MetaParams, MetaSearcher, meta_factory
 from autoconfig.searchers.optuna_searchers import GPSearcher, TPESearcher
 from autoconfig.searchers.random import RandomSearcher
+from autoconfig.searchers.transfer import BestOnAverageSearcher, WarmTPESearcher
 
 SEARCHERS: dict[str, SearcherFactory] = {
     "grid": lambda space, seed, prior: GridSearcher(space),
@@ -12,10 +13,15 @@ SEARCHERS: dict[str, SearcherFactory] = {
     "tpe": lambda space, seed, prior: TPESearcher(space, seed),
     "gp": lambda space, seed, prior: GPSearcher(space, seed),
     "meta": meta_factory(),
+    # Baselines that use the bank too: no learning, the meta-learned prior without adapting, warm-started TPE.
+    "best-on-average": lambda space, seed, prior: BestOnAverageSearcher(space, prior),
+    "prior-only": meta_factory(adapt=False),
+    "tpe-warm": lambda space, seed, prior: WarmTPESearcher(space, seed, prior),
 }
 
 __all__ = [
     "SEARCHERS",
+    "BestOnAverageSearcher",
     "GPSearcher",
     "GridSearcher",
     "MetaParams",
@@ -26,5 +32,6 @@ __all__ = [
     "SearcherFactory",
     "SpaceExhausted",
     "TPESearcher",
+    "WarmTPESearcher",
     "meta_factory",
 ]

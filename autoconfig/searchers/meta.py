@@ -47,15 +47,24 @@ class _SavedMeta(BaseModel):
 class MetaSearcher(Searcher):
     """Suggests by a surrogate adapted from meta-learned weights; deterministic given the weights."""
 
-    def __init__(self, space: SearchSpace, weights: dict[str, torch.Tensor], params: MetaParams) -> None:
+    def __init__(
+        self, space: SearchSpace, weights: dict[str, torch.Tensor], params: MetaParams, *, adapt: bool = True
+    ) -> None:
         super().__init__(space)
         self.weights = weights
         self.params = params
+        self.adapt = adapt  # False: rank by the meta-learned prior alone, never adapting (the ablation baseline)
         self._features = torch.from_numpy(np.array(space.encode_all(), dtype=np.float32))
 
     @classmethod
     def meta_train(
-        cls, space: SearchSpace, surfaces: Sequence[Surface], seed: int = 0, params: MetaParams | None = None
+        cls,
+        space: SearchSpace,
+        surfaces: Sequence[Surface],
+        seed: int = 0,
+        params: MetaParams | None = None,
+        *,
+        adapt: bool = True,
     ) -> MetaSearcher:
         """Meta-train on ``surfaces`` (encoded like ``space``) and return a searcher for ``space``."""
         params = params or MetaParams()
@@ -83,7 +92,7 @@ class MetaSearcher(Searcher):
             adapted = _adapt(weights, features, targets, torch.ones_like(targets), params)
             epsilon = params.meta_lr * (1 - step / params.meta_iterations)
             weights = {k: w + epsilon * (adapted[k].mean(dim=0) - w) for k, w in weights.items()}
-        return cls(space, weights, params)
+        return cls(space, weights, params, adapt=adapt)
 
     def save(self, directory: str | Path) -> None:
         """Write the meta-weights (safetensors) and their hyperparameters (JSON) into ``directory``."""
@@ -107,7 +116,7 @@ class MetaSearcher(Searcher):
         return cls(space, weights, saved.params)
 
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
-        if history:
+        if history and self.adapt:
             # Two adaptations in one batch: to every trial ("after") and to all but the latest ("before").
             values = objective_values(history)
             scale = values.max() if values.max() > 0 else 1.0
@@ -135,8 +144,9 @@ def bank_surfaces(entries: Sequence[BankEntry]) -> list[Surface]:
     return surfaces
 
 
-def meta_factory(params: MetaParams | None = None) -> SearcherFactory:
-    """A factory that meta-trains, with the run's seed, on the prior entries over the same knobs as the space."""
+def meta_factory(params: MetaParams | None = None, *, adapt: bool = True) -> SearcherFactory:
+    """A factory that meta-trains, with the run's seed, on the prior entries over the same knobs as the space
+    (``adapt=False``: the prior-only ranking)."""
 
     def build(space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> Searcher:
         # Only surfaces over the same knobs share the surrogate's inputs (DLRM and diffusion spaces may differ).
@@ -144,7 +154,7 @@ def meta_factory(params: MetaParams | None = None) -> SearcherFactory:
         if not usable:
             raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}; "
                              "the meta searcher needs at least one")
-        return MetaSearcher.meta_train(space, bank_surfaces(usable), seed=seed, params=params)
+        return MetaSearcher.meta_train(space, bank_surfaces(usable), seed=seed, params=params, adapt=adapt)
 
     return build
 

@@ -17,7 +17,7 @@ from optuna.samplers import BaseSampler, GPSampler, TPESampler
 from optuna.trial import TrialState, create_trial
 
 from autoconfig.searchers.base import Observation, Searcher, objective_values
-from autoconfig.space import SearchSpace
+from autoconfig.space import Configuration, SearchSpace
 
 
 class OptunaSearcher(Searcher):
@@ -54,10 +54,15 @@ class OptunaSearcher(Searcher):
             self._told = []
         new = history[len(self._told) :]
         for observation, value in zip(new, objective_values(new), strict=True):
-            params = {name: self._positions[name][getattr(observation.config, name)] for name in self._distributions}
-            self._study.add_trial(create_trial(params=params, distributions=self._distributions, value=float(value)))
+            self._study.add_trial(create_trial(params=self._params(observation.config),
+                                               distributions=self._distributions, value=float(value)))
         self._told.extend(new)
         return self._study
+
+
+    def _params(self, config: Configuration) -> dict[str, int]:
+        """``config`` as the study's parameters: the index of each knob's value."""
+        return {name: self._positions[name][getattr(config, name)] for name in self._distributions}
 
 
 class TPESearcher(OptunaSearcher):

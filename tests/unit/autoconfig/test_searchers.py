@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from autoconfig.searchers import (
+    BestOnAverageSearcher,
     GPSearcher,
     GridSearcher,
     MetaParams,
@@ -15,6 +16,7 @@ from autoconfig.searchers import (
     Searcher,
     SpaceExhausted,
     TPESearcher,
+    WarmTPESearcher,
 )
 from autoconfig.searchers.meta import bank_surfaces
 from autoconfig.space import Configuration, SearchSpace, SpaceError
@@ -43,13 +45,16 @@ def bank(space):
 
 
 def build(name: str, space: SearchSpace, bank, seed: int = 0) -> Searcher:
-    if name == "meta":
-        return MetaSearcher.meta_train(space, bank_surfaces(bank[1:]), seed=seed, params=FAST_META)
+    if name in ("meta", "prior-only"):
+        return MetaSearcher.meta_train(space, bank_surfaces(bank[1:]), seed=seed, params=FAST_META,
+                                       adapt=name == "meta")
     return {
         "grid": lambda: GridSearcher(space),
         "random": lambda: RandomSearcher(space, seed),
         "tpe": lambda: TPESearcher(space, seed),
         "gp": lambda: GPSearcher(space, seed),
+        "best-on-average": lambda: BestOnAverageSearcher(space, bank[1:]),
+        "tpe-warm": lambda: WarmTPESearcher(space, seed, bank[1:]),
     }[name]()
 
 
@@ -62,7 +67,7 @@ def run(searcher: Searcher, values: np.ndarray, trials: int) -> list[Observation
     return history
 
 
-@pytest.mark.parametrize("name", ["grid", "random", "tpe", "gp", "meta"])
+@pytest.mark.parametrize("name", ["grid", "random", "tpe", "gp", "meta", "prior-only", "best-on-average", "tpe-warm"])
 def test_searcher_covers_the_space_without_repeats_then_exhausts(name, space, bank):
     searcher = build(name, space, bank)
     _, values = bank[0].surface()
@@ -191,3 +196,61 @@ def test_grid_in_deployment_order_skips_observed_and_enumeration_stays_the_defau
     assert GridSearcher(space, order="deployment").suggest(history) == deployment[1]
     assert _walk(GridSearcher(space)) == list(space.configurations())
     assert _walk(GridSearcher(space, order="enumeration")) == list(space.configurations())
+
+
+def _normalised_mean(space: SearchSpace, entries) -> np.ndarray:
+    surfaces = []
+    for entry in entries:
+        _, values = entry.surface()
+        values = np.nan_to_num(values, nan=0.0)
+        surfaces.append(values / values.max())
+    return np.mean(surfaces, axis=0)
+
+
+def test_best_on_average_walks_the_mean_normalised_prior_and_ignores_the_trials(space, bank):
+    prior = bank[1:]
+    mean = _normalised_mean(space, prior)
+    searcher = BestOnAverageSearcher(space, prior)
+    _, values = bank[0].surface()
+    walked = [space.index(o.config) for o in run(searcher, values, 6)]
+    assert walked == list(np.argsort(-mean, kind="stable")[:6])
+    configs = space.configurations()
+    good = [Observation(configs[walked[0]], 1e9)]
+    bad = [Observation(configs[walked[0]], None)]
+    assert searcher.suggest(good) == searcher.suggest(bad) == configs[walked[1]]  # no learning
+
+
+def test_prior_only_ranks_by_the_meta_learned_prior_whatever_the_trials_say(space, bank):
+    prior_only = build("prior-only", space, bank)
+    adapting = build("meta", space, bank)
+    configs = space.configurations()
+    first = prior_only.suggest([])
+    assert first == adapting.suggest([])  # the same weights: the same first pick
+    outcomes = [[Observation(first, value)] for value in (None, 1.0, 1e6)]
+    assert len({prior_only.suggest(history) for history in outcomes}) == 1
+    assert len({adapting.suggest(history) for history in outcomes}) > 1  # the adapting one reads the outcome
+    assert first in configs
+
+
+def test_warm_tpe_starts_with_each_prior_models_best_then_runs_tpe(space, bank):
+    prior = bank[1:]
+    bests = {entry.surface()[0][int(np.nanargmax(entry.surface()[1]))] for entry in prior}
+    searcher = WarmTPESearcher(space, seed=0, prior=prior)
+    assert set(searcher.warm_start) == bests and len(searcher.warm_start) == len(bests)
+    mean = _normalised_mean(space, prior)
+    assert [mean[space.index(c)] for c in searcher.warm_start] == sorted(
+        (mean[space.index(c)] for c in searcher.warm_start), reverse=True)  # better on average first
+    _, values = bank[0].surface()
+    history = run(searcher, values, len(bests) + 3)
+    assert [o.config for o in history[: len(bests)]] == searcher.warm_start
+    cold = [o.config for o in run(TPESearcher(space, seed=0), values, len(bests))]
+    assert cold != searcher.warm_start
+
+
+def test_bank_searchers_refuse_a_bank_without_the_spaces_knobs(space, bank):
+    knobs = {"max_batch_size": [1, 2], "batch_wait_timeout_s": [0.0], "device_share": [1.0], "num_replicas": [1],
+             "torch_threads": [1, 2]}
+    other = SearchSpace.parse({"knobs": {name: {"values": values} for name, values in knobs.items()}})
+    for searcher in (BestOnAverageSearcher, lambda s, p: WarmTPESearcher(s, 0, p)):
+        with pytest.raises(ValueError, match="no profile in the bank is over the knobs"):
+            searcher(other, bank)
