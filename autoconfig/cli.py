@@ -46,6 +46,7 @@ def _check(args: argparse.Namespace, console: Console) -> int:
 
 def _tune(args: argparse.Namespace, console: Console) -> int:
     import ray
+    from pydantic import ValidationError
     from ray import serve
     from rich.progress import Progress
 
@@ -53,7 +54,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.knobs import configure_serve_config, write_serve_config
     from autoconfig.searchers import SEARCHERS, GridSearcher
     from autoconfig.serve_config import ServeConfigError, load_serve_config
-    from autoconfig.space import SearchSpace, SpaceError
+    from autoconfig.space import SearchSpace, SpaceError, describe_validation_error
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
@@ -79,6 +80,11 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         prior = load_bank(args.bank) if args.bank and not profiling else []
         workload_options = parse_workload_options(args.workload)
         workload = workload_for_app(app.import_path, app.args, workload_options)
+        settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
+                                  rel_tolerance=args.tolerance, min_requests=args.min_requests)
+    except ValidationError as error:  # the rate search's options, named as SearchSettings fields
+        console.print(f"[red]error:[/red] {describe_validation_error(error)}")
+        return 2
     except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
         console.print(f"[red]error:[/red] {error}")
         return 2
@@ -93,8 +99,6 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     except ValueError as error:  # a bank with no profile over this space's knobs
         console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}")
         return 2
-    settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
-                              rel_tolerance=args.tolerance, min_requests=args.min_requests)
     if args.accelerator == "cpu":
         from serving.common.cpu_share import CgroupCpu, CpuShareError
 

@@ -189,3 +189,5 @@ def test_profile_writes_the_grid_and_the_repeats_with_their_noise(tmp_path, monk
     assert "measurement noise" in out and "10.0%" in out and out.count("repeat 3/3") == 2
     assert main([*argv[:-4], "--repeat-best", "-1", "--repeats", "3"]) == 2
     assert "--repeat-best" in capsys.readouterr().out
+    assert main([*argv, "--min-requests", "0"]) == 2  # refused before any trial, naming the setting
+    assert "min_requests" in capsys.readouterr().out
