@@ -19,8 +19,8 @@ from rich.table import Table
 from autoconfig import __version__
 
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
-SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "best-on-average", "prior-only", "tpe-warm")
-BANK_SEARCHERS = frozenset({"meta", "best-on-average", "prior-only", "tpe-warm"})
+SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm")
+BANK_SEARCHERS = frozenset({"meta", "rgpe", "best-on-average", "prior-only", "tpe-warm"})
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     _trial_arguments(tune)
     tune.add_argument("--budget", type=int, default=12, help="finished trials the study should hold")
     tune.add_argument("--searcher", choices=SEARCHER_NAMES, default="tpe",
-                      help="meta, best-on-average, prior-only and tpe-warm learn from --bank")
+                      help="meta, rgpe, best-on-average, prior-only and tpe-warm learn from --bank")
     tune.add_argument("--bank", help="profile bank directory (the meta searcher learns from it)")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")

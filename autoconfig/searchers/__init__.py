@@ -5,6 +5,7 @@ from autoconfig.searchers.grid import GridSearcher
 from autoconfig.searchers.meta import MetaParams, MetaSearcher, meta_factory
 from autoconfig.searchers.optuna_searchers import GPSearcher, TPESearcher
 from autoconfig.searchers.random import RandomSearcher
+from autoconfig.searchers.rgpe import RGPESearcher
 from autoconfig.searchers.transfer import BestOnAverageSearcher, WarmTPESearcher
 
 SEARCHERS: dict[str, SearcherFactory] = {
@@ -17,6 +18,8 @@ SEARCHERS: dict[str, SearcherFactory] = {
     "best-on-average": lambda space, seed, prior: BestOnAverageSearcher(space, prior),
     "prior-only": meta_factory(adapt=False),
     "tpe-warm": lambda space, seed, prior: WarmTPESearcher(space, seed, prior),
+    # Transfer with uncertainty: a ranking-weighted GP ensemble of the other models and this one's trials.
+    "rgpe": lambda space, seed, prior: RGPESearcher(space, seed, prior),
 }
 
 __all__ = [
@@ -27,6 +30,7 @@ __all__ = [
     "MetaParams",
     "MetaSearcher",
     "Observation",
+    "RGPESearcher",
     "RandomSearcher",
     "Searcher",
     "SearcherFactory",

@@ -13,12 +13,14 @@ from autoconfig.searchers import (
     MetaSearcher,
     Observation,
     RandomSearcher,
+    RGPESearcher,
     Searcher,
     SpaceExhausted,
     TPESearcher,
     WarmTPESearcher,
 )
 from autoconfig.searchers.meta import bank_surfaces
+from autoconfig.searchers.rgpe import _GP, _NOISE, _kernel
 from autoconfig.space import Configuration, SearchSpace, SpaceError
 from tests.helpers.surfaces import synthetic_bank
 
@@ -55,6 +57,7 @@ def build(name: str, space: SearchSpace, bank, seed: int = 0) -> Searcher:
         "gp": lambda: GPSearcher(space, seed),
         "best-on-average": lambda: BestOnAverageSearcher(space, bank[1:]),
         "tpe-warm": lambda: WarmTPESearcher(space, seed, bank[1:]),
+        "rgpe": lambda: RGPESearcher(space, seed, bank[1:]),
     }[name]()
 
 
@@ -67,7 +70,9 @@ def run(searcher: Searcher, values: np.ndarray, trials: int) -> list[Observation
     return history
 
 
-@pytest.mark.parametrize("name", ["grid", "random", "tpe", "gp", "meta", "prior-only", "best-on-average", "tpe-warm"])
+@pytest.mark.parametrize(
+    "name", ["grid", "random", "tpe", "gp", "meta", "prior-only", "best-on-average", "tpe-warm", "rgpe"]
+)
 def test_searcher_covers_the_space_without_repeats_then_exhausts(name, space, bank):
     searcher = build(name, space, bank)
     _, values = bank[0].surface()
@@ -254,3 +259,42 @@ def test_bank_searchers_refuse_a_bank_without_the_spaces_knobs(space, bank):
     for searcher in (BestOnAverageSearcher, lambda s, p: WarmTPESearcher(s, 0, p)):
         with pytest.raises(ValueError, match="no profile in the bank is over the knobs"):
             searcher(other, bank)
+
+
+def test_gp_leave_one_out_equals_refitting_without_the_point():
+    rng = np.random.default_rng(0)
+    points, values = rng.uniform(size=(12, 3)), rng.uniform(size=12)
+    gp = _GP(points, values)
+    loo_mean, loo_sd = gp.loo()
+    for i in range(12):
+        keep = np.arange(12) != i
+        kernel = _kernel(points[keep], points[keep], gp.lengthscale) + _NOISE * np.eye(11)
+        cross = _kernel(points[i : i + 1], points[keep], gp.lengthscale)
+        weights = np.linalg.solve(kernel, cross.T)
+        mean = gp.mean_value + (weights.T @ (values[keep] - gp.mean_value)).item()
+        variance = 1.0 + _NOISE - (cross @ weights).item()  # the held-out point's noise included
+        assert loo_mean[i] == pytest.approx(mean, abs=1e-6)
+        assert loo_sd[i] == pytest.approx(np.sqrt(variance), rel=1e-4)
+
+
+def test_rgpe_follows_the_prior_model_that_ranks_the_trials_like_this_one(space):
+    """With a twin of the target among the prior models, the ranking weights move to it: fewer trials than
+    without it, and fewer than the average of the prior models gives."""
+    with_twin = without_twin = on_average = 0
+    for seed in range(5):
+        bank = synthetic_bank(6, space, seed=seed)
+        target = bank[0]
+        twin = target.model_copy(update={"model": target.model.model_copy(update={"name": "twin"})})
+        _, values = target.surface()
+        with_twin += _trials_to_optimum(RGPESearcher(space, 0, [*bank[1:], twin]), values)
+        without_twin += _trials_to_optimum(RGPESearcher(space, 0, bank[1:]), values)
+        on_average += _trials_to_optimum(BestOnAverageSearcher(space, [*bank[1:], twin]), values)
+    assert with_twin < on_average and with_twin < without_twin
+
+
+def _trials_to_optimum(searcher: Searcher, values: np.ndarray) -> int:
+    optimum = np.nanmax(values)
+    for trials, observation in enumerate(run(searcher, values, searcher.space.size), start=1):
+        if observation.value == optimum:
+            return trials
+    raise AssertionError("the optimum was never observed")

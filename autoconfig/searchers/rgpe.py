@@ -1,0 +1,122 @@
+"""Transfer with uncertainty: a ranking-weighted ensemble of Gaussian processes (RGPE, Feurer et al. 2018).
+
+One GP per other model's profile (its surface divided by its best, failures 0) and one on this model's trials so
+far (divided by their best). Each GP is weighted by how often, over posterior samples, it ranks the trials seen
+so far best (pairwise misrankings; the target GP judged leave-one-out); a prior GP that misranks more than the
+target GP's 95th percentile gets no weight. The ensemble's mean is the weighted mean, its variance the
+weighted sum of variances with squared weights, and the next configuration maximises expected improvement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from scipy.linalg import cho_factor, cho_solve
+from scipy.stats import norm
+
+from autoconfig.bank import BankEntry
+from autoconfig.searchers.base import Observation, Searcher, objective_values
+from autoconfig.searchers.transfer import prior_surfaces
+from autoconfig.space import SearchSpace
+
+_NOISE = 1e-4  # observation noise variance on objectives scaled to [0, 1]
+_LENGTHSCALES = (0.1, 0.2, 0.4, 0.8)  # the one with the best marginal likelihood is used
+_TARGET_AFTER = 5  # trials before this model's own GP joins the ensemble (its ranking is noise before)
+
+
+class _GP:
+    """A zero-mean GP with a squared-exponential kernel over encoded configurations; the lengthscale is the one of
+    ``_LENGTHSCALES`` with the highest marginal likelihood of the data."""
+
+    def __init__(self, points: np.ndarray, values: np.ndarray) -> None:
+        self.points = points
+        self.mean_value = float(values.mean())
+        centred = self._centred = values - self.mean_value
+        best = None
+        for lengthscale in _LENGTHSCALES:
+            kernel = _kernel(points, points, lengthscale) + _NOISE * np.eye(len(points))
+            factor = cho_factor(kernel, lower=True)
+            alpha = cho_solve(factor, centred)
+            fit = -0.5 * centred @ alpha - np.log(np.diag(factor[0])).sum()
+            if best is None or fit > best[0]:
+                best = (fit, lengthscale, factor, alpha)
+        _, self.lengthscale, self._factor, self._alpha = best
+
+    def predict(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and standard deviation at ``points``."""
+        cross = _kernel(points, self.points, self.lengthscale)
+        mean = self.mean_value + cross @ self._alpha
+        variance = 1.0 - np.einsum("ij,ji->i", cross, cho_solve(self._factor, cross.T))
+        return mean, np.sqrt(np.clip(variance, 1e-12, None))
+
+    def loo(self) -> tuple[np.ndarray, np.ndarray]:
+        """Leave-one-out mean and standard deviation at each training point (in closed form)."""
+        inverse_diagonal = np.diag(cho_solve(self._factor, np.eye(len(self.points))))
+        mean = self.mean_value + self._centred - self._alpha / inverse_diagonal
+        return mean, np.sqrt(1.0 / inverse_diagonal)
+
+
+def _kernel(a: np.ndarray, b: np.ndarray, lengthscale: float) -> np.ndarray:
+    distances = ((a[:, None, :] - b[None, :, :]) ** 2).sum(axis=-1)
+    return np.exp(-0.5 * distances / lengthscale**2)
+
+
+class RGPESearcher(Searcher):
+    """Ranking-weighted GP ensemble over the prior profiles and the trials so far; expected improvement."""
+
+    def __init__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry], samples: int = 256) -> None:
+        super().__init__(space)
+        self._rng = np.random.default_rng(seed)
+        self._samples = samples
+        points = np.asarray(space.encode_all())
+        self._points = points
+        self._base: list[tuple[np.ndarray, np.ndarray]] = []  # each prior GP's mean and sd at every configuration
+        for row in prior_surfaces(space, prior):
+            known = ~np.isnan(row)
+            self._base.append(_GP(points[known], row[known]).predict(points))
+
+    def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
+        means = [mean for mean, _ in self._base]
+        sds = [sd for _, sd in self._base]
+        weights = np.full(len(self._base), 1.0 / len(self._base))
+        best = 0.0
+        if history:
+            values = objective_values(history)
+            scale = values.max() if values.max() > 0 else 1.0
+            targets = values / scale
+            indices = np.array([self.space.index(o.config) for o in history])
+            if len(history) >= _TARGET_AFTER:
+                target = _GP(self._points[indices], targets)
+                mean, sd = target.predict(self._points)
+                weights = self._weights(indices, targets, target)
+                means, sds = [*means, mean], [*sds, sd]
+        mean = sum(w * m for w, m in zip(weights, means, strict=True))
+        sd = np.sqrt(sum(w**2 * s**2 for w, s in zip(weights, sds, strict=True)))
+        if history:  # the incumbent in the ensemble's own units: its mean at the best trial so far
+            best = float(mean[self.space.index(max(history, key=lambda o: o.value or 0.0).config)])
+        improvement = mean - best
+        z = improvement / np.maximum(sd, 1e-9)
+        score = improvement * norm.cdf(z) + sd * norm.pdf(z)
+        score[observed] = -np.inf
+        return int(np.argmax(score))
+
+    def _weights(self, indices: np.ndarray, targets: np.ndarray, target: _GP) -> np.ndarray:
+        """Each model's share of posterior samples in which it misranks the fewest pairs of trials."""
+        draws = [self._rng.normal(mean[indices], sd[indices], size=(self._samples, len(indices)))
+                 for mean, sd in self._base]
+        loo_mean, loo_sd = target.loo()
+        draws.append(self._rng.normal(loo_mean, loo_sd, size=(self._samples, len(indices))))
+        losses = np.stack([_misranked(draw, targets) for draw in draws])  # (models, samples)
+        threshold = np.percentile(losses[-1], 95)
+        losses[:-1][np.median(losses[:-1], axis=1) > threshold] = np.iinfo(np.int64).max
+        winners = losses == losses.min(axis=0, keepdims=True)
+        shares = (winners / winners.sum(axis=0, keepdims=True)).sum(axis=1)
+        return shares / shares.sum()
+
+
+def _misranked(draws: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Per sample (row of ``draws``), the pairs of trials whose order it gets wrong."""
+    predicted = draws[:, :, None] < draws[:, None, :]
+    actual = targets[:, None] < targets[None, :]
+    return (predicted != actual).sum(axis=(1, 2)).astype(np.int64)
