@@ -10,7 +10,8 @@ baseline (ratio of medians). Baselines: random, TPE, GP, and those that learn fr
 (no learning), prior-only (the meta-learned prior, never adapted) and TPE warm-started with the other models'
 best trials. ``summary`` (issue 21): ``meta_median_trials_to_optimum``, ``meta_median_fraction_of_space`` (goal
 <= 0.05), ``best_baseline_median_trials`` (best of best-on-average, prior-only, tpe-warm, TPE, GP) and
-``ratio_best_baseline_to_meta`` (goal >= 2). Writes results/bench_autoconfig.{json,md,png}.
+``ratio_best_baseline_to_meta`` (goal >= 2); the same for ``rgpe`` (a GP ensemble with expected improvement).
+Writes results/bench_autoconfig.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def main() -> None:
     args = parser.parse_args()
     console = Console()
     entries = load_bank(args.bank)
-    names = ["meta", *BASELINES]
+    names = ["meta", "rgpe", *BASELINES]
     started = time.monotonic()
     result = replay({name: SEARCHERS[name] for name in names}, entries, seeds=range(args.seeds),
                     tolerance=args.tolerance)
@@ -94,6 +95,10 @@ def main() -> None:
         "best_baseline": best_baseline,
         "best_baseline_median_trials": summary[best_baseline]["optimum_median"],
         "ratio_best_baseline_to_meta": summary[best_baseline]["optimum_median"] / summary["meta"]["optimum_median"],
+        "rgpe_median_trials_to_optimum": summary["rgpe"]["optimum_median"],
+        "rgpe_mean_trials_to_optimum": summary["rgpe"]["optimum_mean"],
+        "meta_mean_trials_to_optimum": summary["meta"]["optimum_mean"],
+        "best_baseline_mean_trials": summary[best_baseline]["optimum_mean"],
     }
     families = family_medians(entries, result)
     facts = surface_facts(entries)
