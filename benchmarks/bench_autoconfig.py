@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--tolerance", type=float, default=0.05)
     args = parser.parse_args()
+    source = provenance()  # before this run writes its own results into the tree
     console = Console()
     entries = load_bank(args.bank)
     names = ["meta", "rgpe", *BASELINES]
@@ -130,7 +131,7 @@ def main() -> None:
     table = "\n".join(lines)
     console.print(table)
     plot = plot_progress(result, RESULTS / "bench_autoconfig.png", trials=40)
-    payload = {**provenance(), "summary": goals, "bank": args.bank, "seeds": args.seeds,
+    payload = {**source, "summary": goals, "bank": args.bank, "seeds": args.seeds,
                "tolerance": args.tolerance, "models": facts,
                "families": families,
                "machine": entries[0].machine if entries else {}, "searchers": summary,
