@@ -125,9 +125,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
             def report(number, config, record):
                 progress.advance(bar)
-                achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
-                progress.console.print(f"trial {number}: {config.as_dict()} -> {record.status}, "
-                                       f"{record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}")
+                progress.console.print(f"trial {number}: {config.as_dict()} -> {_outcome(record)}")
 
             outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
             if profiling and len(outcome.history) == space.size and args.repeats > 1:
@@ -135,8 +133,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
                 def repeated(config, run, record):
                     progress.advance(bar)
-                    progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {record.status}, "
-                                           f"{record.sustainable_rps:.1f} rps, objective {record.objective:.2f}")
+                    progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {_outcome(record)}")
 
                 repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats, on_repeat=repeated)
     except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
@@ -270,6 +267,12 @@ def _report(args: argparse.Namespace, console: Console) -> int:
                       f"({objective} {best.value:.2f}, found at trial {history.index(best) + 1})")
     console.print(f"plot: {plot_report(space, history, args.plot, title=title, objective=objective)}")
     return 0
+
+
+def _outcome(record) -> str:
+    """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line."""
+    achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
+    return f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
 
 
 def _print_trials(console: Console, records: list[dict]) -> None:

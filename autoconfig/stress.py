@@ -323,11 +323,9 @@ class _RateSearch:
         while self.stop is None and self.bad_rate is None:
             undecided = await self._double(rate)
             await self._decide_downwards(undecided)
-            if self.stop is not None or self.bad_rate is not None:
+            if self.stop is not None or self.bad_rate is not None or self.good is None:
                 break
-            if self.good is None:
-                self.stop = "unsustainable"
-            elif self.good.result.rate >= settings.max_rps:
+            if self.good.result.rate >= settings.max_rps:
                 self.stop = "max_rps"
             else:  # the top rate held when decided: the scout that broke was noise
                 rate = min(2 * self.good.result.rate, settings.max_rps)

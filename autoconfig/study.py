@@ -101,16 +101,12 @@ class TuningStudy:
                 p99_ms=record.get("p99_ms"),
                 error_rate=record.get("error_rate"),
                 status=record["status"],
-                objective=record.get("objective") if record["status"] == "ok" else None,
+                objective=_objective(record),
             )
             for record in self.records()
         ]
-        first = {_configuration(record["config"]): record for record in self.records()}
-        repeats = [
-            Repeats(config=config, objectives=[_objective(first[config]), *map(_objective, runs)])
-            for config, runs in self.repeats().items()
-            if config in first
-        ]
+        repeats = [Repeats(config=config, objectives=objectives)
+                   for config, objectives in self.repeated_objectives().items()]
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
@@ -118,6 +114,12 @@ class TuningStudy:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""
         stored = self._study.user_attrs.get(_REPEATS_ATTR, [])
         return {_configuration(entry["config"]): entry["runs"] for entry in stored}
+
+    def repeated_objectives(self) -> dict[Configuration, list[float | None]]:
+        """Each repeated configuration's objectives, its trial's first (None: a run that was not ok)."""
+        first = {_configuration(record["config"]): record for record in self.records()}
+        return {config: [_objective(first[config]), *map(_objective, runs)]
+                for config, runs in self.repeats().items() if config in first}
 
     def record_repeat(self, config: Configuration, measurements: Mapping[str, Any]) -> None:
         """Stores one more measurement of an already profiled ``config`` (the study's trials stay one per

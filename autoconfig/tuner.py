@@ -79,9 +79,5 @@ def repeat_best(
             study.record_repeat(observation.config, record.model_dump(exclude={"search", "configuration"}))
             if on_repeat is not None:
                 on_repeat(observation.config, run + 1, record)
-    stored = study.repeats()
-    return {
-        o.config: [o.value, *(run["objective"] if run["status"] == "ok" else None
-                              for run in stored.get(o.config, []))]
-        for o in ranked
-    }
+    measured = study.repeated_objectives()
+    return {o.config: measured.get(o.config, [o.value]) for o in ranked}

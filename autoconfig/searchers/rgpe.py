@@ -80,7 +80,6 @@ class RGPESearcher(Searcher):
         means = [mean for mean, _ in self._base]
         sds = [sd for _, sd in self._base]
         weights = np.full(len(self._base), 1.0 / len(self._base))
-        best = 0.0
         if history:
             values = objective_values(history)
             scale = values.max() if values.max() > 0 else 1.0
@@ -93,8 +92,8 @@ class RGPESearcher(Searcher):
                 means, sds = [*means, mean], [*sds, sd]
         mean = sum(w * m for w, m in zip(weights, means, strict=True))
         sd = np.sqrt(sum(w**2 * s**2 for w, s in zip(weights, sds, strict=True)))
-        if history:  # the incumbent in the ensemble's own units: its mean at the best trial so far
-            best = float(mean[self.space.index(max(history, key=lambda o: o.value or 0.0).config)])
+        # The incumbent in the ensemble's own units: its mean at the best trial so far.
+        best = float(mean[self.space.index(max(history, key=lambda o: o.value or 0.0).config)]) if history else 0.0
         improvement = mean - best
         z = improvement / np.maximum(sd, 1e-9)
         score = improvement * norm.cdf(z) + sd * norm.pdf(z)

@@ -28,7 +28,7 @@ def prior_surfaces(space: SearchSpace, prior: Sequence[BankEntry]) -> np.ndarray
             continue
         measured = {trial.config: trial.objective or 0.0 for trial in entry.trials}
         best = max(measured.values(), default=0.0)
-        rows.append([measured[c] / best if best > 0 and c in measured else (0.0 if c in measured else np.nan)
+        rows.append([np.nan if c not in measured else (measured[c] / best if best > 0 else 0.0)
                      for c in space.configurations()])
     if not rows:
         raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}")
@@ -43,7 +43,7 @@ class BestOnAverageSearcher(Searcher):
         super().__init__(space)
         surfaces = prior_surfaces(space, prior)
         profiled = ~np.isnan(surfaces).all(axis=0)
-        mean = np.where(profiled, np.nanmean(np.where(np.isnan(surfaces), 0.0, surfaces), axis=0), -np.inf)
+        mean = np.where(profiled, np.nan_to_num(surfaces, nan=0.0).mean(axis=0), -np.inf)
         self.order = np.argsort(-mean, kind="stable")
 
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:

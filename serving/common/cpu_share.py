@@ -112,21 +112,12 @@ class CgroupCpu:
                 _write(self.base / "cgroup.subtree_control", "+cpu")
 
 
-def enforce_cpu_share(
-    share: float | None = None,
-    *,
-    name: str | None = None,
-    root: Path = Path("/sys/fs/cgroup"),
-    claims: Path = CLAIMS_DIR,
-) -> EnforcedShare | None:
-    """Enforces ``share`` CPUs (default: ``SWIFTSERVE_CPU_SHARE``; None when neither is set) on this process."""
-    share = constants.CPU_SHARE if share is None else share
-    if share is None:
-        return None
-    cgroups = CgroupCpu.find(root)
+def enforce_cpu_share(share: float) -> EnforcedShare:
+    """Enforces ``share`` CPUs on this process, in group ``pid-<pid>``; ``CpuShareError`` when the node cannot."""
+    cgroups = CgroupCpu.find()
     cgroups.sweep()
-    group = cgroups.limit(os.getpid(), share, name or f"pid-{os.getpid()}")
-    cores = _claim_cores(math.ceil(share), claims) if share >= 1 else None
+    group = cgroups.limit(os.getpid(), share, f"pid-{os.getpid()}")
+    cores = _claim_cores(math.ceil(share), CLAIMS_DIR) if share >= 1 else None
     if cores is not None:
         pin_process(cores)
     return EnforcedShare(group, cgroups.quota_us(group), cores)
@@ -175,14 +166,15 @@ def _write(path: Path, value: str) -> None:
 
 
 def enforce_replica_share(deployment: str) -> EnforcedShare | None:
-    """``enforce_cpu_share`` from ``SWIFTSERVE_CPU_SHARE`` at a replica's start, logged; a node that cannot enforce
-    it logs why and the replica runs with the share only reserved (as on a cluster whose pods' CPU limits
-    enforce it)."""
+    """``enforce_cpu_share`` of ``SWIFTSERVE_CPU_SHARE`` (None when unset) at a replica's start, logged; a node
+    that cannot enforce it logs why and the replica runs with the share only reserved (as on a cluster whose
+    pods' CPU limits enforce it)."""
+    if constants.CPU_SHARE is None:
+        return None
     try:
-        enforced = enforce_cpu_share()
+        enforced = enforce_cpu_share(constants.CPU_SHARE)
     except CpuShareError as error:
         logger.warning("%s replica: SWIFTSERVE_CPU_SHARE=%g not enforced: %s", deployment, constants.CPU_SHARE, error)
         return None
-    if enforced is not None:
-        logger.info("%s replica: %s", deployment, enforced.describe())
+    logger.info("%s replica: %s", deployment, enforced.describe())
     return enforced

@@ -84,8 +84,11 @@ def test_a_node_without_a_writable_cpu_controller_is_named_and_the_replica_runs_
     with pytest.raises(ValueError, match="share must be > 0"):
         CgroupCpu.find().limit(os.getpid(), 0.0, "never")
     monkeypatch.setattr(constants, "CPU_SHARE", 0.5)
-    monkeypatch.setattr(cpu_share.CgroupCpu, "find", classmethod(lambda cls, root=None: (_ for _ in ()).throw(
-        CpuShareError("the cgroup cpu controller at /x is not writable"))))
+
+    def unwritable(cls, root=None):
+        raise CpuShareError("the cgroup cpu controller at /x is not writable")
+
+    monkeypatch.setattr(cpu_share.CgroupCpu, "find", classmethod(unwritable))
     assert enforce_replica_share("Model") is None
     assert "SWIFTSERVE_CPU_SHARE=0.5 not enforced" in all_logs.text and "not writable" in all_logs.text
 
