@@ -14,7 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from autoconfig.space import Configuration, SearchSpace, SpaceError, describe_validation_error
+from autoconfig.space import Configuration, ConfigurationField, SearchSpace, SpaceError, describe_validation_error
 
 Status = Literal["ok", "failed", "slo_violated"]
 
@@ -28,7 +28,7 @@ class ProfileRecord(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    config: Configuration
+    config: ConfigurationField
     rps: float | None = Field(None, ge=0.0, description="Highest sustainable request rate found (requests/s).")
     achieved_rps: float | None = Field(None, ge=0.0, description="2xx answers per second measured at that rate.")
     p50_ms: float | None = Field(None, ge=0.0, description="Median latency at that rate.")
@@ -52,7 +52,7 @@ class Repeats(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    config: Configuration
+    config: ConfigurationField
     objectives: list[float | None] = Field(min_length=2)
 
     def relative_spread(self) -> float | None:
@@ -88,7 +88,7 @@ class BankEntry(BaseModel):
         first: dict[Configuration, int] = {}
         for i, trial in enumerate(self.trials):
             try:
-                self.space.index(trial.config)
+                trial.config = self.space.configuration(trial.config)  # the space's values: 4, not 4.0
             except SpaceError as exc:
                 raise ValueError(f"trials[{i}].config: {exc}") from None
             if trial.config in first:
@@ -96,7 +96,7 @@ class BankEntry(BaseModel):
             first[trial.config] = i
         for i, repeat in enumerate(self.repeats):
             try:
-                self.space.index(repeat.config)
+                repeat.config = self.space.configuration(repeat.config)
             except SpaceError as exc:
                 raise ValueError(f"repeats[{i}].config: {exc}") from None
         return self

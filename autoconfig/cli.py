@@ -21,6 +21,13 @@ from autoconfig import __version__
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
 SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm")
 BANK_SEARCHERS = frozenset({"meta", "rgpe", "best-on-average", "prior-only", "tpe-warm"})
+#: Applications with shortcut knobs, a shipped space and a built-in workload: import path -> space name.
+BUILT_IN_KINDS = {"disagg.app:build_app": "dlrm", "serving.app:build_app": "diffusion"}
+
+
+def _is_workload_file(value: str) -> bool:
+    """``--workload`` names a JSONL file (``*.jsonl`` or an existing file) rather than KEY=VALUE options."""
+    return value.endswith(".jsonl") or Path(value).is_file()
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
@@ -51,7 +58,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
     from autoconfig.bank import ModelDescription, load_bank
-    from autoconfig.knobs import configure_serve_config, write_serve_config
+    from autoconfig.knobs import check_space, configure_serve_config, write_serve_config
     from autoconfig.searchers import SEARCHERS, GridSearcher
     from autoconfig.serve_config import ServeConfigError, load_serve_config
     from autoconfig.space import SearchSpace, SpaceError, describe_validation_error
@@ -59,7 +66,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
     from autoconfig.tuner import repeat_best, tune
-    from autoconfig.workloads import parse_workload_options, workload_for_app
+    from autoconfig.workloads import load_workload_file, parse_workload_options, workload_for_app
 
     try:
         template = load_serve_config(args.config)
@@ -67,8 +74,19 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         if app is None:
             names = ", ".join(app.name for app in template.applications)
             raise ServeConfigError(f"{args.config}: no application {args.app!r}; applications: {names}")
-        kind = "dlrm" if app.import_path == "disagg.app:build_app" else "diffusion"
-        space = SearchSpace.from_yaml(args.space) if args.space else SearchSpace.default(kind)
+        kind = BUILT_IN_KINDS.get(app.import_path)
+        workload_file = args.workload is not None and _is_workload_file(args.workload)
+        if kind is None and not (args.space and workload_file):
+            raise ValueError(f"application {args.app!r} ({app.import_path}) is not a built-in app: give --space "
+                             "FILE.yaml (its knobs as dotted paths) and --workload FILE.jsonl (its requests)")
+        if args.space is None:
+            space = SearchSpace.default(kind)
+        else:  # a file, or the name of a shipped space (dlrm-joint...)
+            space = SearchSpace.from_yaml(args.space) if Path(args.space).is_file() else SearchSpace.default(args.space)
+        try:
+            check_space(template, args.app, space, accelerator=args.accelerator)
+        except SpaceError as error:
+            raise SpaceError(f"{args.space or kind + ' space'}: {error}") from None
         profiling = args.command == "profile"  # the whole grid, recorded as a bank entry
         if profiling:
             ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
@@ -78,8 +96,11 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             args.searcher, args.budget, args.seed = "grid", space.size, 0
         study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
         prior = load_bank(args.bank) if args.bank and not profiling else []
-        workload_options = parse_workload_options(args.workload)
-        workload = workload_for_app(app.import_path, app.args, workload_options)
+        if workload_file:
+            workload, workload_description = load_workload_file(args.workload), {"file": str(args.workload)}
+        else:
+            workload_description = parse_workload_options(args.workload)
+            workload = workload_for_app(app.import_path, app.args, workload_description)
         settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                                   rel_tolerance=args.tolerance, min_requests=args.min_requests)
     except ValidationError as error:  # the rate search's options, named as SearchSettings fields
@@ -151,7 +172,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
             return 1
         entry = study.to_bank_entry({"name": args.model_name, "app": args.app, "args": app.args,
-                                     "workload": workload_options}, _machine(), args.objective)
+                                     "workload": workload_description}, _machine(), args.objective)
         path = Path(args.bank) / f"{args.model_name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         entry.save(path)
@@ -292,7 +313,9 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default="deploy/serve_config.yaml", help="Serve config template")
     parser.add_argument("--app", required=True, help="application of the config to tune (e.g. dlrm)")
     parser.add_argument("--slo-p99-ms", type=float, required=True, help="p99 latency SLO in milliseconds")
-    parser.add_argument("--space", help="search space YAML (default: the shipped one for the app's kind)")
+    parser.add_argument("--space", help="search space YAML (shortcut knobs and/or dotted paths into the app's "
+                        "deployments), or a shipped space's name: dlrm, diffusion, dlrm-joint, diffusion-joint "
+                        "(default for the built-in apps: the one for the app's kind)")
     parser.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL")
     parser.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
     parser.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
@@ -308,7 +331,8 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.add_argument("--workload", default=None,
-                        help="request options, KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed; "
+                        help="FILE.jsonl of request templates (any app; format: docs/AUTOCONFIG.md), or, for the "
+                             "built-in apps, request options KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed; "
                              "diffusion steps, size, n (default: one small request of the app's model)")
     parser.add_argument("--fresh-deploy", action="store_true",
                         help="delete and redeploy the app for every trial (default: update the kept trial app "

@@ -1,23 +1,27 @@
 """Knob values written into a Ray Serve config: what a configuration means for a deployment.
 
-``apply_knobs`` sets ``max_batch_size``, ``batch_wait_timeout_s``, ``device_share``, ``num_replicas`` and optionally
-``torch_threads`` on the deployment holding an application's model (``APP_KNOBS``); what each knob sets and what
-that enforces is in docs/AUTOCONFIG.md.
+``apply_knobs`` sets the shortcuts ``max_batch_size``, ``batch_wait_timeout_s``, ``device_share``, ``num_replicas``
+and optionally ``torch_threads`` on the deployment holding a built-in application's model (``APP_KNOBS``), then
+each dotted-path knob (``Deployment.option[.key]``, the name may be a pattern, or ``args.key``) on the deployment
+entries or the args it names; what each knob sets and what that enforces is in docs/AUTOCONFIG.md.
 """
 
 from __future__ import annotations
 
 import copy
+import fnmatch
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
-from ray.serve.schema import ServeDeploySchema
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from ray.serve.config import AutoscalingConfig
+from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeDeploySchema
 
 from autoconfig.serve_config import validate_app_args
+from autoconfig.space import SearchSpace, SpaceError, describe_validation_error, is_path_knob
 
 Accelerator = Literal["cpu", "gpu"]
 CUDA_MEMORY_FRACTION_ENV = "SWIFTSERVE_CUDA_MEMORY_FRACTION"
@@ -92,22 +96,90 @@ def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
     return found
 
 
+#: Options of a deployment entry whose keys a dotted path may name (None: any key, e.g. ``user_config``).
+_NESTED_OPTIONS: Mapping[str, frozenset[str] | None] = {
+    "user_config": None,
+    "ray_actor_options": frozenset(RayActorOptionsSchema.model_fields),
+    "autoscaling_config": frozenset(AutoscalingConfig.model_fields),
+}
+_FREE_ACTOR_OPTIONS = frozenset({"resources", "runtime_env"})  # their keys are free
+
+
+def _path_error(option: tuple[str, ...]) -> str | None:
+    """Why a deployment entry has no option at ``option`` (the path after the deployment name), or None."""
+    top = option[0]
+    options = sorted(set(DeploymentSchema.model_fields) - {"name"})
+    if top not in options:
+        return f"{top!r} is not a deployment option; options: {', '.join(options)}"
+    if len(option) == 1:
+        return None
+    if top not in _NESTED_OPTIONS:
+        return f"{top!r} takes a value, not keys"
+    keys = _NESTED_OPTIONS[top]
+    if keys is not None and option[1] not in keys:
+        return f"{option[1]!r} is not an option of {top}; options: {', '.join(sorted(keys))}"
+    if top == "ray_actor_options" and len(option) > 2 and option[1] not in _FREE_ACTOR_OPTIONS:
+        return f"ray_actor_options.{option[1]} takes a value, not keys"
+    return None
+
+
+def _apply_path(app: dict[str, Any], knob: str, value: Any, accelerator: Accelerator) -> None:
+    """Set dotted-path knob ``Deployment.option[.key]`` on every deployment entry ``Deployment`` names (a
+    shell-style pattern may name several: ``EmbeddingShard_*``), or ``args.key[.key]`` in the app's args."""
+    head, *option = knob.split(".")
+    if not option:
+        raise ValueError(f"knob {knob}: not a knob; use the shortcuts or a dotted path Deployment.option[.key]")
+    if head == "args":  # the builder's model (built-in apps) or Serve checks the key
+        _set(app.setdefault("args", {}), tuple(option), value)
+        return
+    entries = app.get("deployments") or []
+    matches = [entry for entry in entries if fnmatch.fnmatchcase(str(entry.get("name", "")), head)]
+    if not matches:
+        listed = ", ".join(entry.get("name", "?") for entry in entries) or "none"
+        raise ValueError(f"knob {knob}: application {app.get('name')!r} lists no deployment {head!r} (listed: "
+                         f"{listed}); add `- name: {head}` to its deployments to tune it")
+    error = _path_error(tuple(option))
+    if error is not None:
+        raise ValueError(f"knob {knob}: {error}")
+    for deployment in matches:
+        _set(deployment, tuple(option), value)
+        if option == ["num_replicas"]:
+            deployment.pop("autoscaling_config", None)  # a fixed replica count is tuned
+        if option == ["ray_actor_options", "num_cpus"] and accelerator == "cpu":  # our replicas enforce it
+            _set(deployment, ("ray_actor_options", "runtime_env", "env_vars", CPU_SHARE_ENV), str(value))
+
+
 def apply_knobs(
     app: Mapping[str, Any],
-    configuration: Mapping[str, float | int],
+    configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator = "cpu",
     mps: bool = False,
 ) -> dict[str, Any]:
-    """A copy of ``app`` (a Serve application config as a dict) set to ``configuration``.
+    """A copy of ``app`` (a Serve application config as a dict) set to ``configuration``: the shortcuts first,
+    then the dotted paths.
 
-    Raises ``ValueError`` for an ``import_path`` without knobs or a GPU share above 1 that is not whole.
+    Raises ``ValueError`` for shortcuts on an ``import_path`` without them, a dotted path naming no listed
+    deployment or no option, or a GPU share above 1 that is not whole.
     """
+    app = copy.deepcopy(dict(app))
+    shortcuts = {name: value for name, value in configuration.items() if not is_path_knob(name)}
+    if shortcuts:
+        _apply_shortcuts(app, shortcuts, accelerator, mps)
+    for knob, value in configuration.items():
+        if is_path_knob(knob):
+            _apply_path(app, knob, value, accelerator)
+
+    return app
+
+
+def _apply_shortcuts(app: dict[str, Any], configuration: Mapping[str, Any], accelerator: Accelerator,
+                     mps: bool) -> None:
     knobs = Knobs.model_validate(dict(configuration))
     mapping = APP_KNOBS.get(app.get("import_path", ""))
     if mapping is None:
-        raise ValueError(f"import_path {app.get('import_path')!r} has no knobs; known: {', '.join(APP_KNOBS)}")
-    app = copy.deepcopy(dict(app))
+        raise ValueError(f"import_path {app.get('import_path')!r} has no shortcut knobs (known: "
+                         f"{', '.join(APP_KNOBS)}); name its options as dotted paths, e.g. Model.num_replicas")
     args = app.setdefault("args", {})
     target_name = mapping.target(args)
     target = _deployment(app, target_name)
@@ -135,13 +207,12 @@ def apply_knobs(
         _set(args, mapping.threads, threads)
     if env:
         actor.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(env)
-    return app
 
 
 def configure_serve_config(
     config: ServeDeploySchema,
     app_name: str,
-    configuration: Mapping[str, float | int],
+    configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator = "cpu",
     mps: bool = False,
@@ -158,6 +229,29 @@ def configure_serve_config(
     configured = ServeDeploySchema.model_validate(raw)
     validate_app_args(configured.applications[index])
     return configured
+
+
+def check_space(
+    config: ServeDeploySchema,
+    app_name: str,
+    space: SearchSpace,
+    *,
+    accelerator: Accelerator = "cpu",
+    mps: bool = False,
+) -> None:
+    """Refuse, before any trial, a space that application ``app_name`` cannot take: a :class:`SpaceError` names
+    the knob (shortcuts on an app without them, a dotted path naming no listed deployment or no option) or the
+    knob and value Serve's schema refuses (each value tried on the space's first configuration)."""
+    base = space.configurations()[0].as_dict()
+    for name in space.knob_names:
+        for i, value in enumerate(space.values(name)):
+            try:
+                configure_serve_config(config, app_name, base | {name: value}, accelerator=accelerator, mps=mps)
+            except ValidationError as exc:
+                raise SpaceError(f"knobs.{name}.values[{i}] = {value!r}: Serve refuses it: "
+                                 f"{describe_validation_error(exc)}") from None
+            except (ValueError, TypeError, ImportError) as exc:
+                raise SpaceError(f"knobs.{name}: {str(exc).removeprefix(f'knob {name}: ')}") from None
 
 
 def write_serve_config(config: ServeDeploySchema, path: str | Path) -> None:

@@ -19,25 +19,41 @@ from autoconfig.space import SearchSpace
 
 @dataclass(frozen=True)
 class Surface:
-    """Best objective per (device_share, num_replicas) row and max_batch_size column; NaN where unobserved."""
+    """Best objective per row (a combination of ``row_knobs``' values) and column (a value of ``column_knob``);
+    NaN where unobserved."""
 
-    rows: tuple[tuple[float, int], ...]
-    columns: tuple[int, ...]
+    column_knob: str
+    row_knobs: tuple[str, ...]
+    rows: tuple[tuple[object, ...], ...]
+    columns: tuple[object, ...]
     values: np.ndarray
 
 
+def surface_axes(space: SearchSpace) -> tuple[str, tuple[str, ...]]:
+    """The surface's column knob (``max_batch_size``, else the knob with the most values) and row knobs (the others,
+    but for the one with the most values when three or more remain, which the cells take the best over)."""
+    names = space.knob_names
+    column = "max_batch_size" if "max_batch_size" in names else max(names, key=lambda n: len(space.values(n)))
+    rest = [name for name in names if name != column]
+    if len(rest) >= 3:
+        rest.remove(max(rest, key=lambda n: len(space.values(n))))
+    return column, tuple(rest)
+
+
 def performance_surface(space: SearchSpace, history: Sequence[Observation]) -> Surface:
-    """The surface of ``history`` over ``space``'s (share, replicas) pairs and batch sizes: each cell the best
-    objective over the other knobs; NaN where no trial ran, 0 where every trial failed or missed the SLO."""
-    rows = tuple(sorted({(c.device_share, c.num_replicas) for c in space.configurations()}))
-    columns = tuple(int(v) for v in space.values("max_batch_size"))
+    """The surface of ``history`` over ``space`` (:func:`surface_axes`): each cell the best objective over the
+    knobs left out; NaN where no trial ran, 0 where every trial failed or missed the SLO."""
+    column_knob, row_knobs = surface_axes(space)
+    rows = tuple(sorted({tuple(c[name] for name in row_knobs) for c in space.configurations()},
+                        key=lambda row: [space.values(name).index(v) for name, v in zip(row_knobs, row, strict=True)]))
+    columns = space.values(column_knob)
     values = np.full((len(rows), len(columns)), np.nan)
     for observation in history:
         config = observation.config
-        i, j = rows.index((config.device_share, config.num_replicas)), columns.index(config.max_batch_size)
+        i, j = rows.index(tuple(config[name] for name in row_knobs)), columns.index(config[column_knob])
         value = observation.value or 0.0
         values[i, j] = value if np.isnan(values[i, j]) else max(values[i, j], value)
-    return Surface(rows, columns, values)
+    return Surface(column_knob, row_knobs, rows, columns, values)
 
 
 def best_so_far(history: Sequence[Observation]) -> np.ndarray:
@@ -63,9 +79,9 @@ def plot_report(space: SearchSpace, history: Sequence[Observation], path: str | 
     surface = performance_surface(space, history)
     image = heat.imshow(np.ma.masked_invalid(surface.values), aspect="auto", cmap="viridis")
     heat.set_xticks(range(len(surface.columns)), [str(c) for c in surface.columns])
-    heat.set_yticks(range(len(surface.rows)), [f"{share:g} x {replicas}" for share, replicas in surface.rows])
-    heat.set_xlabel("max_batch_size")
-    heat.set_ylabel("device share x replicas")
+    heat.set_yticks(range(len(surface.rows)), [" x ".join(map(str, row)) for row in surface.rows])
+    heat.set_xlabel(surface.column_knob)
+    heat.set_ylabel(" x ".join(surface.row_knobs) or "-")
     heat.set_title("performance surface (best over the other knobs)")
     for (i, j), value in np.ndenumerate(surface.values):
         if np.isfinite(value):

@@ -59,8 +59,17 @@ def parse_serve_config(config: str | Mapping[str, Any], *, source: str = "<serve
 
 
 def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]:
-    """Import ``app.import_path`` and validate ``app.args`` against its builder's annotated model."""
-    builder = import_builder(app.import_path)
+    """Import ``app.import_path`` and validate ``app.args`` against its builder's annotated model.
+
+    An app whose ``runtime_env`` brings its code (``working_dir``, ``py_modules``) and that this process cannot
+    import is left to Serve, which imports and builds it inside that environment (as ``serve run`` does).
+    """
+    try:
+        builder = import_builder(app.import_path)
+    except ImportError:
+        if brings_code(app):
+            return app.args or {}
+        raise
     if not inspect.isfunction(builder):
         if app.args:
             raise TypeError(f"{app.import_path} is a built application; it takes no args")
@@ -72,6 +81,12 @@ def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation.model_validate(app.args or {})
     return app.args or {}
+
+
+def brings_code(app: ServeApplicationSchema) -> bool:
+    """Whether the app's ``runtime_env`` ships code to its replicas (``working_dir`` or ``py_modules``)."""
+    runtime_env = app.runtime_env or {}
+    return bool(runtime_env.get("working_dir") or runtime_env.get("py_modules"))
 
 
 def import_builder(import_path: str) -> Any:

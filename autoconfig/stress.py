@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from autoconfig.workloads import Workload
+from autoconfig.workloads import RequestSource
 
 Arrivals = Literal["constant", "poisson"]
 StopReason = Literal["converged", "max_rps", "max_probes", "max_time", "unsustainable"]
@@ -155,7 +155,7 @@ class StressClient:
     def __init__(
         self,
         base_url: str,
-        workload: Workload,
+        workload: RequestSource,
         settings: ClientSettings | None = None,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -277,9 +277,9 @@ class StressClient:
 
     async def _send(self, index: int) -> int:
         async with self._slots:
-            workload = self.workload
+            request = self.workload.request(index)
             response = await self._http.request(
-                workload.method, workload.path, content=workload.body(index), headers=workload.headers
+                request.method, request.path, content=request.body, headers=request.headers
             )
             return response.status_code
 

@@ -84,7 +84,8 @@ class TuningStudy:
     def history(self) -> list[Observation]:
         """Finished trials in order (not those another client left unfinished), as the searchers see them (failed
         or SLO-violating: value None)."""
-        return [Observation(_configuration(trial.params), trial.value) for trial in self._finished()]
+        return [Observation(self.space.configuration(trial.params), trial.value, trial_metrics(trial.user_attrs))
+                for trial in self._finished()]
 
     def records(self) -> list[dict[str, Any]]:
         """Every finished trial's configuration and measurements, in order."""
@@ -94,7 +95,7 @@ class TuningStudy:
         """The study as a profile-bank entry (``objective``: ``rate_per_share`` or ``max_rate``, as measured)."""
         trials = [
             ProfileRecord(
-                config=_configuration(record["config"]),
+                config=self.space.configuration(record["config"]),
                 rps=record.get("sustainable_rps"),
                 achieved_rps=record.get("achieved_rps"),
                 p50_ms=record.get("p50_ms"),
@@ -113,11 +114,11 @@ class TuningStudy:
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""
         stored = self._study.user_attrs.get(_REPEATS_ATTR, [])
-        return {_configuration(entry["config"]): entry["runs"] for entry in stored}
+        return {self.space.configuration(entry["config"]): entry["runs"] for entry in stored}
 
     def repeated_objectives(self) -> dict[Configuration, list[float | None]]:
         """Each repeated configuration's objectives, its trial's first (None: a run that was not ok)."""
-        first = {_configuration(record["config"]): record for record in self.records()}
+        first = {self.space.configuration(record["config"]): record for record in self.records()}
         return {config: [_objective(first[config]), *map(_objective, runs)]
                 for config, runs in self.repeats().items() if config in first}
 
@@ -146,10 +147,9 @@ class TuningStudy:
         self._study.add_trial(trial)
 
 
-def _configuration(params: Mapping[str, Any]) -> Configuration:
-    """Back from Optuna's stored choices; count knobs as ints."""
-    counts = {"max_batch_size", "num_replicas", "torch_threads"}
-    return Configuration(**{name: int(value) if name in counts else value for name, value in params.items()})
+def trial_metrics(attrs: Mapping[str, Any]) -> dict[str, float]:
+    """The measurements a multi-objective searcher weighs, where a trial has them."""
+    return {name: float(attrs[name]) for name in ("p99_ms", "memory_mib", "violation") if attrs.get(name) is not None}
 
 
 def _objective(record: Mapping[str, Any]) -> float | None:

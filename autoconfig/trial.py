@@ -19,10 +19,11 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from autoconfig.knobs import APP_KNOBS, Accelerator, Knobs, configure_serve_config
+from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
+from autoconfig.space import is_path_knob
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
-from autoconfig.workloads import Workload
+from autoconfig.workloads import RequestSource
 from serving.common.net import free_port
 
 Objective = Literal["rate_per_share", "max_rate"]
@@ -43,7 +44,7 @@ class TrialRecord(BaseModel):
     """What one trial measured. ``objective`` is 0 unless ``status`` is ``ok``; latencies are at the best rate."""
 
     app_name: str
-    configuration: dict[str, float | int]
+    configuration: dict[str, Any]
     status: TrialStatus
     objective_name: Objective
     objective: float
@@ -56,6 +57,7 @@ class TrialRecord(BaseModel):
     num_replicas: int | None = None
     resources: float | None = None
     deployment_resources: dict[str, float] | None = None
+    memory_mib: float | None = None
     duration_s: float
     error: str | None = None
     search: RateSearchResult | None = None
@@ -80,7 +82,7 @@ def _check_cluster_fits(app: ServeApplicationSchema, accelerator: Accelerator) -
 def trial_application(
     template: ServeDeploySchema,
     app_name: str,
-    configuration: Mapping[str, float | int],
+    configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator,
     mps: bool,
@@ -105,6 +107,29 @@ def deployment_resources(app_details: Mapping[str, Any], accelerator: Accelerato
         replicas = deployment.get("target_num_replicas", len(deployment.get("replicas", [])))
         held[name] = (default if per_replica is None else float(per_replica)) * replicas
     return held
+
+
+def client_details(app_name: str) -> dict[str, Any]:
+    """Serve's details of one running application."""
+    from ray.serve._private.api import get_global_client
+
+    return get_global_client().get_serve_details()["applications"].get(app_name, {})
+
+
+def replica_memory_mib(app_details: Mapping[str, Any]) -> float | None:
+    """Resident memory (RSS) of every running replica of an app, summed, in MiB: read from this node's processes;
+    None when a replica runs on another node (or none runs)."""
+    import psutil
+
+    here = ray.util.get_node_ip_address()
+    replicas = [replica for deployment in app_details.get("deployments", {}).values()
+                for replica in deployment.get("replicas", []) if replica.get("state") == "RUNNING"]
+    if not replicas or any(replica.get("node_ip") != here or not replica.get("pid") for replica in replicas):
+        return None
+    try:
+        return sum(psutil.Process(replica["pid"]).memory_info().rss for replica in replicas) / 2**20
+    except psutil.Error:  # a replica ended meanwhile
+        return None
 
 
 def _deploy(
@@ -163,24 +188,33 @@ def _restarts_replicas(deployed: dict[str, Any], new: dict[str, Any]) -> bool:
 
 
 def _wait_for_target_replicas(client: Any, app: ServeApplicationSchema, timeout_s: float) -> float:
-    """Block until the model deployment runs exactly its configured replicas with its configured ``user_config``
-    (after an in-place update of a deployed trial app, RUNNING alone could still describe the old replicas);
-    the start time of the newest of them."""
-    name = APP_KNOBS[app.import_path].target(app.args or {})
-    target = next(d for d in app.model_dump(exclude_unset=True)["deployments"] if d["name"] == name)
+    """Block until every deployment the config gives a replica count runs exactly that many replicas, healthy, with
+    its configured ``user_config`` (after an in-place update of a deployed trial app, RUNNING alone could still
+    describe the old replicas); the start time of the newest replica of the app."""
+    targets = [d for d in app.model_dump(exclude_unset=True).get("deployments", [])
+               if isinstance(d.get("num_replicas"), int)]
     deadline = time.monotonic() + timeout_s
     while True:
         details = client.get_serve_details()["applications"].get(app.name, {}).get("deployments", {})
-        current = details.get(target["name"], {})
-        running = [r for r in current.get("replicas", []) if r.get("state") == "RUNNING"]
-        config = current.get("deployment_config", {})
-        if (len(running) == target["num_replicas"] and current.get("status") == "HEALTHY"
-                and config.get("user_config") == target.get("user_config")):
-            return max(replica.get("start_time_s", 0.0) for replica in running)
+        behind = next((message for target in targets if (message := _behind(target, details.get(target["name"], {})))),
+                      None)
+        if behind is None:
+            return max((replica.get("start_time_s", 0.0) for deployment in details.values()
+                        for replica in deployment.get("replicas", []) if replica.get("state") == "RUNNING"),
+                       default=0.0)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{target['name']} has {len(running)} of {target['num_replicas']} replicas running "
-                               f"after {timeout_s:.0f}s")
+            raise TimeoutError(f"{behind} after {timeout_s:.0f}s")
         time.sleep(0.25)
+
+
+def _behind(target: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
+    """How deployment ``current`` (Serve's details) falls short of its configured entry ``target``; None if not."""
+    running = [r for r in current.get("replicas", []) if r.get("state") == "RUNNING"]
+    if len(running) != target["num_replicas"] or current.get("status") != "HEALTHY":
+        return f"{target['name']} has {len(running)} of {target['num_replicas']} replicas running"
+    if "user_config" in target and current.get("deployment_config", {}).get("user_config") != target["user_config"]:
+        return f"{target['name']} has not taken its user_config"
+    return None
 
 
 def _status_messages(app_name: str) -> str:
@@ -195,7 +229,7 @@ def _status_messages(app_name: str) -> str:
 
 async def _search(
     base_url: str,
-    workload: Workload,
+    workload: RequestSource,
     slo_p99_ms: float,
     warmup_s: float,
     client: ClientSettings,
@@ -225,8 +259,8 @@ async def _search(
 def run_trial(
     serve_config_template: ServeDeploySchema | str | Path,
     app_name: str,
-    configuration: Mapping[str, float | int],
-    workload: Workload,
+    configuration: Mapping[str, Any],
+    workload: RequestSource,
     slo_p99_ms: float,
     *,
     warmup_s: float = 5.0,
@@ -260,8 +294,11 @@ def run_trial(
     fields: dict[str, Any] = {"status": "failed", "sustainable_rps": 0.0}
     deploying = False
     try:
-        knobs = Knobs.model_validate(dict(configuration))
-        fields |= {"device_share": knobs.device_share, "num_replicas": knobs.num_replicas, "resources": knobs.resources}
+        shortcuts = {name: value for name, value in configuration.items() if not is_path_knob(name)}
+        if shortcuts:
+            knobs = Knobs.model_validate(shortcuts)
+            fields |= {"device_share": knobs.device_share, "num_replicas": knobs.num_replicas,
+                       "resources": knobs.resources}
         template = serve_config_template
         if not isinstance(template, ServeDeploySchema):
             template = load_serve_config(template)
@@ -287,6 +324,7 @@ def run_trial(
             _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
         )
         fields |= search_fields(result, search.min_requests)
+        fields["memory_mib"] = replica_memory_mib(client_details(trial_app_name))  # after the load: tables, pools
     except Exception as exc:
         fields["error"] = f"{type(exc).__name__}: {exc}"
     finally:

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autoconfig.pareto import Limits
 from autoconfig.searchers.base import Observation, Searcher, SpaceExhausted
 from autoconfig.space import Configuration
-from autoconfig.study import TuningStudy
+from autoconfig.study import TuningStudy, trial_metrics
 from autoconfig.trial import TrialRecord
 
 
@@ -38,9 +39,11 @@ def tune(
     profile: Callable[[Configuration], TrialRecord],
     *,
     budget: int,
+    limits: Limits | None = None,
     on_trial: Callable[[int, Configuration, TrialRecord], None] | None = None,
 ) -> TuneOutcome:
-    """Profiles configurations chosen by ``searcher`` until the study holds ``budget`` finished trials."""
+    """Profiles configurations chosen by ``searcher`` until the study holds ``budget`` finished trials. A trial over
+    ``limits`` counts as not met (value None), its ``violation`` and ``limit`` message stored beside it."""
     history = study.history()
     ran = 0
     exhausted = False
@@ -51,9 +54,12 @@ def tune(
             exhausted = True
             break
         record = profile(config)
-        value = record.objective if record.status == "ok" else None
-        study.record(config, value, record.model_dump(exclude={"search", "configuration"}))
-        history.append(Observation(config, value))
+        measurements = record.model_dump(exclude={"search", "configuration"})
+        violation, why = (limits or Limits()).violation(measurements)
+        measurements |= {"violation": violation} | ({"limit": why} if why else {})
+        value = record.objective if record.status == "ok" and violation == 0.0 else None
+        study.record(config, value, measurements)
+        history.append(Observation(config, value, trial_metrics(measurements)))
         ran += 1
         if on_trial is not None:
             on_trial(len(history), config, record)

@@ -1,25 +1,51 @@
-"""What the stress client sends: request factories for the DLRM and diffusion applications.
+"""What the stress client sends: request factories for the DLRM and diffusion applications, and request
+templates read from a JSONL workload file for any application.
 
 A ``Workload`` is one HTTP route of an application (``path`` is relative to the app's route prefix) and a
 factory of request bodies. Bodies are built once, up front, into a small pool that requests cycle through,
-so building them costs nothing while the client measures latency.
+so building them costs nothing while the client measures latency. A ``TemplateWorkload`` sends fixed requests
+(``load_workload_file``) in a seeded order whose mix follows their weights.
 """
 
 from __future__ import annotations
 
+import base64
 import inspect
+import io
 import json
+import math
+import re
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
+import numpy as np
 import yaml
+from PIL import Image
 
 from disagg.api.codec import encode_dlrm_request
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 
 JSON_HEADERS: Mapping[str, str] = {"content-type": "application/json"}
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    """One request: ``path`` is relative to the application's route prefix."""
+
+    method: str
+    path: str
+    body: bytes
+    headers: Mapping[str, str]
+
+
+class RequestSource(Protocol):
+    """What the stress client drives: the i-th request it sends."""
+
+    def request(self, index: int) -> HttpRequest: ...
 
 
 @dataclass(frozen=True)
@@ -30,6 +56,141 @@ class Workload:
     path: str
     body: Callable[[int], bytes]
     headers: Mapping[str, str] = field(default_factory=lambda: dict(JSON_HEADERS))
+
+    def request(self, index: int) -> HttpRequest:
+        return HttpRequest(self.method, self.path, self.body(index), self.headers)
+
+
+CYCLE = 4096
+"""Slots of a ``TemplateWorkload``'s order (more when some template would otherwise get none)."""
+
+
+@dataclass(frozen=True)
+class TemplateWorkload:
+    """Fixed requests mixed by weight: request ``i`` is ``templates[order[i % len(order)]]``.
+
+    ``order`` is a cycle of ``CYCLE`` slots, each template's count its share of the weights (largest remainder
+    rounding; at least one slot each), shuffled with ``seed``: the mix of any ``CYCLE`` consecutive requests
+    follows the weights to within a slot per template, and the same seed gives the same order.
+    """
+
+    templates: tuple[HttpRequest, ...]
+    weights: tuple[float, ...]
+    seed: int = 0
+    order: tuple[int, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.templates or len(self.weights) != len(self.templates):
+            raise ValueError("a TemplateWorkload needs templates and one weight for each")
+        if not all(math.isfinite(weight) and weight > 0 for weight in self.weights):
+            raise ValueError(f"weights must be finite numbers > 0, got {self.weights}")
+        relative = np.asarray(self.weights, dtype=float) / max(self.weights)
+        share = relative / relative.sum() * CYCLE
+        counts = np.floor(share).astype(int)
+        counts[np.argsort(counts - share, kind="stable")[: CYCLE - int(counts.sum())]] += 1
+        slots = np.repeat(np.arange(len(self.templates)), np.maximum(counts, 1))
+        object.__setattr__(self, "order", tuple(np.random.default_rng(self.seed).permutation(slots).tolist()))
+
+    def request(self, index: int) -> HttpRequest:
+        return self.templates[self.order[index % len(self.order)]]
+
+
+class WorkloadError(ValueError):
+    """A workload file that cannot be used; the message starts with ``file:line:`` (or ``file:``)."""
+
+
+METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
+TEMPLATE_KEYS = ("method", "path", "headers", "body", "weight")
+MAX_TEMPLATES = 10_000
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CLIENT_HEADERS = ("content-length", "host", "transfer-encoding")
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    item: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in item:
+            raise ValueError(f"duplicate key {key!r}")
+        item[key] = value
+    return item
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _template(line: str) -> tuple[HttpRequest, float]:
+    """One template line, parsed; ``ValueError`` naming the key that is wrong."""
+    try:
+        item = json.loads(line, object_pairs_hook=_json_object, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("not JSON (nested too deeply)") from None
+    except ValueError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    if not isinstance(item, dict):
+        raise ValueError(f"not a JSON object; keys: {', '.join(TEMPLATE_KEYS)}")
+    for key in item:
+        if key not in TEMPLATE_KEYS:
+            raise ValueError(f"unknown key {key!r}; keys: {', '.join(TEMPLATE_KEYS)}")
+    method = item.get("method", "POST")
+    if not isinstance(method, str) or method.upper() not in METHODS:
+        raise ValueError(f"'method' must be one of {', '.join(METHODS)}, got {method!r}")
+    if "path" not in item:
+        raise ValueError("missing key 'path'")
+    path = item["path"]
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError(f"'path' must start with '/', got {path!r}")
+    headers = item.get("headers", {})
+    if not isinstance(headers, dict):
+        raise ValueError("'headers' must be an object of strings")
+    for name, value in headers.items():
+        if not _HEADER_NAME.fullmatch(name):
+            raise ValueError(f"'headers': {name!r} is not a header name")
+        if not isinstance(value, str) or re.search(r"[\r\n\0]", value):
+            raise ValueError(f"'headers': {name!r} must be a string on one line")
+        if name.lower() in _CLIENT_HEADERS:
+            raise ValueError(f"'headers': {name!r} is set by the client")
+    body = b""
+    if item.get("body") is not None:
+        body = json.dumps(item["body"]).encode()
+        if not any(name.lower() == "content-type" for name in headers):
+            headers = {**headers, **JSON_HEADERS}
+    weight = item.get("weight", 1)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= sys.float_info.max:
+        raise ValueError(f"'weight' must be a number > 0, got {weight!r}")
+    return HttpRequest(method.upper(), path, body, headers), float(weight)
+
+
+def load_workload_file(path: str | Path, *, seed: int = 0) -> TemplateWorkload:
+    """The request templates of a JSONL file, one JSON object a line (blank and ``#`` lines skipped), mixed by
+    their ``weight`` (``TemplateWorkload``, seeded with ``seed``); a ``WorkloadError`` naming the file, line and
+    key otherwise. The format: docs/AUTOCONFIG.md."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        number = data.count(b"\n", 0, exc.start) + 1
+        raise WorkloadError(f"{path}:{number}: not UTF-8 ({exc.reason})") from None
+    templates: list[HttpRequest] = []
+    weights: list[float] = []
+    for number, line in enumerate(text.split("\n"), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if len(templates) == MAX_TEMPLATES:
+            raise WorkloadError(f"{path}:{number}: more than {MAX_TEMPLATES} templates")
+        try:
+            template, weight = _template(line)
+        except ValueError as exc:
+            raise WorkloadError(f"{path}:{number}: {exc}") from None
+        templates.append(template)
+        weights.append(weight)
+    if not templates:
+        raise WorkloadError(f"{path}: no request templates (one JSON object a line)")
+    return TemplateWorkload(tuple(templates), tuple(weights), seed)
 
 
 def _cycling(pool: list[bytes]) -> Callable[[int], bytes]:
@@ -51,9 +212,12 @@ def dlrm_workload(
 
 
 def diffusion_workload(
-    *, model: str | None = None, size: str | None = "32x32", steps: int = 4, n: int = 1, pool_size: int = 16
+    *, model: str | None = None, size: str | None = "32x32", steps: int = 4, n: int = 1, pool_size: int = 16,
+    controlnets: str | None = None,
 ) -> Workload:
-    """OpenAI ``/v1/images/generations`` requests: small images, few steps, a distinct seed and prompt each."""
+    """OpenAI ``/v1/images/generations`` requests: small images, few steps, a distinct seed and prompt each;
+    ``controlnets`` (names joined by ``+``) conditions each request on those ControlNets with a white-square
+    image."""
     if steps < 1 or n < 1 or pool_size < 1:
         raise ValueError("steps, n and pool_size must be >= 1")
     base: dict[str, Any] = {"num_inference_steps": steps, "n": n}
@@ -61,8 +225,20 @@ def diffusion_workload(
         base["model"] = model
     if size is not None:
         base["size"] = size
+    if controlnets:
+        image = _square_png_b64(64)
+        base["controlnets"] = [{"name": name, "image": image} for name in str(controlnets).split("+")]
     pool = [json.dumps({**base, "prompt": f"a small red cube, view {i}", "seed": i}).encode() for i in range(pool_size)]
     return Workload("POST", "/v1/images/generations", _cycling(pool))
+
+
+def _square_png_b64(size: int) -> str:
+    """A white square on black, ``size`` pixels wide, as base64 PNG (a ControlNet's conditioning image)."""
+    image = np.zeros((size, size, 3), np.uint8)
+    image[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def parse_workload_options(text: str | None) -> dict[str, Any]:

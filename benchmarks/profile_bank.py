@@ -1,10 +1,13 @@
 """Profile the models of the committed autoconfig profile bank: every configuration of each model's space,
-measured on real Ray Serve deployments of this machine (``autoconfig profile``, one process per model).
+measured on real Ray Serve deployments of this machine (``autoconfig profile``, one process per model), then
+the best three measured twice more (the entry's noise).
 
     .venv/bin/python -m benchmarks.profile_bank [--only NAME ...] [--storage URL] [--bank DIR]
 
-A model already in the bank is skipped; an interrupted one resumes from its study (``--storage``). The templates
-and spaces are in ``benchmarks/autoconfig_bank/``; the bank goes to ``benchmarks/results/autoconfig_bank/``.
+A model already in the bank is skipped; an interrupted one resumes from its study (``--storage``), so the hours
+a bank takes can be spread over several runs. The templates and spaces are in ``benchmarks/autoconfig_bank/``;
+the bank goes to ``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured
+with unenforced shares and coarse probes).
 """
 
 from __future__ import annotations
@@ -18,34 +21,38 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 TEMPLATES = HERE / "autoconfig_bank"
-BANK = HERE / "results" / "autoconfig_bank"
+BANK = HERE / "results" / "autoconfig_bank_v2"
 
 
 @dataclass(frozen=True)
 class BankModel:
-    """One profiled model: an application of the templates, its workload, SLO and how trials probe it."""
+    """One profiled model: an application of the templates, its workload, SLO and the first rate probed; probes
+    are the ``autoconfig`` defaults (1 s scouts, deciding probes of 200 requests, bisection to 2.5%)."""
 
     name: str
     app: str
-    space: str
     workload: str
     slo_p99_ms: float
     start_rps: float
-    probe_s: float
-    warmup_s: float
-    max_probes: int = 6
-    tolerance: float = 0.25
+    space: str = "bank"
+    warmup_s: float = 1.0
 
 
+#: Models whose optima differ: compute per request (rows), SLO, table size and storage, and layout.
 MODELS = (
-    BankModel("dlrm-tiny-rows64", "dlrm-tiny", "dlrm", "rows_per_request=64", 100, 32, 0.75, 0.5),
-    BankModel("dlrm-tiny-rows256", "dlrm-tiny", "dlrm", "rows_per_request=256", 100, 8, 0.75, 0.5),
-    BankModel("dlrm-small-rows128", "dlrm-small", "dlrm", "rows_per_request=128", 100, 16, 0.75, 0.5),
-    BankModel("dlrm-tiny-disaggregated-rows128", "dlrm-tiny-disaggregated", "dlrm", "rows_per_request=128", 100,
-              16, 0.75, 0.5),
-    BankModel("diffusion-tiny-32px-2steps", "diffusion-tiny", "diffusion", "steps=2,size=32x32", 250, 8, 1.0, 0.5),
-    BankModel("diffusion-tiny-32px-6steps", "diffusion-tiny", "diffusion", "steps=6,size=32x32", 500, 4, 1.0, 0.5),
-    BankModel("diffusion-tiny-64px-3steps", "diffusion-tiny", "diffusion", "steps=3,size=64x64", 800, 4, 1.0, 0.5),
+    BankModel("dlrm-tiny-rows1-slo10", "dlrm-tiny", "rows_per_request=1", 10, 32),
+    BankModel("dlrm-tiny-rows16-slo50", "dlrm-tiny", "rows_per_request=16", 50, 32),
+    BankModel("dlrm-tiny-rows256-slo100", "dlrm-tiny", "rows_per_request=256", 100, 8),
+    BankModel("dlrm-tiny-rows1024-slo500", "dlrm-tiny", "rows_per_request=1024", 500, 2),
+    BankModel("dlrm-tiny-rows64-slo15", "dlrm-tiny", "rows_per_request=64", 15, 16),
+    BankModel("dlrm-small-rows64-slo100", "dlrm-small", "rows_per_request=64", 100, 16),
+    BankModel("dlrm-small-rows512-slo300", "dlrm-small", "rows_per_request=512", 300, 4),
+    BankModel("dlrm-small-rows4-slo20", "dlrm-small", "rows_per_request=4", 20, 32),
+    BankModel("dlrm-tiny-disagg-rows64-slo100", "dlrm-tiny-disagg-shards", "rows_per_request=64", 100, 16),
+    BankModel("dlrm-tiny-disagg-rows512-slo300", "dlrm-tiny-disagg-shards", "rows_per_request=512", 300, 4),
+    BankModel("dlrm-tiny-disagg-rows8-slo30", "dlrm-tiny-disagg-shards", "rows_per_request=8", 30, 16),
+    BankModel("dlrm-small-int8-disagg-rows128-slo150", "dlrm-small-int8-disagg-shards", "rows_per_request=128",
+              150, 8),
 )
 
 
@@ -56,8 +63,7 @@ def profile_command(model: BankModel, storage: str, bank: Path) -> list[str]:
         "--config", str(TEMPLATES / "serve_config.yaml"), "--app", model.app,
         "--space", str(TEMPLATES / f"{model.space}_space.yaml"), "--workload", model.workload,
         "--slo-p99-ms", str(model.slo_p99_ms), "--start-rps", str(model.start_rps),
-        "--probe-s", str(model.probe_s), "--warmup-s", str(model.warmup_s),
-        "--max-probes", str(model.max_probes), "--tolerance", str(model.tolerance),
+        "--warmup-s", str(model.warmup_s), "--repeat-best", "3", "--repeats", "3",
         "--storage", storage, "--study", model.name, "--bank", str(bank), "--model-name", model.name,
     ]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -17,10 +17,12 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Observation:
-    """A profiled configuration; ``value`` is None when the trial failed or no rate met the SLO."""
+    """A profiled configuration; ``value`` is None when the trial failed, no rate met the SLO or it broke a limit.
+    ``metrics`` holds what else was measured (``p99_ms``, ``memory_mib``; the limit ``violation``, 0 within)."""
 
     config: Configuration
     value: float | None
+    metrics: Mapping[str, float] = field(default_factory=dict, compare=False)
 
 
 class SpaceExhausted(Exception):

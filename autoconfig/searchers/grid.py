@@ -12,25 +12,40 @@ from autoconfig.space import SearchSpace
 
 GridOrder = Literal["enumeration", "deployment"]
 
-#: Knobs from the one whose change costs the most when a deployed trial app is updated in place (new replica
-#: processes for every replica) to the cheapest (a live ``reconfigure``).
-DEPLOYMENT_ORDER = ("device_share", "torch_threads", "num_replicas", "max_batch_size", "batch_wait_timeout_s")
+#: Options a deployed trial app changes live, without new replica processes (cheapest last).
+_REPLICA_COUNTS = ("num_replicas",)
+_LIVE = ("max_batch_size", "batch_wait_timeout_s", "user_config", "max_ongoing_requests", "max_queued_requests",
+         "autoscaling_config")
+
+
+def change_cost(knob: str) -> int:
+    """How much changing ``knob`` costs a trial app updated in place: 0 new processes for every replica
+    (``device_share``, ``torch_threads``, resources, ``runtime_env``...), 1 replicas added or removed, 2 a live
+    ``reconfigure`` or option."""
+    option = knob.split(".")[1] if "." in knob else knob
+    if option in _REPLICA_COUNTS:
+        return 1
+    return 2 if option in _LIVE else 0
 
 
 class GridSearcher(Searcher):
     """The first unobserved configuration in ``order``.
 
-    ``deployment`` order sorts by :data:`DEPLOYMENT_ORDER`, so a grid profiled on one trial app kept deployed
-    restarts replicas only when the device share or the threads change (a few times per grid).
+    ``deployment`` order sorts by the knobs' values, the costliest to change (:func:`change_cost`) first, so a
+    grid profiled on one trial app kept deployed restarts replicas only when the device share, the threads or
+    another resource changes (a few times per grid).
     """
 
     def __init__(self, space: SearchSpace, order: GridOrder = "enumeration") -> None:
         super().__init__(space)
         configurations = space.configurations()
         if order == "deployment":
-            def key(index: int) -> tuple[float, ...]:
+            knobs = sorted(space.knob_names, key=change_cost)  # stable: the space's order within a cost
+            positions = {name: {value: i for i, value in enumerate(space.values(name))} for name in knobs}
+
+            def key(index: int) -> tuple[int, ...]:
                 config = configurations[index]
-                return tuple(getattr(config, name) or 0 for name in DEPLOYMENT_ORDER)
+                return tuple(positions[name][config[name]] for name in knobs)
 
             self._order = np.array(sorted(range(space.size), key=key), dtype=np.int64)
         else:

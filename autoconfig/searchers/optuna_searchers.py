@@ -62,7 +62,7 @@ class OptunaSearcher(Searcher):
 
     def _params(self, config: Configuration) -> dict[str, int]:
         """``config`` as the study's parameters: the index of each knob's value."""
-        return {name: self._positions[name][getattr(config, name)] for name in self._distributions}
+        return {name: self._positions[name][config[name]] for name in self._distributions}
 
 
 class TPESearcher(OptunaSearcher):

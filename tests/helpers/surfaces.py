@@ -16,7 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoconfig.bank import BankEntry, ProfileRecord
-from autoconfig.space import SearchSpace
+from autoconfig.space import KNOB_NAMES, Configuration, SearchSpace
+
+
+def shortcuts(*values: float) -> Configuration:
+    """A configuration of the shortcut knobs, in ``KNOB_NAMES`` order (``torch_threads`` only when given)."""
+    return Configuration(dict(zip(KNOB_NAMES, values, strict=False)))
 
 _NOISE = 0.03
 
@@ -45,7 +50,7 @@ class LatentFactors:
             np.exp(rng.uniform(np.log(lo), np.log(hi))) * scale_ms
             for lo, hi in ((0.02, 0.5), (0.002, 0.1), (0.0005, 0.01))
         )
-        total_share = max(c.num_replicas * c.device_share for c in space.configurations())
+        total_share = max(c["num_replicas"] * c["device_share"] for c in space.configurations())
         largest_batch = max(space.values("max_batch_size"))
         return cls(
             c0_ms=c0,
@@ -65,7 +70,7 @@ class LatentFactors:
 def profile(factors: LatentFactors, space: SearchSpace, rng: np.random.Generator) -> list[ProfileRecord]:
     """One trial per configuration of ``space``, in enumeration order."""
     configs = space.configurations()
-    column = {name: np.array([getattr(c, name) for c in configs], dtype=np.float64) for name in space.knob_names}
+    column = {name: np.array([c[name] for c in configs], dtype=np.float64) for name in space.knob_names}
     batch, wait_ms = column["max_batch_size"], 1000 * column["batch_wait_timeout_s"]
     share, replicas = column["device_share"], column["num_replicas"]
     effective_share = share

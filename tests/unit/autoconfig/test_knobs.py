@@ -4,7 +4,6 @@ import copy
 
 import pytest
 import yaml
-from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig import trial
@@ -126,17 +125,19 @@ def test_gpu_share_above_one_must_be_whole_gpus(template):
 
 @pytest.mark.parametrize(
     ("change", "field"),
-    [({"max_batch_size": 0}, "max_batch_size"), ({"cpus": 2}, "cpus"), ({"device_share": -1}, "device_share")],
+    [({"max_batch_size": 0}, "max_batch_size"), ({"cpus": 2}, "knob cpus: not a knob"),
+     ({"device_share": -1}, "device_share"), ({"Nope.num_replicas": 2}, "lists no deployment 'Nope'"),
+     ({"DisaggregatedDLRM.replicas": 2}, "'replicas' is not a deployment option")],
 )
 def test_invalid_configurations_name_the_knob(template, change, field):
-    with pytest.raises(ValidationError, match=field):
+    with pytest.raises(ValueError, match=field):
         configure_serve_config(template, "dlrm", CONFIGURATION | change)
 
 
 def test_unknown_application_or_import_path_is_refused(template):
     with pytest.raises(ValueError, match=r"no application 'nope'.*diffusion, dlrm"):
         configure_serve_config(template, "nope", CONFIGURATION)
-    with pytest.raises(ValueError, match="has no knobs"):
+    with pytest.raises(ValueError, match="has no shortcut knobs"):
         apply_knobs({"name": "x", "import_path": "other.app:build"}, CONFIGURATION)
 
 
@@ -261,3 +262,77 @@ def test_cluster_fit_of_the_bank_template_which_reserves_cpus_only_for_the_model
     _fits(bank, "diffusion-tiny", CONFIGURATION | {"device_share": 2.0, "num_replicas": 1})
     with pytest.raises(ValueError, match=r"\(MonolithicDLRM 3\)"):
         _fits(bank, "dlrm-small", CONFIGURATION | {"device_share": 1.0, "num_replicas": 3})
+
+
+def test_dotted_knobs_set_the_deployment_entries_they_name_after_the_shortcuts(template):
+    joint = CONFIGURATION | {"EmbeddingShard_0.num_replicas": 2, "EmbeddingShard_0.ray_actor_options.num_cpus": 0.5,
+                             "DisaggregatedDLRM.max_ongoing_requests": 7, "ShardDirectory.user_config.note": "x"}
+    app = _app(configure_serve_config(template, "dlrm", joint), "dlrm")
+    deployments = _deployments(app)
+    shard = deployments["EmbeddingShard_0"]
+    assert shard["num_replicas"] == 2 and "autoscaling_config" not in shard
+    # A CPU share set through a path is enforced like the shortcut's: the replica reads the variable.
+    assert shard["ray_actor_options"]["num_cpus"] == 0.5
+    assert shard["ray_actor_options"]["runtime_env"]["env_vars"]["SWIFTSERVE_CPU_SHARE"] == "0.5"
+    assert deployments["DisaggregatedDLRM"]["max_ongoing_requests"] == 7  # the path overrides the shortcut's 64
+    assert deployments["DisaggregatedDLRM"]["num_replicas"] == 3  # the shortcuts still apply
+    assert deployments["ShardDirectory"]["user_config"]["note"] == "x"
+    untouched = _deployments(_app(template, "dlrm"))["EmbeddingShard_1"]
+    assert deployments["EmbeddingShard_1"] == untouched
+
+
+def test_a_gpu_trial_does_not_turn_a_dotted_cpu_count_into_an_enforced_share(template):
+    app = _app(configure_serve_config(template, "dlrm", {"EmbeddingShard_0.ray_actor_options.num_cpus": 0.5},
+                                      accelerator="gpu"), "dlrm")
+    actor = _deployments(app)["EmbeddingShard_0"]["ray_actor_options"]
+    assert actor["num_cpus"] == 0.5 and "SWIFTSERVE_CPU_SHARE" not in actor.get("runtime_env", {}).get("env_vars", {})
+
+
+def test_check_space_names_the_knob_or_value_the_app_cannot_take(template):
+    from autoconfig.knobs import check_space
+    from autoconfig.space import SearchSpace, SpaceError
+
+    def space(**knobs) -> SearchSpace:
+        return SearchSpace.parse({"knobs": knobs})
+
+    check_space(template, "dlrm", space(**{"EmbeddingShard_0.num_replicas": {"values": [1, 2]}}))
+    with pytest.raises(SpaceError, match=r"knobs\.EmbeddingShard_0\.num_replicas\.values\[0\] = 0: Serve refuses"):
+        check_space(template, "dlrm", space(**{"EmbeddingShard_0.num_replicas": {"values": [1, 0]}}))
+    with pytest.raises(SpaceError, match=r"knobs\.EmbeddingShard_0\.health_check_period_s\.x: "
+                                         r"'health_check_period_s' takes a value, not keys"):
+        check_space(template, "dlrm", space(**{"EmbeddingShard_0.health_check_period_s.x": {"values": [1]}}))
+    with pytest.raises(SpaceError, match=r"knobs\.Dense\.num_replicas: application 'dlrm' lists no deployment"):
+        check_space(template, "dlrm", space(**{"Dense.num_replicas": {"values": [1]}}))
+
+
+@pytest.mark.parametrize(("space_name", "app_name"), [("dlrm-joint", "dlrm"), ("diffusion-joint", "diffusion")])
+def test_the_shipped_joint_spaces_fit_the_shipped_apps(template, space_name, app_name):
+    from autoconfig.knobs import check_space
+    from autoconfig.space import SearchSpace
+
+    space = SearchSpace.default(space_name)
+    accelerator = "cpu" if app_name == "dlrm" else "gpu"
+    check_space(template, app_name, space, accelerator=accelerator)
+    last = space.configurations()[-1]
+    configured = configure_serve_config(template, app_name, last, accelerator=accelerator)
+    deployments = _deployments(_app(configured, app_name))
+    if app_name == "dlrm":  # the shard pool moves with the dense pool
+        args = validate_app_args(next(a for a in configured.applications if a.name == "dlrm"))
+        assert args.embedding.replicas_per_shard == last["args.embedding.replicas_per_shard"] == 2
+        for shard in ("EmbeddingShard_0", "EmbeddingShard_1"):
+            assert deployments[shard]["ray_actor_options"]["num_cpus"] == 0.5
+            assert deployments[shard]["ray_actor_options"]["runtime_env"]["env_vars"]["SWIFTSERVE_CPU_SHARE"] == "0.5"
+    else:
+        assert deployments["ControlNet_edges"]["num_replicas"] == last["ControlNet_*.num_replicas"] == 2
+    assert deployments[{"dlrm": "DisaggregatedDLRM", "diffusion": "DiffusionModel"}[app_name]]["num_replicas"] == (
+        last["num_replicas"])
+
+
+def test_an_args_knob_the_builder_refuses_is_named(template):
+    from autoconfig.knobs import check_space
+    from autoconfig.space import SearchSpace, SpaceError
+
+    space = SearchSpace.parse({"knobs": {"args.embedding.replicas_per_shard": {"values": [1, 100]}}})
+    with pytest.raises(SpaceError, match=r"knobs\.args\.embedding\.replicas_per_shard\.values\[1\] = 100: .*"
+                                         r"embedding\.replicas_per_shard"):
+        check_space(template, "dlrm", space)

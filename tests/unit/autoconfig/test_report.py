@@ -6,7 +6,7 @@ import torch
 
 from autoconfig.bank import save_bank
 from autoconfig.cli import main
-from autoconfig.report import best_so_far, performance_surface
+from autoconfig.report import best_so_far, performance_surface, surface_axes
 from autoconfig.searchers import meta_factory
 from autoconfig.searchers.base import Observation
 from autoconfig.space import Configuration, SearchSpace
@@ -82,3 +82,18 @@ def test_meta_searcher_learns_only_from_profiles_over_the_same_knobs():
     alone = meta_factory()(SPACE, 0, same_knobs)
     for name, weight in mixed.weights.items():  # the other-knob profiles were left out of meta-training
         assert torch.equal(weight, alone.weights[name]), name
+
+
+def test_surface_axes_of_a_space_of_dotted_knobs():
+    space = SearchSpace.parse({"knobs": {
+        "M.user_config.mode": {"values": ["fast", "exact"]},
+        "M.num_replicas": {"values": [1, 2]},
+        "M.ray_actor_options.num_cpus": {"values": [0.5, 1.0]},
+        "M.user_config.rows": {"values": [1, 4, 16]},
+    }})
+    # The knob with the most values is the column; of three others, the first with the most values is maxed over.
+    assert surface_axes(space) == ("M.user_config.rows", ("M.num_replicas", "M.ray_actor_options.num_cpus"))
+    config = space.configurations()[-1]  # exact, 2, 1.0, 16
+    surface = performance_surface(space, [Observation(config, 3.0)])
+    assert surface.rows == ((1, 0.5), (1, 1.0), (2, 0.5), (2, 1.0)) and surface.columns == (1, 4, 16)
+    assert surface.values[3, 2] == 3.0 and np.isnan(surface.values).sum() == 11

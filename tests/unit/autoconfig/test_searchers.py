@@ -22,7 +22,7 @@ from autoconfig.searchers import (
 from autoconfig.searchers.meta import bank_surfaces
 from autoconfig.searchers.rgpe import _GP, _NOISE, _kernel
 from autoconfig.space import Configuration, SearchSpace, SpaceError
-from tests.helpers.surfaces import synthetic_bank
+from tests.helpers.surfaces import shortcuts, synthetic_bank
 
 FAST_META = MetaParams(meta_iterations=20, meta_batch=4, adapt_steps=5)
 
@@ -93,7 +93,7 @@ def test_grid_follows_the_enumeration_and_skips_observed(space):
 
 def test_history_outside_the_space_is_refused(space):
     with pytest.raises(SpaceError, match="not in the search space"):
-        RandomSearcher(space).suggest([Observation(Configuration(2, 0.0, 0.5, 1), 1.0)])
+        RandomSearcher(space).suggest([Observation(shortcuts(2, 0.0, 0.5, 1), 1.0)])
 
 
 @pytest.mark.parametrize("cls", [RandomSearcher, TPESearcher, GPSearcher])
@@ -144,7 +144,7 @@ def test_meta_refuses_mismatched_weights_and_surfaces(tmp_path, space, bank):
 def test_meta_first_suggestion_is_the_learned_optimum(space):
     """Surfaces of different scales sharing one peak: the meta-model alone should point at it."""
     features = np.asarray(space.encode_all())
-    peak = space.index(Configuration(16, 0.005, 0.5, 2))
+    peak = space.index(shortcuts(16, 0.005, 0.5, 2))
     shape = 1.0 - np.linalg.norm(features - features[peak], axis=1) / 2
     surfaces = [(features, scale * shape) for scale in (1.0, 30.0, 500.0)]
     searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=MetaParams(meta_iterations=60))
@@ -179,20 +179,21 @@ def test_grid_in_deployment_order_changes_the_costly_knobs_least_often():
     sequence = _walk(GridSearcher(space, order="deployment"))
     assert len(sequence) == len(set(sequence)) == space.size and set(sequence) == set(space.configurations())
     assert sequence != list(space.configurations())  # not the enumeration, whose last knob varies fastest
-    shares = [c.device_share for c in sequence]
+    shares = [c["device_share"] for c in sequence]
     assert shares == sorted(shares)  # each device share once: replicas restart only when it changes...
     restarts = sum(
-        (a.device_share, a.torch_threads) != (b.device_share, b.torch_threads) for a, b in itertools.pairwise(sequence)
+        (a["device_share"], a["torch_threads"]) != (b["device_share"], b["torch_threads"])
+        for a, b in itertools.pairwise(sequence)
     )
-    assert restarts == len({(c.device_share, c.torch_threads) for c in sequence}) - 1  # ...or the threads do
+    assert restarts == len({(c["device_share"], c["torch_threads"]) for c in sequence}) - 1  # ...or the threads do
     # Batching varies fastest: a block of every (batch size, wait) per deployment shape, batch size outermost.
     batching = [(b, w) for b in (1, 4, 16) for w in (0.0, 0.005)]
     for start in range(0, len(sequence), len(batching)):
         block = sequence[start : start + len(batching)]
-        assert [(c.max_batch_size, c.batch_wait_timeout_s) for c in block] == batching
-        assert len({(c.device_share, c.torch_threads, c.num_replicas) for c in block}) == 1
-    assert sequence[0] == Configuration(1, 0.0, 0.5, 1, 1)
-    assert sequence[-1] == Configuration(16, 0.005, 2.0, 1, 2)  # 2 x 2.0 CPUs exceeds max_total_share
+        assert [(c["max_batch_size"], c["batch_wait_timeout_s"]) for c in block] == batching
+        assert len({(c["device_share"], c["torch_threads"], c["num_replicas"]) for c in block}) == 1
+    assert sequence[0] == shortcuts(1, 0.0, 0.5, 1, 1)
+    assert sequence[-1] == shortcuts(16, 0.005, 2.0, 1, 2)  # 2 x 2.0 CPUs exceeds max_total_share
 
 
 def test_grid_in_deployment_order_skips_observed_and_enumeration_stays_the_default(space):
@@ -298,3 +299,17 @@ def _trials_to_optimum(searcher: Searcher, values: np.ndarray) -> int:
         if observation.value == optimum:
             return trials
     raise AssertionError("the optimum was never observed")
+
+
+def test_grid_in_deployment_order_changes_a_dotted_resource_knob_least_often():
+    space = SearchSpace.parse({"knobs": {
+        "M.user_config.rows": {"values": [1, 4]},
+        "M.num_replicas": {"values": [1, 2]},
+        "M.ray_actor_options.num_cpus": {"values": [0.5, 1.0]},
+    }})
+    searcher, history = GridSearcher(space, order="deployment"), []
+    for _ in range(space.size):
+        history.append(Observation(searcher.suggest(history), 1.0))
+    sequence = [o.config for o in history]
+    changes = {name: sum(a[name] != b[name] for a, b in itertools.pairwise(sequence)) for name in space.knob_names}
+    assert changes == {"M.ray_actor_options.num_cpus": 1, "M.num_replicas": 3, "M.user_config.rows": 7}

@@ -31,8 +31,8 @@ def fake_profile(calls: list[Configuration], *, interrupt_at: int | None = None)
         if interrupt_at is not None and len(calls) == interrupt_at:
             raise KeyboardInterrupt  # the process is stopped in the middle of a trial
         calls.append(config)
-        violated = config.max_batch_size == 16 and config.num_replicas == 1
-        rate = 0.0 if violated else float(config.max_batch_size * config.num_replicas)
+        violated = config["max_batch_size"] == 16 and config["num_replicas"] == 1
+        rate = 0.0 if violated else float(config["max_batch_size"] * config["num_replicas"])
         return TrialRecord(app_name="dlrm", configuration=config.as_dict(),
                            status="slo_violated" if violated else "ok", objective_name="max_rate",
                            objective=rate, sustainable_rps=rate, p99_ms=12.5, duration_s=0.1)
@@ -47,7 +47,7 @@ def test_tune_spends_the_budget_and_persists_every_trial(tmp_path):
     assert outcome.ran == 5 and len(calls) == 5
     reopened = TuningStudy.open(url, "dlrm", SPACE)
     assert [o.config for o in reopened.history()] == calls
-    assert all(type(o.config.max_batch_size) is int for o in reopened.history())
+    assert all(type(o.config["max_batch_size"]) is int for o in reopened.history())
     assert reopened.records()[0]["p99_ms"] == 12.5 and reopened.records()[0]["status"] == "ok"
     assert outcome.best.value == max(o.value for o in outcome.history if o.value is not None)
 
@@ -70,7 +70,7 @@ def test_slo_violations_are_failed_trials_and_best_is_the_feasible_maximum(tmp_p
     outcome = tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size + 5)
     assert outcome.exhausted and outcome.ran == SPACE.size
     assert sum(o.value is None for o in outcome.history) == 4  # batch 16 on one replica, x2 waits x2 shares
-    assert outcome.best.config.max_batch_size == 16 and outcome.best.config.num_replicas == 2
+    assert outcome.best.config["max_batch_size"] == 16 and outcome.best.config["num_replicas"] == 2
 
 
 def test_unreachable_storage_and_another_space_are_refused_before_any_trial(tmp_path):
@@ -91,8 +91,8 @@ def test_a_full_grid_study_becomes_a_bank_entry_with_every_status(tmp_path):
     assert entry.objective == "rps" and entry.name == "tiny-dlrm"
     assert sum(trial.status == "slo_violated" for trial in entry.trials) == 4
     for config, value in zip(configs, values, strict=True):
-        violated = config.max_batch_size == 16 and config.num_replicas == 1
-        assert (value != value) if violated else value == config.max_batch_size * config.num_replicas  # NaN
+        violated = config["max_batch_size"] == 16 and config["num_replicas"] == 1
+        assert (value != value) if violated else value == config["max_batch_size"] * config["num_replicas"]  # NaN
 
 
 def test_profile_refuses_a_bad_model_name_before_any_trial(tmp_path, capsys):
@@ -127,7 +127,7 @@ def test_the_best_configurations_are_measured_again_and_the_spread_is_the_entrys
     seen = []
     measured = repeat_best(study, profile, configs=2, runs=3, on_repeat=lambda c, run, r: seen.append((c, run)))
     best = [config for config, _ in measured.items()]
-    assert [(c.max_batch_size, c.num_replicas) for c in best] == [(16, 2), (16, 2)]  # 32 rps, two of them
+    assert [(c["max_batch_size"], c["num_replicas"]) for c in best] == [(16, 2), (16, 2)]  # 32 rps, two of them
     assert len(set(best)) == 2
     assert all(values == pytest.approx([32.0, 35.2, 28.8]) for values in measured.values())
     assert [run for _, run in seen] == [2, 3, 2, 3] and len(calls) == SPACE.size + 4
