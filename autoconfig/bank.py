@@ -34,6 +34,7 @@ class ProfileRecord(BaseModel):
     p50_ms: float | None = Field(None, ge=0.0, description="Median latency at that rate.")
     p99_ms: float | None = Field(None, ge=0.0, description="99th-percentile latency at that rate.")
     error_rate: float | None = Field(None, ge=0.0, le=1.0, description="Fraction of failed requests at that rate.")
+    memory_mib: float | None = Field(None, ge=0.0, description="Resident memory of the app's replicas after the load.")
     status: Status
     objective: float | None = Field(None, ge=0.0, description="The objective; set exactly when status is ok.")
 

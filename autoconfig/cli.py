@@ -7,6 +7,7 @@ the exit code; ``tune`` stopped by Ctrl-C or SIGTERM keeps its finished trials a
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -19,7 +20,8 @@ from rich.table import Table
 from autoconfig import __version__
 
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
-SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm")
+SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm",
+                  "pareto")
 BANK_SEARCHERS = frozenset({"meta", "rgpe", "best-on-average", "prior-only", "tpe-warm"})
 #: Applications with shortcut knobs, a shipped space and a built-in workload: import path -> space name.
 BUILT_IN_KINDS = {"disagg.app:build_app": "dlrm", "serving.app:build_app": "diffusion"}
@@ -59,6 +61,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
 
     from autoconfig.bank import ModelDescription, load_bank
     from autoconfig.knobs import check_space, configure_serve_config, write_serve_config
+    from autoconfig.pareto import Limits
     from autoconfig.searchers import SEARCHERS, GridSearcher
     from autoconfig.serve_config import ServeConfigError, load_serve_config
     from autoconfig.space import SearchSpace, SpaceError, describe_validation_error
@@ -103,6 +106,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             workload = workload_for_app(app.import_path, app.args, workload_description)
         settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                                   rel_tolerance=args.tolerance, min_requests=args.min_requests)
+        limits = Limits(max_memory_mib=args.max_memory_mib)
     except ValidationError as error:  # the rate search's options, named as SearchSettings fields
         console.print(f"[red]error:[/red] {describe_validation_error(error)}")
         return 2
@@ -148,7 +152,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 progress.advance(bar)
                 progress.console.print(f"trial {number}: {config.as_dict()} -> {_outcome(record)}")
 
-            outcome = tune(study, searcher, profile, budget=args.budget, on_trial=report)
+            outcome = tune(study, searcher, profile, budget=args.budget, limits=limits, on_trial=report)
             if profiling and len(outcome.history) == space.size and args.repeats > 1:
                 progress.update(bar, total=args.budget + args.repeat_best * (args.repeats - 1))
 
@@ -183,6 +187,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                       + ("" if noise is None else f"; measurement noise (median std/mean of {len(entry.repeats)} "
                          f"repeated configurations): {noise:.1%}"))
         return 0
+    front = _print_front(console, study.records(), limits)
+    if args.front_out:
+        Path(args.front_out).write_text(json.dumps(front, indent=1) + "\n")
+        console.print(f"wrote the Pareto front to {args.front_out}")
     if outcome.best is None:
         closest = min(study.records(), key=lambda r: r.get("p99_ms") or float("inf"), default=None)
         console.print(f"[red]no configuration met the p99 SLO of {args.slo_p99_ms:g} ms[/red]"
@@ -266,7 +274,7 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             space, title, objective = entry.space, f"profile {entry.name}", entry.objective
             history = [Observation(trial.config, trial.objective) for trial in entry.trials]
             records = [{"config": trial.config.as_dict(), "status": trial.status, "sustainable_rps": trial.rps or 0.0,
-                        "achieved_rps": trial.achieved_rps, "p99_ms": trial.p99_ms,
+                        "achieved_rps": trial.achieved_rps, "p99_ms": trial.p99_ms, "memory_mib": trial.memory_mib,
                         "objective": trial.objective or 0.0} for trial in entry.trials]
         else:
             study = TuningStudy.load(args.storage, args.study)
@@ -286,7 +294,8 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     else:
         console.print(f"{len(history)} trials of {space.size}; best {best.config.as_dict()} "
                       f"({objective} {best.value:.2f}, found at trial {history.index(best) + 1})")
-    console.print(f"plot: {plot_report(space, history, args.plot, title=title, objective=objective)}")
+    _print_front(console, records)
+    console.print(f"plot: {plot_report(space, history, args.plot, title=title, objective=objective, records=records)}")
     return 0
 
 
@@ -294,6 +303,23 @@ def _outcome(record) -> str:
     """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line."""
     achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
     return f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
+
+
+def _print_front(console: Console, records: list[dict], limits=None) -> list[dict]:
+    """Print the Pareto front of ``records`` (objective up, p99 and memory down, within ``limits``) and return
+    it, best objective first."""
+    from autoconfig.pareto import front_metrics, pareto_front
+
+    front = [records[i] for i in pareto_front(records, limits)]
+    metrics = front_metrics(records)
+    table = Table(title=f"Pareto front ({', '.join(metrics)})")
+    for column in ("configuration", *metrics):
+        table.add_column(column)
+    for record in front:
+        table.add_row(str(record["config"]), *(f"{record[name]:.2f}" for name in metrics))
+    if front:
+        console.print(table)
+    return [{"config": record["config"], **{name: record[name] for name in metrics}} for record in front]
 
 
 def _print_trials(console: Console, records: list[dict]) -> None:
@@ -351,10 +377,14 @@ def build_parser() -> argparse.ArgumentParser:
     _trial_arguments(tune)
     tune.add_argument("--budget", type=int, default=12, help="finished trials the study should hold")
     tune.add_argument("--searcher", choices=SEARCHER_NAMES, default="tpe",
-                      help="meta, rgpe, best-on-average, prior-only and tpe-warm learn from --bank")
+                      help="meta, rgpe, best-on-average, prior-only and tpe-warm learn from --bank; pareto spreads "
+                           "trials along the front of objective and p99 (multi-objective TPE, limits as constraints)")
     tune.add_argument("--bank", help="profile bank directory (the meta searcher learns from it)")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--out", default="tuned_serve_config.yaml", help="where to write the chosen Serve config")
+    tune.add_argument("--max-memory-mib", type=float, default=None, help="limit: a configuration whose replicas "
+                      "hold more resident memory than this (measured after its load) counts as not met")
+    tune.add_argument("--front-out", default=None, help="JSON file for the Pareto front (objective, p99, memory)")
     tune.set_defaults(run=_tune)
 
     profile = commands.add_parser("profile", help="profile every configuration of the space into a bank entry")
@@ -365,7 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the best ones), to state the measurement noise in the entry")
     profile.add_argument("--repeats", type=int, default=3, help="measurements of each of them, the first included "
                          "(1: none repeated)")
-    profile.set_defaults(run=_tune)
+    profile.set_defaults(run=_tune, max_memory_mib=None, front_out=None)  # a profile records every trial as is
 
     evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")
     evaluate.add_argument("--bank", required=True, help="profile bank directory (one JSON file per model)")

@@ -1,18 +1,20 @@
 """``autoconfig report``: what a study (or a profile-bank entry) measured, as a table and one PNG.
 
-The PNG has two panels: the search progress (each trial's objective in order, and the best so far) and the
-performance surface (``performance_surface``).
+The PNG has three panels: the search progress (each trial's objective in order, and the best so far), the
+performance surface (``performance_surface``) and the trade-off of objective and p99 with its Pareto front.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from matplotlib.figure import Figure
 
+from autoconfig.pareto import pareto_front
 from autoconfig.searchers.base import Observation
 from autoconfig.space import SearchSpace
 
@@ -62,12 +64,12 @@ def best_so_far(history: Sequence[Observation]) -> np.ndarray:
 
 
 def plot_report(space: SearchSpace, history: Sequence[Observation], path: str | Path, *, title: str,
-                objective: str) -> Path:
-    """Write the two-panel PNG (progress, surface) of ``history`` to ``path``."""
+                objective: str, records: Sequence[Mapping[str, Any]] = ()) -> Path:
+    """Write the PNG (progress, surface, and the front of ``records``, the trials' measurements) to ``path``."""
     if not history:
         raise ValueError("nothing to plot: no finished trial")
-    figure = Figure(figsize=(12, 4.8))
-    progress, heat = figure.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.2]})
+    figure = Figure(figsize=(17, 4.8))
+    progress, heat, trade_off = figure.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1.2, 1]})
     trials = np.arange(1, len(history) + 1)
     progress.scatter(trials, [o.value or 0.0 for o in history], s=12, color="tab:blue", label="trial")
     progress.step(trials, best_so_far(history), where="post", color="tab:red", label="best so far")
@@ -87,8 +89,23 @@ def plot_report(space: SearchSpace, history: Sequence[Observation], path: str | 
         if np.isfinite(value):
             heat.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7, color="white")
     figure.colorbar(image, ax=heat, label=objective)
+    _plot_front(trade_off, records, objective)
     figure.suptitle(title)
     figure.tight_layout()
     path = Path(path)
     figure.savefig(path, dpi=110)
     return path
+
+
+def _plot_front(axes: Any, records: Sequence[Mapping[str, Any]], objective: str) -> None:
+    """Objective against p99 of the ok trials, the Pareto front (objective up, p99 and memory down) joined."""
+    ok = [record for record in records if record.get("status") == "ok" and record.get("p99_ms") is not None]
+    axes.scatter([r["p99_ms"] for r in ok], [r["objective"] for r in ok], s=12, color="tab:blue", label="ok trial")
+    front = sorted((records[i] for i in pareto_front(records) if records[i].get("p99_ms") is not None),
+                   key=lambda record: record["p99_ms"])
+    axes.plot([r["p99_ms"] for r in front], [r["objective"] for r in front], "o-", color="tab:red", label="front")
+    axes.set_xlabel("p99 latency at that rate (ms)")
+    axes.set_ylabel(objective)
+    axes.set_title("trade-off and Pareto front")
+    if ok:
+        axes.legend(loc="lower right")

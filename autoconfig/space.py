@@ -195,17 +195,24 @@ class SearchSpace(BaseModel):
         None, gt=0.0, description="Configurations whose total share (replicas x share per replica, summed over "
         "the deployments whose two are knobs) is above this are left out."
     )
+    max_replicas: int | None = Field(
+        None, ge=1, description="Configurations whose replicas (num_replicas plus every Deployment.num_replicas "
+        "knob) add up to more than this are left out."
+    )
 
     @model_validator(mode="after")
     def _bounded(self) -> SearchSpace:
         grid = math.prod(len(self.values(name)) for name in self.knob_names)
         if grid > MAX_SPACE_SIZE:
             raise ValueError(f"knobs: {grid} combinations, more than the limit of {MAX_SPACE_SIZE}")
+        if self.max_replicas is not None and not self._replica_knobs:
+            raise ValueError("max_replicas: needs num_replicas or a Deployment.num_replicas knob")
         if self.max_total_share is not None and not self._share_pairs:
             raise ValueError("max_total_share: needs device_share and num_replicas, or a deployment's num_replicas "
                              "and ray_actor_options.num_cpus (or num_gpus), as knobs")
         if not self.configurations():
-            raise ValueError(f"max_total_share: {self.max_total_share} leaves no configuration")
+            limit = "max_total_share" if self.max_total_share is not None else "max_replicas"
+            raise ValueError(f"{limit}: {getattr(self, limit)} leaves no configuration")
         return self
 
     @classmethod
@@ -311,6 +318,15 @@ class SearchSpace(BaseModel):
         span = scaled[-1] - scaled[0]
         return (scaled - scaled[0]) / span if span > 0 else np.full_like(scaled, 0.5)
 
+    def total_replicas(self, config: Mapping[str, Any]) -> int:
+        """``num_replicas`` plus every ``Deployment.num_replicas`` knob of ``config`` (a pattern counts once)."""
+        return sum(int(config[name]) for name in self._replica_knobs)
+
+    @cached_property
+    def _replica_knobs(self) -> tuple[str, ...]:
+        return tuple(name for name in self.knobs if name == "num_replicas" or (
+            name.endswith(".num_replicas") and name.count(".") == 1 and not name.startswith("args.")))
+
     @cached_property
     def _share_pairs(self) -> tuple[tuple[str, str], ...]:
         """(replicas knob, share-per-replica knob) of each deployment that has both as knobs."""
@@ -329,10 +345,12 @@ class SearchSpace(BaseModel):
             Configuration(dict(zip(names, combo, strict=True)))
             for combo in itertools.product(*(self.values(name) for name in names))
         )
-        if self.max_total_share is None:
+        share_limit = math.inf if self.max_total_share is None else self.max_total_share + 1e-9
+        replica_limit = math.inf if self.max_replicas is None else self.max_replicas
+        if math.isinf(share_limit) and math.isinf(replica_limit):
             return tuple(configs)
-        limit = self.max_total_share + 1e-9
-        return tuple(c for c in configs if self.total_share(c) <= limit)
+        return tuple(c for c in configs if (math.isinf(share_limit) or self.total_share(c) <= share_limit)
+                     and self.total_replicas(c) <= replica_limit)
 
     @cached_property
     def _index(self) -> dict[Configuration, int]:

@@ -101,6 +101,7 @@ class TuningStudy:
                 p50_ms=record.get("p50_ms"),
                 p99_ms=record.get("p99_ms"),
                 error_rate=record.get("error_rate"),
+                memory_mib=record.get("memory_mib"),
                 status=record["status"],
                 objective=_objective(record),
             )

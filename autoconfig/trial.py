@@ -109,13 +109,6 @@ def deployment_resources(app_details: Mapping[str, Any], accelerator: Accelerato
     return held
 
 
-def client_details(app_name: str) -> dict[str, Any]:
-    """Serve's details of one running application."""
-    from ray.serve._private.api import get_global_client
-
-    return get_global_client().get_serve_details()["applications"].get(app_name, {})
-
-
 def replica_memory_mib(app_details: Mapping[str, Any]) -> float | None:
     """Resident memory (RSS) of every running replica of an app, summed, in MiB: read from this node's processes;
     None when a replica runs on another node (or none runs)."""
@@ -134,9 +127,9 @@ def replica_memory_mib(app_details: Mapping[str, Any]) -> float | None:
 
 def _deploy(
     app: ServeApplicationSchema, template: ServeDeploySchema, http_port: int | None, timeout_s: float
-) -> tuple[str, float, dict[str, Any]]:
+) -> tuple[str, float, dict[str, Any], Any]:
     """Deploy ``app`` beside the running declarative apps; the base URL of its route prefix, the start time
-    (``time.time()``) of its newest model replica, and Serve's details of the deployed app."""
+    (``time.time()``) of its newest model replica, Serve's details of the deployed app, and Serve's client."""
     client = start_serve(template, http_port=http_port or free_port())
     instance = client.get_serve_details()
     kept = instance.get("applications", {}).get(app.name, {}).get("deployed_app_config")
@@ -165,7 +158,7 @@ def _deploy(
     host = client.http_config.host
     host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     details = client.get_serve_details()["applications"][app.name]
-    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}", newest, details
+    return f"http://{host}:{client.http_config.port}{app.route_prefix.rstrip('/')}", newest, details, client
 
 
 #: Options Serve changes on running replicas (or by adding and removing replicas), no restart. Serve fills the
@@ -314,7 +307,7 @@ def run_trial(
         _check_cluster_fits(app, accelerator)
         emit(TrialEvent(phase="deploy", message=f"deploying {app_name} as {trial_app_name} at {dict(configuration)}"))
         deploying = True
-        base_url, newest_replica, details = _deploy(app, template, http_port, deploy_timeout_s)
+        base_url, newest_replica, details, serve_client = _deploy(app, template, http_port, deploy_timeout_s)
         held = deployment_resources(details, accelerator)  # every deployment's share: shards, ingress...
         fields |= {"resources": sum(held.values()), "deployment_resources": held}
         if newest_replica >= started_wall:  # this trial started replicas: their first requests run cold
@@ -324,7 +317,8 @@ def run_trial(
             _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
         )
         fields |= search_fields(result, search.min_requests)
-        fields["memory_mib"] = replica_memory_mib(client_details(trial_app_name))  # after the load: tables, pools
+        after_load = serve_client.get_serve_details()["applications"].get(trial_app_name, {})
+        fields["memory_mib"] = replica_memory_mib(after_load)  # after the load: tables, caches, pools
     except Exception as exc:
         fields["error"] = f"{type(exc).__name__}: {exc}"
     finally:

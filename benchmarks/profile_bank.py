@@ -40,19 +40,19 @@ class BankModel:
 
 #: Models whose optima differ: compute per request (rows), SLO, table size and storage, and layout.
 MODELS = (
-    BankModel("dlrm-tiny-rows1-slo10", "dlrm-tiny", "rows_per_request=1", 10, 32),
-    BankModel("dlrm-tiny-rows16-slo50", "dlrm-tiny", "rows_per_request=16", 50, 32),
-    BankModel("dlrm-tiny-rows256-slo100", "dlrm-tiny", "rows_per_request=256", 100, 8),
+    BankModel("dlrm-tiny-rows16-slo100", "dlrm-tiny", "rows_per_request=16", 100, 8),
+    BankModel("dlrm-tiny-rows1-slo40", "dlrm-tiny", "rows_per_request=1", 40, 8),
+    BankModel("dlrm-tiny-rows256-slo200", "dlrm-tiny", "rows_per_request=256", 200, 4),
     BankModel("dlrm-tiny-rows1024-slo500", "dlrm-tiny", "rows_per_request=1024", 500, 2),
-    BankModel("dlrm-tiny-rows64-slo15", "dlrm-tiny", "rows_per_request=64", 15, 16),
-    BankModel("dlrm-small-rows64-slo100", "dlrm-small", "rows_per_request=64", 100, 16),
-    BankModel("dlrm-small-rows512-slo300", "dlrm-small", "rows_per_request=512", 300, 4),
-    BankModel("dlrm-small-rows4-slo20", "dlrm-small", "rows_per_request=4", 20, 32),
-    BankModel("dlrm-tiny-disagg-rows64-slo100", "dlrm-tiny-disagg-shards", "rows_per_request=64", 100, 16),
-    BankModel("dlrm-tiny-disagg-rows512-slo300", "dlrm-tiny-disagg-shards", "rows_per_request=512", 300, 4),
-    BankModel("dlrm-tiny-disagg-rows8-slo30", "dlrm-tiny-disagg-shards", "rows_per_request=8", 30, 16),
-    BankModel("dlrm-small-int8-disagg-rows128-slo150", "dlrm-small-int8-disagg-shards", "rows_per_request=128",
-              150, 8),
+    BankModel("dlrm-tiny-rows64-slo40", "dlrm-tiny", "rows_per_request=64", 40, 8),
+    BankModel("dlrm-small-rows64-slo100", "dlrm-small", "rows_per_request=64", 100, 8),
+    BankModel("dlrm-small-rows512-slo300", "dlrm-small", "rows_per_request=512", 300, 2),
+    BankModel("dlrm-small-rows4-slo60", "dlrm-small", "rows_per_request=4", 60, 8),
+    BankModel("dlrm-tiny-disagg-rows64-slo150", "dlrm-tiny-disagg-shards", "rows_per_request=64", 150, 4),
+    BankModel("dlrm-tiny-disagg-rows512-slo400", "dlrm-tiny-disagg-shards", "rows_per_request=512", 400, 2),
+    BankModel("dlrm-tiny-disagg-rows8-slo80", "dlrm-tiny-disagg-shards", "rows_per_request=8", 80, 4),
+    BankModel("dlrm-small-int8-disagg-rows128-slo200", "dlrm-small-int8-disagg-shards", "rows_per_request=128",
+              200, 4),
 )
 
 

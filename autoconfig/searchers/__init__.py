@@ -3,7 +3,7 @@
 from autoconfig.searchers.base import Observation, Searcher, SearcherFactory, SpaceExhausted
 from autoconfig.searchers.grid import GridSearcher
 from autoconfig.searchers.meta import MetaParams, MetaSearcher, meta_factory
-from autoconfig.searchers.optuna_searchers import GPSearcher, TPESearcher
+from autoconfig.searchers.optuna_searchers import GPSearcher, ParetoSearcher, TPESearcher
 from autoconfig.searchers.random import RandomSearcher
 from autoconfig.searchers.rgpe import RGPESearcher
 from autoconfig.searchers.transfer import BestOnAverageSearcher, WarmTPESearcher
@@ -20,6 +20,8 @@ SEARCHERS: dict[str, SearcherFactory] = {
     "tpe-warm": lambda space, seed, prior: WarmTPESearcher(space, seed, prior),
     # Transfer with uncertainty: a ranking-weighted GP ensemble of the other models and this one's trials.
     "rgpe": lambda space, seed, prior: RGPESearcher(space, seed, prior),
+    # Multi-objective: the objective and the p99, under the limits (Optuna's constraints).
+    "pareto": lambda space, seed, prior: ParetoSearcher(space, seed),
 }
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "MetaParams",
     "MetaSearcher",
     "Observation",
+    "ParetoSearcher",
     "RGPESearcher",
     "RandomSearcher",
     "Searcher",

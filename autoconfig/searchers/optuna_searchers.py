@@ -35,6 +35,14 @@ class OptunaSearcher(Searcher):
     def _sampler(self) -> BaseSampler:
         """A fresh sampler seeded with ``self.seed``."""
 
+    def _directions(self) -> list[str]:
+        return ["maximize"]
+
+    def _trial(self, observation: Observation, value: float) -> optuna.trial.FrozenTrial:
+        """``observation`` as a finished Optuna trial (``value``: its objective, 0 when not met)."""
+        return create_trial(params=self._params(observation.config), distributions=self._distributions,
+                            value=float(value))
+
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
         study = self._sync(history)
         trial = study.ask(self._distributions)
@@ -48,14 +56,13 @@ class OptunaSearcher(Searcher):
             verbosity = optuna.logging.get_verbosity()
             optuna.logging.set_verbosity(optuna.logging.WARNING)
             try:
-                self._study = optuna.create_study(direction="maximize", sampler=self._sampler())
+                self._study = optuna.create_study(directions=self._directions(), sampler=self._sampler())
             finally:
                 optuna.logging.set_verbosity(verbosity)
             self._told = []
         new = history[len(self._told) :]
         for observation, value in zip(new, objective_values(new), strict=True):
-            self._study.add_trial(create_trial(params=self._params(observation.config),
-                                               distributions=self._distributions, value=float(value)))
+            self._study.add_trial(self._trial(observation, value))
         self._told.extend(new)
         return self._study
 
@@ -77,3 +84,23 @@ class GPSearcher(OptunaSearcher):
 
     def _sampler(self) -> BaseSampler:
         return GPSampler(seed=self.seed)
+
+
+class ParetoSearcher(OptunaSearcher):
+    """Optuna's multi-objective TPE over the objective (up) and the p99 latency at that rate (down), with the
+    limits as its constraints (a trial's ``violation``; > 0 is over): it spreads trials along the front instead of
+    climbing to one optimum. A trial with no latency (failed) is a failed Optuna trial."""
+
+    def _directions(self) -> list[str]:
+        return ["maximize", "minimize"]
+
+    def _sampler(self) -> BaseSampler:
+        return TPESampler(seed=self.seed)
+
+    def _trial(self, observation: Observation, value: float) -> optuna.trial.FrozenTrial:
+        p99 = observation.metrics.get("p99_ms")
+        common = {"params": self._params(observation.config), "distributions": self._distributions}
+        trial = create_trial(state=TrialState.FAIL, **common) if p99 is None else create_trial(
+            values=[float(value), p99], **common)
+        trial.set_constraint("limits", observation.metrics.get("violation", 0.0))
+        return trial
