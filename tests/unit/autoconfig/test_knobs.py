@@ -319,6 +319,7 @@ def test_the_shipped_joint_spaces_fit_the_shipped_apps(template, space_name, app
     if app_name == "dlrm":  # the shard pool moves with the dense pool
         args = validate_app_args(next(a for a in configured.applications if a.name == "dlrm"))
         assert args.embedding.replicas_per_shard == last["args.embedding.replicas_per_shard"] == 2
+        assert args.embedding.torch_threads == last["args.embedding.torch_threads"] == 2
         for shard in ("EmbeddingShard_0", "EmbeddingShard_1"):
             assert deployments[shard]["ray_actor_options"]["num_cpus"] == 0.5
             assert deployments[shard]["ray_actor_options"]["runtime_env"]["env_vars"]["SWIFTSERVE_CPU_SHARE"] == "0.5"
