@@ -2,8 +2,8 @@
 
 Requests leave on a seeded schedule whether or not earlier ones were answered, and latency counts from each
 request's *scheduled* send time; timeouts, transport errors and non-2xx answers are errors. The rate search
-doubles the rate with short scouting probes until the SLO breaks, then decides with probes of at least
-``min_requests`` requests and bisects (docs/AUTOCONFIG.md, "The rate search").
+doubles the rate with short scouting probes until the SLO breaks, decides with probes of at least ``min_requests``
+requests, bisects with scouts and decides the bracket they leave (docs/AUTOCONFIG.md, "The rate search").
 """
 
 from __future__ import annotations
@@ -291,7 +291,8 @@ class StressClient:
         on_probe: Callable[[Probe], None] | None = None,
     ) -> RateSearchResult:
         """Double the rate with scouts (``probe_s`` long) until one breaks the SLO; decide the rates at the top
-        with deciding probes (``min_requests``), going down until one holds; then bisect with deciding probes.
+        with deciding probes (``min_requests``), going down until one holds; then bisect with scouts to the
+        tolerance and decide both ends of the bracket, again until the decided rates are within the tolerance.
         ``on_probe`` sees every probe as it finishes."""
         return await _RateSearch(self, slo_p99_ms, settings or SearchSettings(), on_probe).run()
 
@@ -316,6 +317,7 @@ class _RateSearch:
         self.good: Probe | None = None
         self.bad_rate: float | None = None
         self.stop: StopReason | None = None
+        self._scouts_trusted = True
 
     async def run(self) -> RateSearchResult:
         settings = self._settings
@@ -331,12 +333,12 @@ class _RateSearch:
                 rate = min(2 * self.good.result.rate, settings.max_rps)
         if self.stop is None and self.good is None:
             self.stop = "unsustainable"
-        while self.stop is None:  # bisection between good and bad_rate, every probe deciding
+        while self.stop is None:  # between the decided good and bad_rate: bisect with scouts, decide the bracket
             assert self.good is not None and self.bad_rate is not None
             if (self.bad_rate - self.good.result.rate) / self.good.result.rate <= settings.rel_tolerance:
                 self.stop = "converged"
-            elif (taken := await self._probe((self.good.result.rate + self.bad_rate) / 2, deciding=True)) is not None:
-                self._judge(taken)
+            else:
+                await self._narrow()
         good = self.good
         return RateSearchResult(
             slo_p99_ms=self._slo_p99_ms,
@@ -374,6 +376,35 @@ class _RateSearch:
             self._judge(taken)
             if taken.sustainable:
                 return
+
+    async def _narrow(self) -> None:
+        """Move ``good`` up or ``bad_rate`` down. While scouts have not been contradicted: bisect between them with
+        scouts to the tolerance, then decide the bracket the scouts left, its lower end (if above ``good``), then
+        its upper end (if below ``bad_rate``); a deciding probe that contradicts its scout ends the trust (scouts
+        of this server read the SLO otherwise than deciding probes) and the bisection goes on with deciding
+        probes only."""
+        assert self.good is not None and self.bad_rate is not None
+        low, high = self.good.result.rate, self.bad_rate
+        if not self._scouts_trusted:
+            if (taken := await self._probe((low + high) / 2, deciding=True)) is not None:
+                self._judge(taken)
+            return
+        while (high - low) / low > self._settings.rel_tolerance:
+            taken = await self._probe((low + high) / 2, deciding=False)
+            if taken is None:
+                return
+            if taken.deciding:  # long enough to decide by itself
+                self._judge(taken)
+            low, high = (taken.result.rate, high) if taken.sustainable else (low, taken.result.rate)
+        for rate, end in ((low, self.good.result.rate), (high, self.bad_rate)):
+            if rate != end:
+                taken = await self._probe(rate, deciding=True)
+                if taken is None:
+                    return
+                self._judge(taken)
+                if taken.sustainable != (rate == low):
+                    self._scouts_trusted = False
+                    return
 
     def _judge(self, taken: Probe) -> None:
         rate = taken.result.rate

@@ -107,13 +107,54 @@ def test_search_finds_the_rate_where_a_queueing_server_saturates():
     scouts = result.probes[:3]
     assert [probe.result.rate for probe in scouts] == [50, 100, 200]  # doubled with scouts until one broke
     assert not any(probe.deciding for probe in scouts) and not scouts[2].sustainable
-    decided = [(probe.result.rate, probe.sustainable) for probe in result.probes[3:5]]
-    assert decided == [(200, False), (100, True)]  # decided from the top down until a rate held
-    assert all(probe.deciding and probe.result.planned == requests for probe in result.probes[3:])
+    decided = [(probe.result.rate, probe.sustainable, probe.deciding) for probe in result.probes[3:5]]
+    assert decided == [(200, False, True), (100, True, True)]  # decided from the top down until a rate held
+    assert all(probe.result.planned == requests for probe in result.probes if probe.deciding)
     assert result.best.rate == result.sustainable_rps and result.best.p99_ms <= slo_ms
     assert result.best.planned == requests
     bad = min(probe.result.rate for probe in result.probes if probe.deciding and not probe.sustainable)
     assert (bad - result.sustainable_rps) / result.sustainable_rps <= 0.025  # bisected to the tolerance
+
+
+class RateSearchDouble:
+    """Stands in for the stress client in a rate search: a probe holds up to ``scout_capacity`` rps when it plans
+    fewer than ``min_requests`` requests (a scout), up to ``capacity`` when it plans more (a deciding probe)."""
+
+    def __init__(self, capacity: float, scout_capacity: float, min_requests: int) -> None:
+        self.capacity, self.scout_capacity, self.min_requests = capacity, scout_capacity, min_requests
+
+    async def measure(self, rate, duration_s, *, slo_p99_ms=None, requests=None) -> LoadResult:
+        planned = requests or round(rate * duration_s)
+        limit = self.capacity if planned >= self.min_requests else self.scout_capacity
+        p99 = 5.0 if rate <= limit else 10 * slo_p99_ms
+        return LoadResult(rate=rate, duration_s=duration_s, planned=planned, completed=planned, errors=0,
+                          p50_ms=p99 / 2, p99_ms=p99, achieved_rps=rate)
+
+
+def _search_double(double: RateSearchDouble) -> object:
+    from autoconfig.stress import _RateSearch
+
+    search = SearchSettings(start_rps=50, probe_s=1.0, min_requests=double.min_requests)
+    return asyncio.run(_RateSearch(double, 50.0, search, None).run())
+
+
+def test_scouts_bisect_and_deciding_probes_only_confirm_the_bracket_they_leave():
+    result = _search_double(RateSearchDouble(capacity=137, scout_capacity=137, min_requests=400))
+    assert result.stop_reason == "converged" and 137 * 0.975 <= result.sustainable_rps <= 137
+    deciding = [(p.result.rate, p.sustainable) for p in result.probes if p.deciding]
+    # The doubling's top two, then the two ends of the bracket the scouts bisected to 2.5%: four in all (bisecting
+    # with deciding probes took seven).
+    assert deciding[:2] == [(200, False), (100, True)] and len(deciding) == 4
+    assert deciding[2][1] and not deciding[3][1] and (deciding[3][0] - deciding[2][0]) / deciding[2][0] <= 0.025
+
+
+def test_scouts_contradicted_by_a_deciding_probe_leave_the_bisection_to_deciding_probes():
+    result = _search_double(RateSearchDouble(capacity=120, scout_capacity=160, min_requests=400))
+    assert result.stop_reason == "converged" and 120 * 0.975 <= result.sustainable_rps <= 120
+    after = [p for p in result.probes[5:] if p.result.rate < 160]
+    first_contradiction = next(i for i, p in enumerate(after) if p.deciding and not p.sustainable)
+    assert all(p.deciding for p in after[first_contradiction:])  # no scout is trusted after it
+    assert result.best.planned >= 400
 
 
 class ColdStartServer:
