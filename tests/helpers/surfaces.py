@@ -23,6 +23,7 @@ def shortcuts(*values: float) -> Configuration:
     """A configuration of the shortcut knobs, in ``KNOB_NAMES`` order (``torch_threads`` only when given)."""
     return Configuration(dict(zip(KNOB_NAMES, values, strict=False)))
 
+
 _NOISE = 0.03
 
 
