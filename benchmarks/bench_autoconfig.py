@@ -35,7 +35,8 @@ STRONG_BASELINES = ("best-on-average", "prior-only", "tpe-warm", "tpe", "gp")
 
 
 def surface_facts(entries) -> list[dict[str, object]]:
-    """Per model: size, feasible share, optimum, and how many configurations lie within 5% of it."""
+    """Per model: size, feasible share, optimum, how many configurations lie within 5% of it, and the measurement
+    noise of its entry (median std/mean of its repeated configurations; None without repeats)."""
     facts = []
     for entry in entries:
         configs, values = entry.surface()
@@ -46,6 +47,7 @@ def surface_facts(entries) -> list[dict[str, object]]:
             "feasible": int(np.isfinite(values).sum()),
             "within_5pct": int((feasible >= 0.95 * values[best]).sum()),
             "optimum": configs[best].as_dict(), "optimum_objective": float(values[best]),
+            "noise": entry.noise(),
         })
     return facts
 
@@ -106,10 +108,11 @@ def main() -> None:
     lines = [
         f"# autoconfig replay on the measured profile bank ({len(entries)} models, {args.seeds} seeds, "
         f"leave-one-model-out)", "",
-        "| model | configurations | feasible | within 5% of optimum | optimum | objective |",
-        "|---|---|---|---|---|---|",
+        "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise |",
+        "|---|---|---|---|---|---|---|",
         *(f"| {f['model']} | {f['configurations']} | {f['feasible']} | {f['within_5pct']} | {f['optimum']} | "
-          f"{f['optimum_objective']:.1f} |" for f in facts), "",
+          f"{f['optimum_objective']:.1f} | {'-' if f['noise'] is None else format(f['noise'], '.1%')} |"
+          for f in facts), "",
         "| searcher | within 5%: median | p90 | mean | median / space | to optimum: median | p90 | mean |",
         "|---|---|---|---|---|---|---|---|",
         *(f"| {name} | {s['within_median']:.1f} | {s['within_p90']:.1f} | {s['within_mean']:.1f} | "
