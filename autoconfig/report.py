@@ -32,10 +32,13 @@ class Surface:
 
 
 def surface_axes(space: SearchSpace) -> tuple[str, tuple[str, ...]]:
-    """The surface's column knob (``max_batch_size``, else the knob with the most values) and row knobs (the others,
-    but for the one with the most values when three or more remain, which the cells take the best over)."""
+    """The surface's column knob and row knobs. With the shortcuts: batch size by device share x replicas (the
+    cells take the best over the other knobs). Otherwise the knob with the most values by the others, but for the
+    one with the most values when three or more remain."""
     names = space.knob_names
-    column = "max_batch_size" if "max_batch_size" in names else max(names, key=lambda n: len(space.values(n)))
+    if space.has_shortcuts:
+        return "max_batch_size", ("device_share", "num_replicas")
+    column = max(names, key=lambda n: len(space.values(n)))
     rest = [name for name in names if name != column]
     if len(rest) >= 3:
         rest.remove(max(rest, key=lambda n: len(space.values(n))))
