@@ -9,9 +9,7 @@ so building them costs nothing while the client measures latency. A ``TemplateWo
 
 from __future__ import annotations
 
-import base64
 import inspect
-import io
 import json
 import math
 import re
@@ -23,7 +21,6 @@ from typing import Any, Protocol
 
 import numpy as np
 import yaml
-from PIL import Image
 
 from disagg.api.codec import encode_dlrm_request
 from disagg.spec import preset_spec
@@ -216,8 +213,8 @@ def diffusion_workload(
     controlnets: str | None = None,
 ) -> Workload:
     """OpenAI ``/v1/images/generations`` requests: small images, few steps, a distinct seed and prompt each;
-    ``controlnets`` (names joined by ``+``) conditions each request on those ControlNets with a white-square
-    image."""
+    ``controlnets`` (names joined by ``+``) conditions each request on those ControlNets with a white square on
+    black."""
     if steps < 1 or n < 1 or pool_size < 1:
         raise ValueError("steps, n and pool_size must be >= 1")
     base: dict[str, Any] = {"num_inference_steps": steps, "n": n}
@@ -226,19 +223,14 @@ def diffusion_workload(
     if size is not None:
         base["size"] = size
     if controlnets:
-        image = _square_png_b64(64)
+        from serving.controlnet.conditioning import encode_image  # diffusers: only when ControlNets are asked for
+
+        square = np.zeros((64, 64, 3), np.uint8)
+        square[16:48, 16:48] = 255
+        image = encode_image(square)
         base["controlnets"] = [{"name": name, "image": image} for name in str(controlnets).split("+")]
     pool = [json.dumps({**base, "prompt": f"a small red cube, view {i}", "seed": i}).encode() for i in range(pool_size)]
     return Workload("POST", "/v1/images/generations", _cycling(pool))
-
-
-def _square_png_b64(size: int) -> str:
-    """A white square on black, ``size`` pixels wide, as base64 PNG (a ControlNet's conditioning image)."""
-    image = np.zeros((size, size, 3), np.uint8)
-    image[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 255
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def parse_workload_options(text: str | None) -> dict[str, Any]:

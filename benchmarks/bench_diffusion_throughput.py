@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import io
 import itertools
 import json
 import statistics
@@ -80,6 +78,7 @@ from serving.config import (
     GenerationDefaults,
     LoRAConfig,
 )
+from serving.controlnet.conditioning import encode_image
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
 from serving.deployments.ingress import ImagesIngress
 from serving.deployments.pinning import pin_replica
@@ -135,16 +134,10 @@ def request_body(request: TraceRequest, seed: int, args: argparse.Namespace) -> 
     return json.dumps({
         "prompt": PROMPT, "size": f"{args.size}x{args.size}", "num_inference_steps": args.steps,
         "guidance_scale": 7.5, "seed": seed,
-        "controlnets": [{"name": f"cn{i}", "image": _png_b64(conditioning_image(args.size, i)),
+        "controlnets": [{"name": f"cn{i}", "image": encode_image(conditioning_image(args.size, i)),
                          "conditioning_scale": 1.0} for i in request.controlnets],
         "loras": [{"name": f"lora{i}", "scale": 0.8} for i in request.loras],
     }).encode()
-
-
-def _png_b64(image: np.ndarray) -> str:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _workload(bodies: list[bytes]) -> Workload:

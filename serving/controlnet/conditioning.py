@@ -46,6 +46,13 @@ class ConditioningImageError(ValueError):
     """The conditioning image cannot be used; the message says why."""
 
 
+def encode_image(image: np.ndarray) -> str:
+    """An RGB uint8 array [H, W, 3] as base64 PNG: what a request's ``image`` field takes (``decode_image``)."""
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def decode_image(data: str, *, max_bytes: int, max_pixels: int, max_side: int = DEFAULT_MAX_SIDE) -> np.ndarray:
     """A base64 PNG or JPEG (optionally a ``data:`` URL) as an RGB uint8 array [H, W, 3].
 

@@ -21,6 +21,7 @@ from disagg.api.protocol import InferRequest
 from disagg.config import DLRMLimits
 from disagg.spec import preset_spec
 from serving.api.protocol import ImageGenerationRequest
+from serving.controlnet.conditioning import decode_image
 
 WORKLOAD = Workload("POST", "/models/m/infer", lambda index: f'{{"i": {index}}}'.encode())
 
@@ -354,6 +355,12 @@ def test_workload_options_change_the_requests_and_unknown_ones_are_named():
     )
     request = ImageGenerationRequest.model_validate_json(images.body(0))
     assert (request.model, request.size, request.num_inference_steps, request.n) == ("tiny", "64x64", 2, 2)
+    assert request.controlnets == []
+    conditioned = workload_for_app("serving.app:build_app", {}, parse_workload_options("controlnets=edges+depth"))
+    controls = ImageGenerationRequest.model_validate_json(conditioned.body(3)).controlnets
+    assert [control.name for control in controls] == ["edges", "depth"]
+    square = decode_image(controls[0].image, max_bytes=2**20, max_pixels=2**20)
+    assert square.shape == (64, 64, 3) and square[32, 32].tolist() == [255] * 3 and square[0, 0].tolist() == [0] * 3
     with pytest.raises(ValueError, match=r"workload option 'steps' is not one of dlrm_workload's: .*rows_per_request"):
         workload_for_app("disagg.app:build_app", args, {"rows_per_request": 2, "steps": 4})
     with pytest.raises(ValueError, match="workload option 'rows_per_request' is not one of diffusion_workload's"):

@@ -11,7 +11,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from serving.controlnet.client import ControlNetNotFound, LocalControlNets
-from serving.controlnet.conditioning import ConditioningImageError, decode_image, preprocess
+from serving.controlnet.conditioning import ConditioningImageError, decode_image, encode_image, preprocess
 from serving.controlnet.models import build_controlnet_preset
 from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, GenerationParams
@@ -142,6 +142,13 @@ def test_decode_accepts_png_jpeg_and_data_urls():
     assert np.array_equal(decode_image(encode_b64(image), max_bytes=2**20, max_pixels=2**20), image)
     jpeg = decode_image("data:image/jpeg;base64," + encode_b64(image, "JPEG"), max_bytes=2**20, max_pixels=2**20)
     assert jpeg.shape == (64, 64, 3) and np.abs(jpeg.astype(int) - image).mean() < 10
+
+
+def test_encode_image_is_what_decode_image_reads_back_exactly():
+    image = _shape_image("disk")
+    encoded = encode_image(image)
+    assert base64.b64decode(encoded)[:8] == b"\x89PNG\r\n\x1a\n"
+    assert np.array_equal(decode_image(encoded, max_bytes=2**20, max_pixels=2**20), image)
 
 
 @pytest.mark.parametrize(
