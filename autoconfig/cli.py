@@ -187,7 +187,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                       + ("" if noise is None else f"; measurement noise (median std/mean of {len(entry.repeats)} "
                          f"repeated configurations): {noise:.1%}"))
         return 0
-    front = _print_front(console, study.records(), limits)
+    front = _print_front(console, study.records())  # the trials over a limit carry their violation
     if args.front_out:
         Path(args.front_out).write_text(json.dumps(front, indent=1) + "\n")
         console.print(f"wrote the Pareto front to {args.front_out}")
@@ -305,12 +305,12 @@ def _outcome(record) -> str:
     return f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
 
 
-def _print_front(console: Console, records: list[dict], limits=None) -> list[dict]:
-    """Print the Pareto front of ``records`` (objective up, p99 and memory down, within ``limits``) and return
-    it, best objective first."""
+def _print_front(console: Console, records: list[dict]) -> list[dict]:
+    """Print the Pareto front of ``records`` (objective up, p99 and memory down, within the limits the study
+    applied) and return it, best objective first."""
     from autoconfig.pareto import front_metrics, pareto_front
 
-    front = [records[i] for i in pareto_front(records, limits)]
+    front = [records[i] for i in pareto_front(records)]
     metrics = front_metrics(records)
     table = Table(title=f"Pareto front ({', '.join(metrics)})")
     for column in ("configuration", *metrics):

@@ -48,13 +48,14 @@ def front_metrics(records: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
 
 
 def pareto_front(records: Sequence[Mapping[str, Any]], limits: Limits | None = None) -> list[int]:
-    """Indices of the ok records within ``limits`` that no other such record dominates on :func:`front_metrics`,
-    by descending objective (equal points all kept)."""
+    """Indices of the ok records within the limits (``limits``, and those a study applied: a stored ``violation``
+    above 0 is out) that no other such record dominates on :func:`front_metrics`, by descending objective (equal
+    points all kept)."""
     limits = limits or Limits()
     metrics = front_metrics(records)
     sign = dict(FRONT_METRICS)
-    candidates = [i for i, record in enumerate(records)
-                  if record.get("status") == "ok" and limits.violation(record)[0] == 0.0]
+    candidates = [i for i, record in enumerate(records) if record.get("status") == "ok"
+                  and not record.get("violation") and limits.violation(record)[0] == 0.0]
     points = {i: tuple(sign[name] * float(records[i][name]) for name in metrics) for i in candidates}
     front = [i for i in candidates if not any(dominates(points[j], points[i]) for j in candidates if j != i)]
     return sorted(front, key=lambda i: -float(records[i]["objective"]))

@@ -51,6 +51,7 @@ def test_the_front_keeps_what_nothing_beats_on_objective_p99_and_memory():
     assert front_metrics(records) == ("objective", "p99_ms", "memory_mib")
     assert pareto_front(records) == [0, 1, 3]
     assert pareto_front(records, Limits(max_memory_mib=200)) == [3]  # the limit leaves one
+    assert pareto_front([{**records[0], "violation": 0.5}, *records[1:]]) == [1, 3]  # over the study's limit
     records[3]["memory_mib"] = None  # memory unmeasured somewhere: the front is over objective and p99
     assert front_metrics(records) == ("objective", "p99_ms") and pareto_front(records) == [0, 1]
     assert dominates((2, -1), (1, -1)) and not dominates((1, -1), (1, -1))
