@@ -8,10 +8,14 @@ study. Storage layout, resume and durability: docs/AUTOCONFIG.md, "Studies".
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import optuna
+import sqlalchemy
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
@@ -34,6 +38,32 @@ def sqlite_url(path: str) -> str:
     return f"sqlite:///{path}"
 
 
+def _storage(storage_url: str) -> optuna.storages.BaseStorage:
+    """Optuna storage at ``storage_url``. A new SQLite file appears whole: SQLite commits each ``CREATE`` on its own,
+    and a process killed between a table and its unique index would leave a schema that stores a study twice."""
+    url = sqlalchemy.engine.make_url(storage_url)
+    if url.get_backend_name() == "sqlite" and url.database not in (None, "", ":memory:") and "uri" not in url.query:
+        path = Path(url.database)
+        if not path.exists():
+            _create_sqlite_schema(url, path)
+    return optuna.storages.get_storage(storage_url)
+
+
+def _create_sqlite_schema(url: sqlalchemy.engine.URL, path: Path) -> None:
+    """Builds Optuna's schema in a fresh sibling file, then links it to ``path`` (atomic; a process that linked
+    first wins). A kill mid-way leaves only the hidden ``.partial`` sibling."""
+    handle, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(handle)
+    try:
+        created = optuna.storages.RDBStorage(url.set(database=partial).render_as_string(hide_password=False))
+        created.engine.dispose()
+        os.link(partial, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(partial)
+
+
 class TuningStudy:
     """The finished trials of one tuning run of one application, in Optuna storage."""
 
@@ -46,7 +76,7 @@ class TuningStudy:
         """The study ``name`` in ``storage_url``, created if new; refuses an unreachable storage before any trial
         runs, and a stored study whose search space differs from ``space``."""
         try:
-            storage = optuna.storages.get_storage(storage_url)
+            storage = _storage(storage_url)
             study = optuna.create_study(storage=storage, study_name=name, direction="maximize", load_if_exists=True)
         except Exception as error:  # sqlalchemy / driver errors carry the useful text
             raise StudyError(f"cannot open study {name!r} in storage {storage_url!r}: {error}") from error

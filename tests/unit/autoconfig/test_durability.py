@@ -22,6 +22,7 @@ import sqlite3
 import statistics
 import sys
 import time
+import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
@@ -34,15 +35,17 @@ from typing import Any
 import optuna
 import pytest
 import ray
+import sqlalchemy
 import yaml
 from optuna.distributions import CategoricalDistribution
+from optuna.storages._rdb import models
 from optuna.trial import FrozenTrial, TrialState
 
 import autoconfig.trial
 from autoconfig.cli import main
 from autoconfig.searchers import GridSearcher, RandomSearcher
 from autoconfig.space import Configuration, SearchSpace
-from autoconfig.study import TuningStudy, sqlite_url
+from autoconfig.study import StudyError, TuningStudy, sqlite_url
 from autoconfig.trial import TrialRecord
 from autoconfig.tuner import tune
 from tests.helpers import REPO
@@ -111,10 +114,14 @@ def _tune_telling_the_parent(url: str, seed: int, marks: Connection) -> None:
         mark("finished", number=number, config=config.as_dict(), measured=record.model_dump(include=MEASURED))
 
     mark("opening")
-    study = _MarkedStudy.open(url, STUDY, SPACE)
-    study.mark = mark
-    mark("opened")
-    tune(study, RandomSearcher(SPACE, seed=seed), profile, budget=BUDGET, on_trial=report)
+    try:
+        study = _MarkedStudy.open(url, STUDY, SPACE)
+        study.mark = mark
+        mark("opened")
+        tune(study, RandomSearcher(SPACE, seed=seed), profile, budget=BUDGET, on_trial=report)
+    except Exception:
+        mark("failed", error=traceback.format_exc())  # for the parent's assertion: stderr is shared with Ray's logs
+        raise
 
 
 # Where a kill is aimed: after the n-th marker of a kind (n up to 1 or 2 per child), then a random part of that
@@ -182,7 +189,8 @@ def _run_child(context: BaseContext, url: str, seed: int, anchor: str, occurrenc
     child.join(SILENT_CHILD_S)
     _drain(reader, run)
     run.killed = child.exitcode == -signal.SIGKILL
-    assert run.killed or child.exitcode == 0, f"the child failed with exit code {child.exitcode}"
+    failures = [marker["error"] for _, marker in run.markers if marker["phase"] == "failed"]
+    assert run.killed or child.exitcode == 0, f"the child failed with exit code {child.exitcode}: {failures}"
     return run
 
 
@@ -260,6 +268,27 @@ def test_a_tune_sigkilled_at_many_points_keeps_every_finished_trial_and_complete
           f"{typical_ms}; finished trials lost: 0 of {len(reported)} reported")
     assert phases.total() >= 20 and all(phases[target] >= 2 for target, *_ in TARGETS), phases
     assert outcomes["hot journal left"] >= 1 and outcomes["stored, unreported"] >= 1, outcomes
+
+
+def test_a_storage_whose_creation_died_is_not_left_half_made(tmp_path, monkeypatch):
+    """SQLite commits each CREATE on its own: a death after the studies table and before its unique index would let
+    every later open create the study again. The file appears whole or not at all."""
+    db = tmp_path / "studies.db"
+
+    def dies_after_the_first_table(bind: Any, **_: Any) -> None:
+        with bind.begin() as connection:
+            connection.execute(sqlalchemy.schema.CreateTable(models.BaseModel.metadata.tables["studies"]))
+        raise RuntimeError("killed while creating the schema")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(models.BaseModel.metadata, "create_all", dies_after_the_first_table)
+        with pytest.raises(StudyError, match="killed while creating the schema"):
+            TuningStudy.open(sqlite_url(db), STUDY, SPACE)
+    assert list(tmp_path.iterdir()) == []  # neither the storage nor the sibling it was built in
+    for _ in range(2):
+        TuningStudy.open(sqlite_url(db), STUDY, SPACE)
+    with closing(sqlite3.connect(db)) as connection:
+        assert connection.execute("SELECT count(*) FROM studies").fetchone() == (1,)
 
 
 def test_an_unfinished_trial_in_the_storage_is_neither_a_result_nor_a_block(tmp_path):
