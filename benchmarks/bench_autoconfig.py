@@ -27,7 +27,7 @@ from autoconfig.bank import load_bank
 from autoconfig.evaluate import plot_progress, replay_table
 from autoconfig.replay import replay
 from autoconfig.searchers import SEARCHERS
-from benchmarks.common import RESULTS, provenance
+from benchmarks.records import RESULTS, provenance
 
 BASELINES = ("random", "tpe", "gp", "best-on-average", "prior-only", "tpe-warm")
 #: The baselines the meta searcher must beat (issue 21): the best of these is ``best_baseline_median_trials``.

@@ -53,18 +53,8 @@ import torch
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
-from benchmarks.common import (
-    RESULTS,
-    conditioning_image,
-    diffusion_arguments,
-    evict_from_page_cache,
-    machine,
-    provenance,
-    summary,
-    timed,
-    write_attention_lora,
-    write_results,
-)
+from benchmarks.common import conditioning_image, diffusion_arguments, evict_from_page_cache, write_attention_lora
+from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
 from serving.common.device import pin_process, resolve_device
 from serving.config import EngineConfig, LoRAConfig
 from serving.controlnet.client import LocalControlNets

@@ -55,17 +55,14 @@ from ray.serve import Application
 
 from autoconfig.workloads import Workload
 from benchmarks.common import (
-    RESULTS,
     Outcomes,
     conditioning_image,
-    machine,
     open_loop,
     poisson_offsets,
-    provenance,
     ranges_overlap,
     write_attention_lora,
-    write_results,
 )
+from benchmarks.records import RESULTS, machine, provenance, write_results
 from serving.app import build_app
 from serving.common.device import DTYPES, resolve_device
 from serving.common.net import free_port

@@ -44,7 +44,8 @@ from ray.serve.handle import DeploymentHandle
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config
-from benchmarks.common import RESULTS, machine, provenance, ranges_overlap, write_results
+from benchmarks.common import ranges_overlap
+from benchmarks.records import RESULTS, machine, provenance, write_results
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import diffusion_arguments, machine, summary, timed, write_attention_lora, write_results
+from benchmarks.common import diffusion_arguments, write_attention_lora
+from benchmarks.records import machine, summary, timed, write_results
 from serving.config import EngineConfig
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
 from serving.lora.cache import LoRACache

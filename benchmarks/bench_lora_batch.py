@@ -31,15 +31,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (
-    RESULTS,
-    machine,
-    provenance,
-    summary,
-    timed,
-    write_attention_lora,
-    write_results,
-)
+from benchmarks.common import write_attention_lora
+from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
 from serving.common.device import resolve_device, set_torch_threads
 from serving.config import LoRAConfig
 from serving.engine import DiffusionEngine

@@ -37,7 +37,8 @@ from ray import serve
 
 from autoconfig.serve_config import deploy_serve_config, load_serve_config
 from autoconfig.workloads import diffusion_workload, dlrm_workload
-from benchmarks.common import RESULTS, Outcomes, closed_loop, machine, open_loop, poisson_offsets, write_results
+from benchmarks.common import Outcomes, closed_loop, open_loop, poisson_offsets
+from benchmarks.records import RESULTS, machine, write_results
 from disagg.config import DLRMAppConfig
 from disagg.deployments.app import ingress_options
 from serving.common.memory import serve_processes

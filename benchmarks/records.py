@@ -1,0 +1,82 @@
+"""Where benchmark numbers come from and where they go: the machine, the commit and command, timing summaries,
+and the result files (``<name>.json`` + ``<name>.md``). Imports torch only, so it runs on a bare GPU machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def machine() -> dict[str, object]:
+    """Where the numbers were measured."""
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {
+        "device": device,
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    models = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return models[0] if models else platform.processor() or platform.machine()
+
+
+def provenance() -> dict[str, str]:
+    """``commit`` (``-dirty`` when the tree has changes), ``date`` (UTC) and the ``command`` that ran."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "HEAD") or "unknown"
+    if git("status", "--porcelain"):
+        commit += "-dirty"
+    script = Path(sys.argv[0]).resolve()
+    module = ".".join(script.relative_to(REPO).with_suffix("").parts) if script.is_relative_to(REPO) else str(script)
+    return {"commit": commit, "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "command": shlex.join(["python", "-m", module, *sys.argv[1:]])}
+
+
+def timed(run: Callable[[], object], repeats: int) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls of ``run``."""
+    seconds = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - started)
+    return seconds
+
+
+def summary(seconds: list[float]) -> dict[str, float]:
+    return {"mean_s": statistics.fmean(seconds), "median_s": statistics.median(seconds),
+            "min_s": min(seconds), "max_s": max(seconds), "runs": len(seconds)}
+
+
+def write_results(name: str, payload: dict, table: str, directory: Path = RESULTS) -> None:
+    """``<directory>/<name>.json`` (everything) and ``<name>.md`` (the table people read); ``results/`` by
+    default."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (directory / f"{name}.md").write_text(table + "\n")
