@@ -22,7 +22,8 @@ def resolve_device(requested: str = "auto") -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {requested!r} requested but CUDA is not available")
     if device.type == "cuda" and constants.CUDA_MEMORY_FRACTION is not None:
-        torch.cuda.set_per_process_memory_fraction(constants.CUDA_MEMORY_FRACTION, device)
+        index = torch.cuda.current_device() if device.index is None else device.index  # torch refuses a bare "cuda"
+        torch.cuda.set_per_process_memory_fraction(constants.CUDA_MEMORY_FRACTION, index)
     return device
 
 

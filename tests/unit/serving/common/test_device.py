@@ -1,4 +1,5 @@
-"""CPU core pinning: ``cores_for`` picks a replica's cores, ``pin_thread`` / ``pin_process`` apply them."""
+"""CPU core pinning: ``cores_for`` picks a replica's cores, ``pin_thread`` / ``pin_process`` apply them;
+``resolve_device`` applies a GPU share's memory cap."""
 
 import os
 import threading
@@ -6,7 +7,8 @@ import threading
 import pytest
 import torch
 
-from serving.common.device import cores_for, pin_process, pin_thread
+from serving.common import constants
+from serving.common.device import cores_for, pin_process, pin_thread, resolve_device
 
 
 def _start_reader(go: threading.Event | None = None) -> tuple[threading.Thread, list[set[int]]]:
@@ -78,3 +80,16 @@ def test_pinning_to_bad_cores_is_refused_and_changes_nothing(restore_affinity, p
         pin(cores)
     assert os.sched_getaffinity(0) == set(restore_affinity)
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize(("requested", "current", "index"), [("cuda", 1, 1), ("auto", 0, 0), ("cuda:2", 0, 2)])
+def test_a_gpu_share_caps_the_allocator_of_the_device_the_replica_uses(monkeypatch, requested, current, index):
+    """torch refuses a bare ``cuda`` device here (it wants an index): the cap goes to the current device's index."""
+    capped: list[tuple[float, object]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: capped.append((f, device)))
+    monkeypatch.setattr(constants, "CUDA_MEMORY_FRACTION", 0.25)
+    monkeypatch.setattr(constants, "DEVICE_OVERRIDE", "")
+    assert resolve_device(requested).type == "cuda"
+    assert capped == [(0.25, index)] and type(capped[0][1]) is int
