@@ -21,7 +21,7 @@ from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeDeploySchema
 
 from autoconfig.serve_config import validate_app_args
-from autoconfig.space import SearchSpace, SpaceError, describe_validation_error, is_path_knob
+from autoconfig.space import SearchSpace, SpaceError, describe_validation_error, is_path_knob, shortcut_values
 
 Accelerator = Literal["cpu", "gpu"]
 CUDA_MEMORY_FRACTION_ENV = "SWIFTSERVE_CUDA_MEMORY_FRACTION"
@@ -163,7 +163,7 @@ def apply_knobs(
     deployment or no option, or a GPU share above 1 that is not whole.
     """
     app = copy.deepcopy(dict(app))
-    shortcuts = {name: value for name, value in configuration.items() if not is_path_knob(name)}
+    shortcuts = shortcut_values(configuration)
     if shortcuts:
         _apply_shortcuts(app, shortcuts, accelerator, mps)
     for knob, value in configuration.items():

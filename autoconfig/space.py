@@ -157,6 +157,11 @@ def is_path_knob(name: str) -> bool:
     return name not in _SHORTCUT_KNOBS
 
 
+def shortcut_values(configuration: Mapping[str, Any]) -> dict[str, Any]:
+    """The shortcut knobs of ``configuration`` and their values (empty for a space of dotted paths only)."""
+    return {name: value for name, value in configuration.items() if not is_path_knob(name)}
+
+
 def _parse_knobs(raw: Any) -> dict[str, _Knob]:
     if not isinstance(raw, Mapping):
         raise ValueError("knobs: must be a mapping of knob name to {values: [...]}")

@@ -21,7 +21,7 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
-from autoconfig.space import is_path_knob
+from autoconfig.space import shortcut_values
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
 from autoconfig.workloads import RequestSource
 from serving.common.net import free_port
@@ -287,7 +287,7 @@ def run_trial(
     fields: dict[str, Any] = {"status": "failed", "sustainable_rps": 0.0}
     deploying = False
     try:
-        shortcuts = {name: value for name, value in configuration.items() if not is_path_knob(name)}
+        shortcuts = shortcut_values(configuration)
         if shortcuts:
             knobs = Knobs.model_validate(shortcuts)
             fields |= {"device_share": knobs.device_share, "num_replicas": knobs.num_replicas,
