@@ -104,6 +104,9 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         else:
             workload_description = parse_workload_options(args.workload)
             workload = workload_for_app(app.import_path, app.args, workload_description)
+        # What was tuned, as a bank entry records it: the bank's searchers weigh alike models more.
+        description = {"app": args.app, "args": app.args, "workload": workload_description,
+                       "slo_p99_ms": args.slo_p99_ms}
         settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
                                   rel_tolerance=args.tolerance, min_requests=args.min_requests)
         limits = Limits(max_memory_mib=args.max_memory_mib)
@@ -120,7 +123,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     # A profile walks the grid in deployment order: the kept trial app restarts replicas a few times per grid.
     try:
         searcher = (GridSearcher(space, order="deployment") if profiling
-                    else SEARCHERS[args.searcher](space, args.seed, prior))
+                    else SEARCHERS[args.searcher](space, args.seed, prior, target=description))
     except ValueError as error:  # a bank with no profile over this space's knobs
         console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}")
         return 2
@@ -175,8 +178,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         if len(outcome.history) < space.size:
             console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
             return 1
-        entry = study.to_bank_entry({"name": args.model_name, "app": args.app, "args": app.args,
-                                     "workload": workload_description}, _machine(), args.objective)
+        entry = study.to_bank_entry({"name": args.model_name, **description}, _machine(), args.objective)
         path = Path(args.bank) / f"{args.model_name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         entry.save(path)

@@ -71,7 +71,7 @@ def replay(
         for m, (entry, values) in enumerate(zip(entries, surfaces, strict=True)):
             prior = [other for i, other in enumerate(entries) if i != m]
             for s, seed in enumerate(seeds):
-                searcher = factory(entry.space, seed, prior)
+                searcher = factory(entry.space, seed, prior, target=entry.model.model_dump())
                 curve = _run(searcher, values, min(budget or entry.space.size, entry.space.size))
                 curves[m, s, : len(curve)] = curve
                 curves[m, s, len(curve) :] = curve[-1]

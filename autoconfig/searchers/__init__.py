@@ -9,19 +9,20 @@ from autoconfig.searchers.rgpe import RGPESearcher
 from autoconfig.searchers.transfer import BestOnAverageSearcher, WarmTPESearcher
 
 SEARCHERS: dict[str, SearcherFactory] = {
-    "grid": lambda space, seed, prior: GridSearcher(space),
-    "random": lambda space, seed, prior: RandomSearcher(space, seed),
-    "tpe": lambda space, seed, prior: TPESearcher(space, seed),
-    "gp": lambda space, seed, prior: GPSearcher(space, seed),
+    "grid": lambda space, seed, prior, target=None: GridSearcher(space),
+    "random": lambda space, seed, prior, target=None: RandomSearcher(space, seed),
+    "tpe": lambda space, seed, prior, target=None: TPESearcher(space, seed),
+    "gp": lambda space, seed, prior, target=None: GPSearcher(space, seed),
     "meta": meta_factory(),
     # Baselines that use the bank too: no learning, the meta-learned prior without adapting, warm-started TPE.
-    "best-on-average": lambda space, seed, prior: BestOnAverageSearcher(space, prior),
+    "best-on-average": lambda space, seed, prior, target=None: BestOnAverageSearcher(space, prior),
     "prior-only": meta_factory(adapt=False),
-    "tpe-warm": lambda space, seed, prior: WarmTPESearcher(space, seed, prior),
+    "tpe-warm": lambda space, seed, prior, target=None: WarmTPESearcher(space, seed, prior),
     # Transfer with uncertainty: a ranking-weighted GP ensemble of the other models and this one's trials.
-    "rgpe": lambda space, seed, prior: RGPESearcher(space, seed, prior),
+    # Before it ranks two trials, the other models weigh by how alike their descriptions are to ``target``.
+    "rgpe": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior, target=target),
     # Multi-objective: the objective and the p99, under the limits (Optuna's constraints).
-    "pareto": lambda space, seed, prior: ParetoSearcher(space, seed),
+    "pareto": lambda space, seed, prior, target=None: ParetoSearcher(space, seed),
 }
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -61,9 +61,11 @@ class Searcher(ABC):
 
 
 class SearcherFactory(Protocol):
-    """Builds a searcher for ``space``; ``prior`` are profiles of other models (used by the meta searcher)."""
+    """Builds a searcher for ``space``; ``prior`` are profiles of other models (used by the searchers that learn
+    from a bank), ``target`` the description of the model to tune, as a bank entry's ``model`` (when known)."""
 
-    def __call__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> Searcher: ...
+    def __call__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry],
+                 target: Mapping[str, Any] | None = None) -> Searcher: ...
 
 
 def objective_values(history: Sequence[Observation]) -> np.ndarray:

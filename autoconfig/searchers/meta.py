@@ -6,8 +6,9 @@ Each suggestion adapts the meta-weights to the trials so far and maximises ``aft
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -148,7 +149,8 @@ def meta_factory(params: MetaParams | None = None, *, adapt: bool = True) -> Sea
     """A factory that meta-trains, with the run's seed, on the prior entries over the same knobs as the space
     (``adapt=False``: the prior-only ranking)."""
 
-    def build(space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> Searcher:
+    def build(space: SearchSpace, seed: int, prior: Sequence[BankEntry],
+              target: Mapping[str, Any] | None = None) -> Searcher:
         # Only surfaces over the same knobs share the surrogate's inputs (DLRM and diffusion spaces may differ).
         usable = [entry for entry in prior if entry.space.knob_names == space.knob_names]
         if not usable:

@@ -1,15 +1,18 @@
 """Transfer with uncertainty: a ranking-weighted ensemble of Gaussian processes (RGPE, Feurer et al. 2018).
 
 One GP per other model's profile (its surface divided by its best, failures 0) and one on this model's trials so
-far (divided by their best). Each GP is weighted by how often, over posterior samples, it ranks the trials seen
-so far best (pairwise misrankings; the target GP judged leave-one-out); a prior GP that misranks more than the
-target GP's 95th percentile gets no weight. The ensemble's mean is the weighted mean, its variance the
-weighted sum of variances with squared weights, and the next configuration maximises expected improvement.
+far (divided by their best). Before ``rank_from`` trials each other model weighs by how alike its description is
+to this model's (``context``; equal weights without a description). From then on each GP is weighted by how often,
+over posterior samples, it ranks the trials seen so far best (pairwise misrankings; the target GP, from
+``_TARGET_AFTER`` trials, judged leave-one-out), times that likeness; a prior GP that misranks more than the
+target GP's 95th percentile gets no weight. The ensemble's mean is the weighted mean, its variance the weighted
+sum of variances with squared weights, and the next configuration maximises expected improvement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 from scipy.linalg import cho_factor, cho_solve
@@ -17,6 +20,7 @@ from scipy.stats import norm
 
 from autoconfig.bank import BankEntry
 from autoconfig.searchers.base import Observation, Searcher, objective_values
+from autoconfig.searchers.context import context_weights
 from autoconfig.searchers.transfer import prior_surfaces
 from autoconfig.space import SearchSpace
 
@@ -65,31 +69,40 @@ def _kernel(a: np.ndarray, b: np.ndarray, lengthscale: float) -> np.ndarray:
 class RGPESearcher(Searcher):
     """Ranking-weighted GP ensemble over the prior profiles and the trials so far; expected improvement."""
 
-    def __init__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry], samples: int = 256) -> None:
+    def __init__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry], samples: int = 256, *,
+                 target: Mapping[str, Any] | None = None, rank_from: int = 2) -> None:
         super().__init__(space)
         self._rng = np.random.default_rng(seed)
         self._samples = samples
+        self._rank_from = max(rank_from, 2)  # one trial ranks nothing
         points = np.asarray(space.encode_all())
         self._points = points
         self._base: list[tuple[np.ndarray, np.ndarray]] = []  # each prior GP's mean and sd at every configuration
         for row in prior_surfaces(space, prior):
             known = ~np.isnan(row)
             self._base.append(_GP(points[known], row[known]).predict(points))
+        usable = [entry.model.model_dump() for entry in prior if entry.space.knob_names == space.knob_names]
+        self.likeness = (np.full(len(usable), 1.0 / len(usable)) if target is None
+                         else context_weights(target, usable))
 
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
         means = [mean for mean, _ in self._base]
         sds = [sd for _, sd in self._base]
-        weights = np.full(len(self._base), 1.0 / len(self._base))
+        weights = self.likeness
         if history:
             values = objective_values(history)
             scale = values.max() if values.max() > 0 else 1.0
             targets = values / scale
             indices = np.array([self.space.index(o.config) for o in history])
+            target = None
             if len(history) >= _TARGET_AFTER:
                 target = _GP(self._points[indices], targets)
                 mean, sd = target.predict(self._points)
-                weights = self._weights(indices, targets, target)
                 means, sds = [*means, mean], [*sds, sd]
+            if len(history) >= self._rank_from:
+                weights = self._weights(indices, targets, target)
+            elif target is not None:  # no ranking yet: the target's GP waits for it
+                weights = np.append(weights, 0.0)
         mean = sum(w * m for w, m in zip(weights, means, strict=True))
         sd = np.sqrt(sum(w**2 * s**2 for w, s in zip(weights, sds, strict=True)))
         # The incumbent in the ensemble's own units: its mean at the best trial so far.
@@ -100,17 +113,23 @@ class RGPESearcher(Searcher):
         score[observed] = -np.inf
         return int(np.argmax(score))
 
-    def _weights(self, indices: np.ndarray, targets: np.ndarray, target: _GP) -> np.ndarray:
-        """Each model's share of posterior samples in which it misranks the fewest pairs of trials."""
+    def _weights(self, indices: np.ndarray, targets: np.ndarray, target: _GP | None) -> np.ndarray:
+        """Each model's share of posterior samples in which it misranks the fewest pairs of trials (ties shared),
+        the other models' shares times their likeness; the target's GP last when it has one."""
         draws = [self._rng.normal(mean[indices], sd[indices], size=(self._samples, len(indices)))
                  for mean, sd in self._base]
-        loo_mean, loo_sd = target.loo()
-        draws.append(self._rng.normal(loo_mean, loo_sd, size=(self._samples, len(indices))))
+        if target is not None:
+            loo_mean, loo_sd = target.loo()
+            draws.append(self._rng.normal(loo_mean, loo_sd, size=(self._samples, len(indices))))
         losses = np.stack([_misranked(draw, targets) for draw in draws])  # (models, samples)
-        threshold = np.percentile(losses[-1], 95)
-        losses[:-1][np.median(losses[:-1], axis=1) > threshold] = np.iinfo(np.int64).max
+        if target is not None:
+            threshold = np.percentile(losses[-1], 95)
+            losses[:-1][np.median(losses[:-1], axis=1) > threshold] = np.iinfo(np.int64).max
         winners = losses == losses.min(axis=0, keepdims=True)
         shares = (winners / winners.sum(axis=0, keepdims=True)).sum(axis=1)
+        shares[: len(self._base)] *= self.likeness * len(self._base)  # equal likeness leaves the shares as they are
+        if not shares.sum() > 0:
+            return np.append(self.likeness, 0.0) if target is not None else self.likeness
         return shares / shares.sum()
 
 

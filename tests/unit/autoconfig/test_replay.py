@@ -102,14 +102,14 @@ def test_replay_metrics_on_a_hand_made_bank():
     entries = [entry("a", [1.0, 9.6, 3.0, 10.0]), entry("b", [5.0, np.nan, 2.0, 1.0]), entry("c", [np.nan, 2, 4, 8])]
     calls = []
 
-    def grid(space, seed, prior):
-        calls.append((seed, sorted(e.name for e in prior)))
+    def grid(space, seed, prior, target=None):
+        calls.append((seed, sorted(e.name for e in prior), target["name"]))
         return GridSearcher(space)
 
     result = replay({"grid": grid}, entries, seeds=[0, 1])
     report = result.searchers["grid"]
-    assert calls[:2] == [(0, ["b", "c"]), (1, ["b", "c"])]  # leave-one-model-out
-    assert sorted(calls[2][1]) == ["a", "c"]
+    assert calls[:2] == [(0, ["b", "c"], "a"), (1, ["b", "c"], "a")]  # leave-one-model-out, told which model
+    assert sorted(calls[2][1]) == ["a", "c"] and calls[2][2] == "b"
     np.testing.assert_array_equal(report.trials_to_optimum, [[4, 4], [1, 1], [4, 4]])
     np.testing.assert_array_equal(report.trials_to_within, [[2, 2], [1, 1], [4, 4]])
     np.testing.assert_allclose(report.best_so_far[0, 0], [0.1, 0.96, 0.96, 1.0])

@@ -1,4 +1,4 @@
-"""Searchers on synthetic surfaces: no repeats, exhaustion, determinism, meta-weights."""
+"""Searchers on synthetic surfaces: no repeats, exhaustion, determinism, meta-weights, likeness of models."""
 
 import itertools
 
@@ -19,6 +19,7 @@ from autoconfig.searchers import (
     TPESearcher,
     WarmTPESearcher,
 )
+from autoconfig.searchers.context import context_weights, description_distance
 from autoconfig.searchers.meta import bank_surfaces
 from autoconfig.searchers.rgpe import _GP, _NOISE, _kernel
 from autoconfig.space import Configuration, SearchSpace, SpaceError
@@ -313,3 +314,53 @@ def test_grid_in_deployment_order_changes_a_dotted_resource_knob_least_often():
     sequence = [o.config for o in history]
     changes = {name: sum(a[name] != b[name] for a, b in itertools.pairwise(sequence)) for name in space.knob_names}
     assert changes == {"M.ray_actor_options.num_cpus": 1, "M.num_replicas": 3, "M.user_config.rows": 7}
+
+
+def test_description_distance_counts_decades_mismatches_and_one_sided_subtrees():
+    mono = {"name": "a", "app": "dlrm-tiny", "workload": {"rows_per_request": 16}, "slo_p99_ms": 40.0,
+            "args": {"serving": "monolithic", "quantized": False}}
+    disagg = {"name": "b", "app": "dlrm-tiny", "workload": {"rows_per_request": 160}, "slo_p99_ms": 100.0,
+              "args": {"serving": "disaggregated", "quantized": False, "embedding": {"num_shards": 2, "x": 1}}}
+    assert description_distance(mono, {**mono, "name": "other"}) == 0.0  # the name is not the model
+    # rows: 1 decade; SLO: log10(2.5); serving: 1; the embedding subtree, on one side only: 1
+    assert description_distance(mono, disagg) == pytest.approx(1 + np.log10(2.5) + 1 + 1)
+    assert description_distance(disagg, mono) == description_distance(mono, disagg)
+    assert description_distance({"args": {"quantized": True}}, {"args": {"quantized": False}}) == 1.0
+    assert description_distance({"slo_p99_ms": 0}, {"slo_p99_ms": 50}) == 1.0  # no decades from zero
+
+
+def test_context_weights_sum_to_one_and_favour_the_alike_models():
+    target = {"workload": {"rows_per_request": 16}, "slo_p99_ms": 40}
+    others = [{"workload": {"rows_per_request": 1600}, "slo_p99_ms": 40},
+              {"workload": {"rows_per_request": 16}, "slo_p99_ms": 400},
+              {"workload": {"rows_per_request": 16}, "slo_p99_ms": 40}]
+    weights = context_weights(target, others)
+    assert weights.sum() == pytest.approx(1.0) and list(np.argsort(weights)) == [0, 1, 2]
+    assert weights[2] / weights[1] == pytest.approx(np.e)  # one decade apart: 1/e
+    with pytest.raises(ValueError, match="at least one"):
+        context_weights(target, [])
+
+
+def test_rgpe_starts_at_the_optimum_of_the_model_whose_description_is_most_alike(space):
+    bank = synthetic_bank(4, space, seed=5)
+    prior = bank[1:]
+    surfaces = [np.nan_to_num(entry.surface()[1], nan=0.0) for entry in prior]
+    average = np.mean([s / s.max() for s in surfaces], axis=0)
+    alike = 1  # the target is described as prior[1] is (its latent factors), under another name
+    assert np.argmax(average) != np.argmax(surfaces[alike])  # the bank's average points elsewhere
+    target = {**prior[alike].model.model_dump(), "name": "target"}
+    first = RGPESearcher(space, 0, prior, target=target).suggest([])
+    assert space.index(first) == np.argmax(surfaces[alike])
+    assert space.index(RGPESearcher(space, 0, prior).suggest([])) == np.argmax(average)
+
+
+def test_rgpe_ranking_from_the_second_trial_finds_a_twins_optimum_sooner_than_from_the_fifth(space):
+    """No description to go by: the ranking of the first trials is what finds the twin among the prior models."""
+    early = late = 0
+    for seed in range(5):
+        bank = synthetic_bank(6, space, seed=seed)
+        twin = bank[0].model_copy(update={"model": bank[0].model.model_copy(update={"name": "twin"})})
+        _, values = bank[0].surface()
+        early += _trials_to_optimum(RGPESearcher(space, 0, [*bank[1:], twin], rank_from=2), values)
+        late += _trials_to_optimum(RGPESearcher(space, 0, [*bank[1:], twin], rank_from=5), values)
+    assert early < late

@@ -186,8 +186,45 @@ def test_profile_writes_the_grid_and_the_repeats_with_their_noise(tmp_path, monk
     out = capsys.readouterr().out
     entry = BankEntry.load(tmp_path / "bank" / "m.json")
     assert len(entry.trials) == SPACE.size and len(entry.repeats) == 2
+    assert entry.model.model_dump()["slo_p99_ms"] == 50.0  # what a searcher may learn from beside the surface
     assert "measurement noise" in out and "10.0%" in out and out.count("repeat 3/3") == 2
     assert main([*argv[:-4], "--repeat-best", "-1", "--repeats", "3"]) == 2
     assert "--repeat-best" in capsys.readouterr().out
     assert main([*argv, "--min-requests", "0"]) == 2  # refused before any trial, naming the setting
     assert "min_requests" in capsys.readouterr().out
+
+
+def test_tune_describes_the_model_to_the_bank_searchers_which_start_where_the_alike_model_peaked(
+        tmp_path, monkeypatch):
+    """``tune --searcher rgpe`` tells the searcher what it tunes (app, arguments, workload, SLO): of two profiled
+    models, the one described alike (same app and SLO) outweighs the bank's average for the first trial."""
+    import ray
+
+    import autoconfig.trial
+    from autoconfig.bank import ProfileRecord
+    from autoconfig.cli import main
+
+    peak, elsewhere = SPACE.configurations()[3], SPACE.configurations()[20]
+
+    def entry(name: str, description: dict, values: dict) -> BankEntry:
+        trials = [ProfileRecord(config=c, status="ok", rps=values.get(c, 0.1), objective=values.get(c, 0.1))
+                  for c in SPACE.configurations()]
+        return BankEntry(model={"name": name, **description}, machine={}, space=SPACE, trials=trials)
+
+    bank = tmp_path / "bank"
+    bank.mkdir()
+    # The average of the two (each divided by its best) peaks elsewhere: 0.75 there against 0.5 at the peak.
+    entry("alike", {"app": "dlrm", "slo_p99_ms": 50.0}, {peak: 1.0, elsewhere: 0.5}).save(bank / "alike.json")
+    entry("unlike", {"app": "diffusion", "slo_p99_ms": 5000.0}, {elsewhere: 1.0}).save(bank / "unlike.json")
+    calls: list[Configuration] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: fake_profile(calls)(
+        Configuration(**config)))
+    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "1",
+            "--searcher", "rgpe", "--bank", str(bank), "--out", str(tmp_path / "tuned.yaml")]
+    code = main(argv)
+    assert calls == [peak] and code == 0
