@@ -339,7 +339,8 @@ def run_trial(
 
 def search_fields(result: RateSearchResult, min_requests: int) -> dict[str, Any]:
     """A trial's fields from its rate search: ``ok`` with the best probe's measurements; ``slo_violated`` when no
-    rate held; ``failed`` when the caps stopped the search before any deciding probe (``min_requests``) held."""
+    rate held, with the latencies of the lowest rate probed; ``failed`` when the caps stopped the search before any
+    deciding probe (``min_requests``) held."""
     fields: dict[str, Any] = {"search": result, "sustainable_rps": result.sustainable_rps}
     best = result.best
     if best is not None:
@@ -348,6 +349,9 @@ def search_fields(result: RateSearchResult, min_requests: int) -> dict[str, Any]
     if result.stop_reason in ("max_probes", "max_time"):
         return fields | {"status": "failed", "error": f"the rate search reached its {result.stop_reason} cap "
                          f"before a deciding probe ({min_requests} requests) held: raise max_probes or max_total_s"}
+    lowest = min((probe.result for probe in result.probes), key=lambda load: load.rate, default=None)
+    if lowest is not None:  # how far from the SLO the lowest rate probed was
+        fields |= {"p50_ms": lowest.p50_ms, "p99_ms": lowest.p99_ms, "achieved_rps": lowest.achieved_rps}
     return fields | {"status": "slo_violated"}
 
 

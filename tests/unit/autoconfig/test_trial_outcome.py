@@ -23,10 +23,11 @@ def test_a_held_rate_is_ok_with_the_deciding_probes_measurements_and_achieved_ra
     assert fields["achieved_rps"] == pytest.approx(39.2) and fields["p99_ms"] == 80 and "error" not in fields
 
 
-def test_no_rate_holding_is_an_slo_violation():
-    broken = Probe(result=_load(5, 200, 500), sustainable=False)
-    fields = search_fields(_search(None, "unsustainable", [broken]), min_requests=200)
+def test_no_rate_holding_is_an_slo_violation_with_the_latency_of_the_lowest_rate_probed():
+    broken = [Probe(result=_load(rate, 200, p99), sustainable=False) for rate, p99 in ((5, 500), (2.5, 300))]
+    fields = search_fields(_search(None, "unsustainable", broken), min_requests=200)
     assert fields["status"] == "slo_violated" and fields["sustainable_rps"] == 0 and "error" not in fields
+    assert (fields["p99_ms"], fields["p50_ms"], fields["achieved_rps"]) == (300, 150, pytest.approx(2.45))
 
 
 @pytest.mark.parametrize("cap", ["max_probes", "max_time"])
