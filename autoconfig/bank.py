@@ -113,7 +113,9 @@ class BankEntry(BaseModel):
         return self.model.name
 
     def surface(self) -> tuple[tuple[Configuration, ...], np.ndarray]:
-        """Every configuration in enumeration order and its objective (NaN where the trial was not ok).
+        """Every configuration in enumeration order and its objective (NaN where the trial was not ok). A repeated
+        configuration's objective is the mean of its runs, a run that held no rate counting 0 (NaN if none did):
+        the best of one measurement each is likely a lucky one.
 
         Raises :class:`BankError` unless the trials cover the whole space.
         """
@@ -123,6 +125,9 @@ class BankEntry(BaseModel):
         for trial in self.trials:
             if trial.objective is not None:
                 values[self.space.index(trial.config)] = trial.objective
+        for repeat in self.repeats:
+            mean = float(np.mean([value or 0.0 for value in repeat.objectives]))
+            values[self.space.index(repeat.config)] = mean if mean > 0 else np.nan
         return self.space.configurations(), values
 
     @classmethod

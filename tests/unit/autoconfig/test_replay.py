@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from autoconfig.bank import BankEntry, BankError, ProfileRecord, load_bank, save_bank
+from autoconfig.bank import BankEntry, BankError, ProfileRecord, Repeats, load_bank, save_bank
 from autoconfig.replay import replay
 from autoconfig.searchers import SEARCHERS, GridSearcher, MetaParams, meta_factory
 from autoconfig.space import SearchSpace
@@ -49,6 +49,18 @@ def test_bank_round_trip_and_surface(tmp_path):
         "config": {"max_batch_size": 1, "batch_wait_timeout_s": 0.0, "device_share": 1.0, "num_replicas": 2},
         "status": "slo_violated",
     }
+
+
+def test_a_repeated_configuration_is_on_the_surface_at_the_mean_of_its_runs():
+    """One lucky run made configuration 0 the optimum; its runs average below configuration 2's single one."""
+    base = entry("m", [4.0, np.nan, 3.0, 2.0])
+    configs = TINY.configurations()
+    repeated = base.model_copy(update={"repeats": [Repeats(config=configs[0], objectives=[4.0, None, 2.0]),
+                                                   Repeats(config=configs[3], objectives=[2.0, None])]})
+    _, values = repeated.surface()
+    assert values[0] == 2.0 and np.isnan(values[1]) and values[2] == 3.0  # (4 + 0 + 2) / 3
+    assert values[3] == 1.0  # a run that held no rate counts 0
+    assert np.nanargmax(values) == 2 and np.nanargmax(base.surface()[1]) == 0
 
 
 @pytest.mark.parametrize(
