@@ -112,22 +112,26 @@ class BankEntry(BaseModel):
     def name(self) -> str:
         return self.model.name
 
+    def measured(self) -> dict[Configuration, float]:
+        """Each profiled configuration's objective, 0 where it held no rate within the SLO. A repeated
+        configuration's is the mean of its runs (a run that held none counting 0): the best of one measurement
+        each is likely a lucky one."""
+        values = {trial.config: trial.objective or 0.0 for trial in self.trials}
+        for repeat in self.repeats:
+            values[repeat.config] = float(np.mean([value or 0.0 for value in repeat.objectives]))
+        return values
+
     def surface(self) -> tuple[tuple[Configuration, ...], np.ndarray]:
-        """Every configuration in enumeration order and its objective (NaN where the trial was not ok). A repeated
-        configuration's objective is the mean of its runs, a run that held no rate counting 0 (NaN if none did):
-        the best of one measurement each is likely a lucky one.
+        """Every configuration in enumeration order and its :meth:`measured` objective (NaN where it is 0).
 
         Raises :class:`BankError` unless the trials cover the whole space.
         """
         if len(self.trials) != self.space.size:
             raise BankError(f"{self.name}: {len(self.trials)} trials, the space has {self.space.size} configurations")
         values = np.full(self.space.size, np.nan)
-        for trial in self.trials:
-            if trial.objective is not None:
-                values[self.space.index(trial.config)] = trial.objective
-        for repeat in self.repeats:
-            mean = float(np.mean([value or 0.0 for value in repeat.objectives]))
-            values[self.space.index(repeat.config)] = mean if mean > 0 else np.nan
+        for config, value in self.measured().items():
+            if value > 0:
+                values[self.space.index(config)] = value
         return self.space.configurations(), values
 
     @classmethod

@@ -71,3 +71,12 @@ class SearcherFactory(Protocol):
 def objective_values(history: Sequence[Observation]) -> np.ndarray:
     """The history's values as an array, a failed trial counting as 0 (no sustainable rate)."""
     return np.array([0.0 if o.value is None else o.value for o in history], dtype=np.float64)
+
+
+def comparable(space: SearchSpace, prior: Sequence[BankEntry]) -> list[BankEntry]:
+    """The prior entries profiled over the knobs of ``space`` (a searcher learns only from those); a ValueError if
+    there is none."""
+    entries = [entry for entry in prior if entry.space.knob_names == space.knob_names]
+    if not entries:
+        raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}")
+    return entries

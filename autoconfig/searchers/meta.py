@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 
 from autoconfig.bank import BankEntry
-from autoconfig.searchers.base import Observation, Searcher, SearcherFactory, objective_values
+from autoconfig.searchers.base import Observation, Searcher, SearcherFactory, comparable, objective_values
 from autoconfig.space import SearchSpace
 
 Surface = tuple[np.ndarray, np.ndarray]  # encoded configurations (n, d), objective values (n,) with failures 0
@@ -152,11 +152,8 @@ def meta_factory(params: MetaParams | None = None, *, adapt: bool = True) -> Sea
     def build(space: SearchSpace, seed: int, prior: Sequence[BankEntry],
               target: Mapping[str, Any] | None = None) -> Searcher:
         # Only surfaces over the same knobs share the surrogate's inputs (DLRM and diffusion spaces may differ).
-        usable = [entry for entry in prior if entry.space.knob_names == space.knob_names]
-        if not usable:
-            raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}; "
-                             "the meta searcher needs at least one")
-        return MetaSearcher.meta_train(space, bank_surfaces(usable), seed=seed, params=params, adapt=adapt)
+        return MetaSearcher.meta_train(space, bank_surfaces(comparable(space, prior)), seed=seed, params=params,
+                                       adapt=adapt)
 
     return build
 

@@ -19,7 +19,7 @@ from scipy.linalg import cho_factor, cho_solve
 from scipy.stats import norm
 
 from autoconfig.bank import BankEntry
-from autoconfig.searchers.base import Observation, Searcher, objective_values
+from autoconfig.searchers.base import Observation, Searcher, comparable, objective_values
 from autoconfig.searchers.context import context_weights
 from autoconfig.searchers.transfer import prior_surfaces
 from autoconfig.space import SearchSpace
@@ -77,13 +77,13 @@ class RGPESearcher(Searcher):
         self._rank_from = max(rank_from, 2)  # one trial ranks nothing
         points = np.asarray(space.encode_all())
         self._points = points
+        usable = comparable(space, prior)
         self._base: list[tuple[np.ndarray, np.ndarray]] = []  # each prior GP's mean and sd at every configuration
-        for row in prior_surfaces(space, prior):
+        for row in prior_surfaces(space, usable):
             known = ~np.isnan(row)
             self._base.append(_GP(points[known], row[known]).predict(points))
-        usable = [entry.model.model_dump() for entry in prior if entry.space.knob_names == space.knob_names]
         self.likeness = (np.full(len(usable), 1.0 / len(usable)) if target is None
-                         else context_weights(target, usable))
+                         else context_weights(target, [entry.model.model_dump() for entry in usable]))
 
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
         means = [mean for mean, _ in self._base]
@@ -94,15 +94,13 @@ class RGPESearcher(Searcher):
             scale = values.max() if values.max() > 0 else 1.0
             targets = values / scale
             indices = np.array([self.space.index(o.config) for o in history])
-            target = None
-            if len(history) >= _TARGET_AFTER:
-                target = _GP(self._points[indices], targets)
-                mean, sd = target.predict(self._points)
-                means, sds = [*means, mean], [*sds, sd]
             if len(history) >= self._rank_from:
+                target = None
+                if len(history) >= _TARGET_AFTER:  # joins once ranked, so never before rank_from
+                    target = _GP(self._points[indices], targets)
+                    mean, sd = target.predict(self._points)
+                    means, sds = [*means, mean], [*sds, sd]
                 weights = self._weights(indices, targets, target)
-            elif target is not None:  # no ranking yet: the target's GP waits for it
-                weights = np.append(weights, 0.0)
         mean = sum(w * m for w, m in zip(weights, means, strict=True))
         sd = np.sqrt(sum(w**2 * s**2 for w, s in zip(weights, sds, strict=True)))
         # The incumbent in the ensemble's own units: its mean at the best trial so far.

@@ -14,24 +14,20 @@ import optuna
 from optuna.samplers import BaseSampler, TPESampler
 
 from autoconfig.bank import BankEntry
-from autoconfig.searchers.base import Observation, Searcher
+from autoconfig.searchers.base import Observation, Searcher, comparable
 from autoconfig.searchers.optuna_searchers import OptunaSearcher
 from autoconfig.space import Configuration, SearchSpace
 
 
 def prior_surfaces(space: SearchSpace, prior: Sequence[BankEntry]) -> np.ndarray:
-    """One row per prior entry over the same knobs: its objective at each configuration of ``space``, divided by
-    the entry's best (failures 0; NaN where the entry did not profile that configuration)."""
+    """One row per :func:`comparable` entry: its measured objective at each configuration of ``space`` divided by
+    the entry's best (0 where it held no rate; NaN where the entry did not profile that configuration)."""
     rows = []
-    for entry in prior:
-        if entry.space.knob_names != space.knob_names:
-            continue
-        measured = {trial.config: trial.objective or 0.0 for trial in entry.trials}
+    for entry in comparable(space, prior):
+        measured = entry.measured()
         best = max(measured.values(), default=0.0)
         rows.append([np.nan if c not in measured else (measured[c] / best if best > 0 else 0.0)
                      for c in space.configurations()])
-    if not rows:
-        raise ValueError(f"no profile in the bank is over the knobs {', '.join(space.knob_names)}")
     return np.array(rows, dtype=np.float64)
 
 

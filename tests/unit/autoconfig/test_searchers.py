@@ -5,6 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
+from autoconfig.bank import Repeats
 from autoconfig.searchers import (
     BestOnAverageSearcher,
     GPSearcher,
@@ -364,3 +365,16 @@ def test_rgpe_ranking_from_the_second_trial_finds_a_twins_optimum_sooner_than_fr
         early += _trials_to_optimum(RGPESearcher(space, 0, [*bank[1:], twin], rank_from=2), values)
         late += _trials_to_optimum(RGPESearcher(space, 0, [*bank[1:], twin], rank_from=5), values)
     assert early < late
+
+
+def test_the_bank_searchers_learn_a_repeated_configuration_at_the_mean_of_its_runs(space, bank):
+    """A prior model whose best single run was lucky: averaged with its repeats, another configuration leads."""
+    entry = bank[1]
+    configs, values = entry.surface()
+    lucky, runner_up = np.argsort(-np.nan_to_num(values, nan=0.0))[:2]
+    assert BestOnAverageSearcher(space, [entry]).suggest([]) == configs[lucky]
+    repeated = entry.model_copy(update={"repeats": [
+        Repeats(config=configs[lucky], objectives=[float(values[lucky]), None, float(values[runner_up]) / 2])]})
+    assert BestOnAverageSearcher(space, [repeated]).suggest([]) == configs[runner_up]
+    assert WarmTPESearcher(space, seed=0, prior=[repeated]).warm_start == [configs[runner_up]]
+    assert RGPESearcher(space, seed=0, prior=[repeated]).suggest([]) != configs[lucky]
