@@ -11,8 +11,8 @@ baseline (ratio of medians). Baselines: random, TPE, GP, and those that learn fr
 best trials. ``summary`` (issue 21): ``meta_median_trials_to_optimum``, ``meta_median_fraction_of_space`` (goal
 <= 0.05), ``best_baseline_median_trials`` (best of best-on-average, prior-only, tpe-warm, TPE, GP) and
 ``ratio_best_baseline_to_meta`` (goal >= 2); the same for ``rgpe`` (a GP ensemble with expected improvement,
-its models first weighted by how alike their descriptions are), with its ablation (``rgpe-no-context``,
-``rgpe-late``).
+its models first weighted by how alike their descriptions are, its GPs smoothed by the bank's measurement noise),
+with its ablation (``rgpe-noiseless``, ``rgpe-no-context``, ``rgpe-late``).
 Writes results/bench_autoconfig.{json,md,png}.
 """
 
@@ -32,9 +32,11 @@ from autoconfig.searchers import SEARCHERS, RGPESearcher, SearcherFactory
 from benchmarks.records import RESULTS, provenance
 
 BASELINES = ("random", "tpe", "gp", "best-on-average", "prior-only", "tpe-warm")
-#: RGPE with its parts taken out (the ablation): without the likeness of model descriptions, and also ranking
-#: only from the fifth trial (RGPE as it was before both).
+#: RGPE with its parts taken out (the ablation): without measurement noise in its GPs, without the likeness of
+#: model descriptions, and also ranking only from the fifth trial.
 ABLATIONS: dict[str, SearcherFactory] = {
+    "rgpe-noiseless": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior, target=target,
+                                                                           noise_aware=False),
     "rgpe-no-context": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior),
     "rgpe-late": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior, rank_from=5),
 }

@@ -6,7 +6,9 @@ to this model's (``context``; equal weights without a description). From then on
 over posterior samples, it ranks the trials seen so far best (pairwise misrankings; the target GP, from
 ``_TARGET_AFTER`` trials, judged leave-one-out), times that likeness; a prior GP that misranks more than the
 target GP's 95th percentile gets no weight. The ensemble's mean is the weighted mean, its variance the weighted
-sum of variances with squared weights, and the next configuration maximises expected improvement.
+sum of variances with squared weights, and the next configuration maximises expected improvement. With
+``noise_aware`` each GP smooths its values by measurement noise: a prior model's by its entry's repeats
+(``BankEntry.noise``), this model's by the median of those.
 """
 
 from __future__ import annotations
@@ -24,22 +26,29 @@ from autoconfig.searchers.context import context_weights
 from autoconfig.searchers.transfer import prior_surfaces
 from autoconfig.space import SearchSpace
 
-_NOISE = 1e-4  # observation noise variance on objectives scaled to [0, 1]
+_JITTER = 1e-4  # noise variance, relative to the signal's, where no measurement noise is known
 _LENGTHSCALES = (0.1, 0.2, 0.4, 0.8)  # the one with the best marginal likelihood is used
+_MIN_VARIANCE = 1e-4  # signal variance of a GP on constant values
 _TARGET_AFTER = 5  # trials before this model's own GP joins the ensemble (its ranking is noise before)
 
 
 class _GP:
-    """A zero-mean GP with a squared-exponential kernel over encoded configurations; the lengthscale is the one of
-    ``_LENGTHSCALES`` with the highest marginal likelihood of the data."""
+    """A GP with a squared-exponential kernel over encoded configurations, centred on the values' mean. Its signal
+    variance is the values' variance; its noise variance that of measurements with ``relative_noise`` (std over
+    mean, the bank's noise estimate) at the values' mean magnitude, or a jitter when None; the lengthscale is the
+    one of ``_LENGTHSCALES`` with the highest marginal likelihood of the data."""
 
-    def __init__(self, points: np.ndarray, values: np.ndarray) -> None:
+    def __init__(self, points: np.ndarray, values: np.ndarray, relative_noise: float | None = None) -> None:
         self.points = points
         self.mean_value = float(values.mean())
         centred = self._centred = values - self.mean_value
+        self.amplitude = max(float(centred.var()), _MIN_VARIANCE)
+        self.noise = _JITTER * self.amplitude
+        if relative_noise is not None:
+            self.noise = max(self.noise, (relative_noise * float(np.abs(values).mean())) ** 2)
         best = None
         for lengthscale in _LENGTHSCALES:
-            kernel = _kernel(points, points, lengthscale) + _NOISE * np.eye(len(points))
+            kernel = self.amplitude * _kernel(points, points, lengthscale) + self.noise * np.eye(len(points))
             factor = cho_factor(kernel, lower=True)
             alpha = cho_solve(factor, centred)
             fit = -0.5 * centred @ alpha - np.log(np.diag(factor[0])).sum()
@@ -48,14 +57,14 @@ class _GP:
         _, self.lengthscale, self._factor, self._alpha = best
 
     def predict(self, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Posterior mean and standard deviation at ``points``."""
-        cross = _kernel(points, self.points, self.lengthscale)
+        """Posterior mean and standard deviation of the noiseless value at ``points``."""
+        cross = self.amplitude * _kernel(points, self.points, self.lengthscale)
         mean = self.mean_value + cross @ self._alpha
-        variance = 1.0 - np.einsum("ij,ji->i", cross, cho_solve(self._factor, cross.T))
+        variance = self.amplitude - np.einsum("ij,ji->i", cross, cho_solve(self._factor, cross.T))
         return mean, np.sqrt(np.clip(variance, 1e-12, None))
 
     def loo(self) -> tuple[np.ndarray, np.ndarray]:
-        """Leave-one-out mean and standard deviation at each training point (in closed form)."""
+        """Leave-one-out mean and standard deviation (of a measurement) at each training point, in closed form."""
         inverse_diagonal = np.diag(cho_solve(self._factor, np.eye(len(self.points))))
         mean = self.mean_value + self._centred - self._alpha / inverse_diagonal
         return mean, np.sqrt(1.0 / inverse_diagonal)
@@ -70,7 +79,7 @@ class RGPESearcher(Searcher):
     """Ranking-weighted GP ensemble over the prior profiles and the trials so far; expected improvement."""
 
     def __init__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry], samples: int = 256, *,
-                 target: Mapping[str, Any] | None = None, rank_from: int = 2) -> None:
+                 target: Mapping[str, Any] | None = None, rank_from: int = 2, noise_aware: bool = True) -> None:
         super().__init__(space)
         self._rng = np.random.default_rng(seed)
         self._samples = samples
@@ -78,10 +87,13 @@ class RGPESearcher(Searcher):
         points = np.asarray(space.encode_all())
         self._points = points
         usable = comparable(space, prior)
+        noises = [entry.noise() if noise_aware else None for entry in usable]
+        known_noises = [noise for noise in noises if noise is not None]
+        self._target_noise = float(np.median(known_noises)) if known_noises else None
         self._base: list[tuple[np.ndarray, np.ndarray]] = []  # each prior GP's mean and sd at every configuration
-        for row in prior_surfaces(space, usable):
+        for row, noise in zip(prior_surfaces(space, usable), noises, strict=True):
             known = ~np.isnan(row)
-            self._base.append(_GP(points[known], row[known]).predict(points))
+            self._base.append(_GP(points[known], row[known], noise).predict(points))
         self.likeness = (np.full(len(usable), 1.0 / len(usable)) if target is None
                          else context_weights(target, [entry.model.model_dump() for entry in usable]))
 
@@ -97,7 +109,7 @@ class RGPESearcher(Searcher):
             if len(history) >= self._rank_from:
                 target = None
                 if len(history) >= _TARGET_AFTER:  # joins once ranked, so never before rank_from
-                    target = _GP(self._points[indices], targets)
+                    target = _GP(self._points[indices], targets, self._target_noise)
                     mean, sd = target.predict(self._points)
                     means, sds = [*means, mean], [*sds, sd]
                 weights = self._weights(indices, targets, target)

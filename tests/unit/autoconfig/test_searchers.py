@@ -22,7 +22,7 @@ from autoconfig.searchers import (
 )
 from autoconfig.searchers.context import context_weights, description_distance
 from autoconfig.searchers.meta import bank_surfaces
-from autoconfig.searchers.rgpe import _GP, _NOISE, _kernel
+from autoconfig.searchers.rgpe import _GP, _kernel
 from autoconfig.space import Configuration, SearchSpace, SpaceError
 from tests.helpers.surfaces import shortcuts, synthetic_bank
 
@@ -264,20 +264,36 @@ def test_bank_searchers_refuse_a_bank_without_the_spaces_knobs(space, bank):
             searcher(other, bank)
 
 
-def test_gp_leave_one_out_equals_refitting_without_the_point():
+@pytest.mark.parametrize("relative_noise", [None, 0.25])
+def test_gp_leave_one_out_equals_refitting_without_the_point(relative_noise):
     rng = np.random.default_rng(0)
     points, values = rng.uniform(size=(12, 3)), rng.uniform(size=12)
-    gp = _GP(points, values)
+    gp = _GP(points, values, relative_noise)
     loo_mean, loo_sd = gp.loo()
     for i in range(12):
         keep = np.arange(12) != i
-        kernel = _kernel(points[keep], points[keep], gp.lengthscale) + _NOISE * np.eye(11)
-        cross = _kernel(points[i : i + 1], points[keep], gp.lengthscale)
+        kernel = gp.amplitude * _kernel(points[keep], points[keep], gp.lengthscale) + gp.noise * np.eye(11)
+        cross = gp.amplitude * _kernel(points[i : i + 1], points[keep], gp.lengthscale)
         weights = np.linalg.solve(kernel, cross.T)
         mean = gp.mean_value + (weights.T @ (values[keep] - gp.mean_value)).item()
-        variance = 1.0 + _NOISE - (cross @ weights).item()  # the held-out point's noise included
+        variance = gp.amplitude + gp.noise - (cross @ weights).item()  # the held-out point's noise included
         assert loo_mean[i] == pytest.approx(mean, abs=1e-6)
         assert loo_sd[i] == pytest.approx(np.sqrt(variance), rel=1e-4)
+
+
+def test_gp_scales_to_its_values_and_smooths_by_the_measurement_noise():
+    """Signal variance from the values (values in [0, 1] are not given a prior sd of 1), and a noisy GP no longer
+    passes through each measurement: one high outlier among alike neighbours is pulled towards them."""
+    points = np.linspace(0, 1, 9)[:, None]
+    values = np.full(9, 0.5)
+    values[4] = 0.8
+    exact, smooth = _GP(points, values), _GP(points, values, relative_noise=0.3)
+    assert exact.amplitude == pytest.approx(values.var())
+    far_mean, far_sd = exact.predict(np.array([[10.0]]))
+    assert far_mean[0] == pytest.approx(values.mean()) and far_sd[0] == pytest.approx(values.std(), rel=1e-3)
+    assert exact.predict(points[4:5])[0][0] == pytest.approx(0.8, abs=0.01)
+    assert smooth.noise == pytest.approx((0.3 * values.mean()) ** 2)
+    assert smooth.predict(points[4:5])[0][0] < 0.7
 
 
 def test_rgpe_follows_the_prior_model_that_ranks_the_trials_like_this_one(space):
