@@ -29,7 +29,7 @@ from disagg.rpc.tls import channel_credentials
 from disagg.spec import preset_spec
 from disagg.tables import shard_version, weights_source
 from serving.common.constants import EMBEDDING_TOKEN
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
@@ -45,6 +45,7 @@ class DisaggregatedDLRM(BatchedDLRM):
     the directory knows no address for is asked for one directly.
     """
 
+    @enforces_replica_share
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], directory: DeploymentHandle,
                        shards: list[DeploymentHandle]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
@@ -54,7 +55,6 @@ class DisaggregatedDLRM(BatchedDLRM):
         embedding = self.config.embedding
         self.spec = preset_spec(self.config.model.preset)
         self.device = resolve_device(self.config.model.device)
-        enforce_replica_share("DisaggregatedDLRM")
         set_torch_threads(self.config.model.torch_threads)
         partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed,
                                             self.config.model.weights_path())

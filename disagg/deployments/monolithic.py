@@ -18,7 +18,7 @@ from disagg.deployments.ingress import MODEL_INPUTS, BatchedDLRM
 from disagg.id_space import stack_tables
 from disagg.model import build_preset
 from disagg.partition import Partition, embedding_lookups, partition_embeddings
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
@@ -31,11 +31,11 @@ logger = get_logger("disagg.deployments.monolithic")
 class MonolithicDLRM(BatchedDLRM):
     """One replica holds the full DLRM (every table and the MLPs); requests are batched across callers."""
 
+    @enforces_replica_share
     def __init__(self, config: DLRMAppConfig | dict[str, Any]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
         self.metrics = Metrics.for_replica()
         self.device = resolve_device(self.config.model.device)
-        enforce_replica_share("MonolithicDLRM")
         set_torch_threads(self.config.model.torch_threads)
         model = self.config.model
         self.model = build_preset(model.preset, seed=model.seed, weights=model.weights_path()).to(self.device).eval()

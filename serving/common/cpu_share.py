@@ -6,23 +6,32 @@ period (the counterpart of a pod's CPU limit, or of an MPS percentage on a GPU);
 also pinned to ``ceil(s)`` cores, the ones the other swiftserve processes of the node use least. Works on cgroup
 v1 (``/sys/fs/cgroup/cpu``) and v2 (``/sys/fs/cgroup`` with the cpu controller), as root or in a delegated
 cgroup; ``CpuShareError`` says why not otherwise.
+
+A replica (``enforces_replica_share`` on its ``__init__``) is pinned before its start and throttled once started:
+building a model at a tenth of a core would take ten times as long and only delay serving, so the start gets a
+boost (as Kubernetes' startup CPU boost gives a pod) and every request is served within the share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import inspect
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from serving.common import constants
 from serving.common.device import pin_process
 from serving.common.logging import get_logger
 
 logger = get_logger("serving.common.cpu_share")
+Init = TypeVar("Init", bound=Callable[..., Any])
 
 #: CFS period of the groups made here (the kernel's default).
 PERIOD_US = 100_000
@@ -37,7 +46,7 @@ class CpuShareError(RuntimeError):
 
 @dataclass(frozen=True)
 class EnforcedShare:
-    """What ``enforce_cpu_share`` set: the cgroup, its quota per period, and the pinned cores (None: not pinned)."""
+    """What a replica's share enforced: the cgroup, its quota per period, and the pinned cores (None: not pinned)."""
 
     group: Path
     quota_us: int
@@ -112,15 +121,19 @@ class CgroupCpu:
                 _write(self.base / "cgroup.subtree_control", "+cpu")
 
 
-def enforce_cpu_share(share: float) -> EnforcedShare:
-    """Enforces ``share`` CPUs on this process, in group ``pid-<pid>``; ``CpuShareError`` when the node cannot."""
-    cgroups = CgroupCpu.find()
+def pin_share(share: float) -> tuple[int, ...] | None:
+    """From a share of 1, pins this process to ``ceil(share)`` cores, the least held (None below 1: not pinned)."""
+    if share < 1:
+        return None
+    cores = _claim_cores(math.ceil(share), CLAIMS_DIR)
+    pin_process(cores)
+    return cores
+
+
+def throttle(cgroups: CgroupCpu, share: float) -> Path:
+    """Puts this process in its own group ``pid-<pid>`` with a quota of ``share`` CPUs; the group's path."""
     cgroups.sweep()
-    group = cgroups.limit(os.getpid(), share, f"pid-{os.getpid()}")
-    cores = _claim_cores(math.ceil(share), CLAIMS_DIR) if share >= 1 else None
-    if cores is not None:
-        pin_process(cores)
-    return EnforcedShare(group, cgroups.quota_us(group), cores)
+    return cgroups.limit(os.getpid(), share, f"pid-{os.getpid()}")
 
 
 def _claim_cores(count: int, claims: Path) -> tuple[int, ...]:
@@ -165,16 +178,62 @@ def _write(path: Path, value: str) -> None:
         raise CpuShareError(f"cannot write {value!r} to {path}: {exc}") from exc
 
 
-def enforce_replica_share(deployment: str) -> EnforcedShare | None:
-    """``enforce_cpu_share`` of ``SWIFTSERVE_CPU_SHARE`` (None when unset) at a replica's start, logged; a node
-    that cannot enforce it logs why and the replica runs with the share only reserved (as on a cluster whose
-    pods' CPU limits enforce it)."""
-    if constants.CPU_SHARE is None:
-        return None
-    try:
-        enforced = enforce_cpu_share(constants.CPU_SHARE)
-    except CpuShareError as error:
-        logger.warning("%s replica: SWIFTSERVE_CPU_SHARE=%g not enforced: %s", deployment, constants.CPU_SHARE, error)
-        return None
-    logger.info("%s replica: %s", deployment, enforced.describe())
-    return enforced
+def enforces_replica_share(init: Init) -> Init:
+    """Decorates a replica's ``__init__`` (plain or async) to enforce ``SWIFTSERVE_CPU_SHARE`` (nothing when
+    unset): whole cores pinned before it runs, the quota set once it returns, and logged. A node that cannot
+    enforce the share logs why, and the replica runs with the share only reserved (as on a cluster whose pods' CPU
+    limits enforce it)."""
+    if inspect.iscoroutinefunction(init):
+        @functools.wraps(init)
+        async def start_async(self: Any, *args: Any, **kwargs: Any) -> None:
+            share = _ReplicaShare.pinned(type(self).__name__)
+            await init(self, *args, **kwargs)
+            if share is not None:
+                share.throttle()
+
+        return start_async  # type: ignore[return-value]
+
+    @functools.wraps(init)
+    def start(self: Any, *args: Any, **kwargs: Any) -> None:
+        share = _ReplicaShare.pinned(type(self).__name__)
+        init(self, *args, **kwargs)
+        if share is not None:
+            share.throttle()
+
+    return start  # type: ignore[return-value]
+
+
+@dataclass
+class _ReplicaShare:
+    """``SWIFTSERVE_CPU_SHARE`` on a starting replica: pinned, to be throttled once started."""
+
+    deployment: str
+    cgroups: CgroupCpu
+    cores: tuple[int, ...] | None
+
+    @classmethod
+    def pinned(cls, deployment: str) -> _ReplicaShare | None:
+        """Checks the node can enforce the share and pins the whole cores; None when unset or it cannot."""
+        if constants.CPU_SHARE is None:
+            return None
+        try:
+            cgroups = CgroupCpu.find()
+            return cls(deployment, cgroups, pin_share(constants.CPU_SHARE))
+        except CpuShareError as error:
+            _not_enforced(deployment, error)
+            return None
+
+    def throttle(self) -> EnforcedShare | None:
+        """Sets the quota, logged (None, logged, when the node refuses it)."""
+        try:
+            group = throttle(self.cgroups, constants.CPU_SHARE)
+        except CpuShareError as error:
+            _not_enforced(self.deployment, error)
+            return None
+        enforced = EnforcedShare(group, self.cgroups.quota_us(group), self.cores)
+        logger.info("%s replica: %s", self.deployment, enforced.describe())
+        return enforced
+
+
+def _not_enforced(deployment: str, error: CpuShareError) -> None:
+    logger.warning("%s replica: SWIFTSERVE_CPU_SHARE=%g not enforced: %s", deployment, constants.CPU_SHARE, error)

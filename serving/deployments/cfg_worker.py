@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util.queue import Queue
 
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, Metrics
@@ -212,8 +212,8 @@ class CFGWorkerDeployment:
     """A second copy of the model, on its own device, predicting the unconditional rows of every model replica's
     steps (``CFGWorkerCore``), their calls batched as ``engine.cfg_worker`` says."""
 
+    @enforces_replica_share
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
-        enforce_replica_share("CFGWorker")
         pin_replica(config.device_map.cfg_worker if config.device_map else [], "CFGWorker")
         metrics = Metrics.for_replica()
         client = (MeasuredControlNets(ServeControlNets(controlnets, config.engine.remote_timeout_s, metrics), metrics)

@@ -14,7 +14,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
@@ -96,8 +96,8 @@ class ControlNetService(MemoryReport):
     """One ControlNet; calls from every base replica and step are batched into shared forwards. ``cores``: its
     replicas' ``DeviceMap.controlnets`` entries (none: not pinned)."""
 
+    @enforces_replica_share
     def __init__(self, config: ControlNetConfig, cores: Sequence[Sequence[int]] = ()) -> None:
-        enforce_replica_share(f"ControlNet {config.name!r}")
         pin_replica(cores, f"ControlNet {config.name!r}")
         device = resolve_device(config.device)
         set_torch_threads(config.torch_threads)

@@ -8,7 +8,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serving.common.backpressure import OVERLOADED
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.errors import APIError
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
@@ -29,9 +29,9 @@ class DiffusionModel(MemoryReport):
     """One diffusion engine and its LoRA cache; the engine refuses requests that would wait too long for their
     first step (``engine.admission_wait_fraction``), Serve's queue bounds the rest."""
 
+    @enforces_replica_share
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
-        enforce_replica_share("DiffusionModel")
         pin_replica(config.device_map.model if config.device_map else [], "DiffusionModel")
         timeout_s = config.engine.remote_timeout_s
         metrics = Metrics.for_replica()

@@ -14,20 +14,39 @@ import psutil
 import pytest
 
 from serving.common import constants, cpu_share
-from serving.common.cpu_share import PERIOD_US, CgroupCpu, CpuShareError, enforce_replica_share
+from serving.common.cpu_share import PERIOD_US, CgroupCpu, CpuShareError, enforces_replica_share
 
 _REPLICA = """
-import json, os, sys, torch
-from serving.common.cpu_share import enforce_replica_share
-enforced = enforce_replica_share("test")
-print(json.dumps({"group": str(enforced.group), "quota_us": enforced.quota_us, "cores": enforced.cores,
-                  "affinity": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads()}), flush=True)
+import asyncio, json, os, sys, torch
+from serving.common.cpu_share import enforces_replica_share
+
+def state():
+    return {"cgroup": open("/proc/self/cgroup").read(), "affinity": sorted(os.sched_getaffinity(0)),
+            "threads": torch.get_num_threads()}
+
+class Replica:
+    @enforces_replica_share
+    def __init__(self):
+        self.starting = state()
+
+class AsyncReplica:
+    @enforces_replica_share
+    async def __init__(self):
+        await asyncio.sleep(0)
+        self.starting = state()
+
+if sys.argv[1] == "async":  # as Serve starts a replica whose __init__ is async
+    replica = AsyncReplica.__new__(AsyncReplica)
+    asyncio.run(replica.__init__())
+else:
+    replica = Replica()
+print(json.dumps({"starting": replica.starting, "started": state()}), flush=True)
 sys.stdin.read()  # alive until the test closes stdin
 """
 
 
-def _replica(share: float) -> tuple[subprocess.Popen, dict]:
-    child = subprocess.Popen([sys.executable, "-c", _REPLICA], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def _replica(share: float, init: str = "sync") -> tuple[subprocess.Popen, dict]:
+    child = subprocess.Popen([sys.executable, "-c", _REPLICA, init], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, env=os.environ | {"SWIFTSERVE_CPU_SHARE": str(share)})
     line = child.stdout.readline()
     assert line, f"the child exited with {child.wait()}"
@@ -60,21 +79,35 @@ def test_a_busy_process_limited_to_a_quarter_share_gets_at_most_a_quarter_of_a_c
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning two replicas apart needs two cores")
 def test_replicas_enforce_their_share_from_the_environment_and_whole_cores_are_pinned_apart():
+    cgroups = CgroupCpu.find()
     first, first_seen = _replica(1.0)
-    second, second_seen = _replica(1.0)
+    second, second_seen = _replica(1.0, "async")
     fraction, fraction_seen = _replica(0.5)
     try:
-        for seen in (first_seen, second_seen):
-            assert seen["quota_us"] == PERIOD_US and len(seen["cores"]) == 1
-            assert seen["affinity"] == seen["cores"] and seen["threads"] == 1
-        assert first_seen["cores"] != second_seen["cores"]  # the least held cores: one each
-        assert fraction_seen["quota_us"] == PERIOD_US // 2 and fraction_seen["cores"] is None
-        assert len(fraction_seen["affinity"]) == len(os.sched_getaffinity(0))  # a fraction of a core is not pinned
-        for child, seen in ((first, first_seen), (second, second_seen), (fraction, fraction_seen)):
-            assert seen["group"].endswith(f"swiftserve/pid-{child.pid}")  # a group of its own
+        for seen in (first_seen["started"], second_seen["started"]):
+            assert len(seen["affinity"]) == 1 and seen["threads"] == 1
+        assert first_seen["started"]["affinity"] != second_seen["started"]["affinity"]  # the least held: one each
+        assert len(fraction_seen["started"]["affinity"]) == len(os.sched_getaffinity(0))  # a fraction: not pinned
+        replicas = ((first, first_seen, 1.0), (second, second_seen, 1.0), (fraction, fraction_seen, 0.5))
+        for child, seen, share in replicas:
+            group = cgroups.base / f"pid-{child.pid}"  # a group of its own, with the share's quota
+            assert f"/swiftserve/pid-{child.pid}" in seen["started"]["cgroup"]
+            assert cgroups.quota_us(group) == int(share * PERIOD_US)
     finally:
         for child in (first, second, fraction):
             child.communicate("")
+
+
+@pytest.mark.parametrize("init", ["sync", "async"])
+def test_a_replica_starts_pinned_but_unthrottled_and_is_throttled_once_started(init):
+    """Building a model at a fraction of a core only delays serving: the quota comes when ``__init__`` returns."""
+    child, seen = _replica(1.0, init)
+    try:
+        assert "/swiftserve/" not in seen["starting"]["cgroup"]  # no quota while starting
+        assert seen["starting"]["affinity"] == seen["started"]["affinity"] and len(seen["starting"]["affinity"]) == 1
+        assert f"/swiftserve/pid-{child.pid}" in seen["started"]["cgroup"]
+    finally:
+        child.communicate("")
 
 
 def test_a_node_without_a_writable_cpu_controller_is_named_and_the_replica_runs_with_the_share_reserved(
@@ -89,10 +122,28 @@ def test_a_node_without_a_writable_cpu_controller_is_named_and_the_replica_runs_
         raise CpuShareError("the cgroup cpu controller at /x is not writable")
 
     monkeypatch.setattr(cpu_share.CgroupCpu, "find", classmethod(unwritable))
-    assert enforce_replica_share("Model") is None
-    assert "SWIFTSERVE_CPU_SHARE=0.5 not enforced" in all_logs.text and "not writable" in all_logs.text
+    started = _Model()
+    assert started.cgroup == _own_cgroup()  # started and left where it was, with the share only reserved
+    assert "_Model replica: SWIFTSERVE_CPU_SHARE=0.5 not enforced" in all_logs.text
+    assert "not writable" in all_logs.text
 
 
-def test_without_a_share_nothing_is_enforced():
+def test_without_a_share_nothing_is_enforced(monkeypatch):
     assert constants.CPU_SHARE is None
-    assert enforce_replica_share("Model") is None
+
+    def never(cls, root=None):
+        raise AssertionError("no share: the cgroups are not even looked at")
+
+    monkeypatch.setattr(cpu_share.CgroupCpu, "find", classmethod(never))
+    assert _Model().cgroup == _own_cgroup()
+
+
+class _Model:
+    @enforces_replica_share
+    def __init__(self) -> None:
+        self.cgroup = _own_cgroup()
+
+
+def _own_cgroup() -> str:
+    with open("/proc/self/cgroup") as file:
+        return file.read()
