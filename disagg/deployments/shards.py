@@ -20,13 +20,16 @@ from disagg.rpc.tls import server_tls
 from disagg.spec import preset_spec
 from disagg.tables import build_embedding_shard
 from serving.common.constants import EMBEDDING_TOKEN
-from serving.common.cpu_share import enforce_replica_share
+from serving.common.cpu_share import enforces_replica_share
 from serving.common.logging import get_logger
 
 logger = get_logger("disagg.deployments.shards")
 
 #: Bind addresses meaning every interface: a replica bound there announces its node's IP, which others can dial.
 _WILDCARDS = ("0.0.0.0", "::")
+#: How long a replica shutting down waits to withdraw its address: when the whole app is deleted the directory may
+#: be gone first, and a call to it would wait until Serve force-kills the replica (20 s by default).
+WITHDRAW_TIMEOUT_S = 2.0
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0})
@@ -58,10 +61,10 @@ class EmbeddingShardServer:
     """One replica of one shard: builds only its own table slices (``embedding.layout()``) and serves them over
     gRPC."""
 
+    @enforces_replica_share
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
                        directory: DeploymentHandle) -> None:
         config = DLRMAppConfig.model_validate(config)
-        enforce_replica_share(f"EmbeddingShard_{shard_index}")
         embedding = config.embedding
         host = ray.util.get_node_ip_address() if embedding.bind_host == "node" else embedding.bind_host
         if problem := exposure_problem(host, secured=embedding.tls or bool(EMBEDDING_TOKEN)):
@@ -108,5 +111,10 @@ class EmbeddingShardServer:
         await self._announce()
 
     async def __del__(self) -> None:  # Serve awaits an async __del__ on graceful replica shutdown
-        await self._directory.withdraw.remote(self._shard_index, self._address)
+        try:
+            await asyncio.wait_for(self._directory.withdraw.remote(self._shard_index, self._address),
+                                   WITHDRAW_TIMEOUT_S)
+        except Exception as error:  # the address expires from a live directory within ttl_s anyway
+            logger.info("embedding shard %d at %s: not withdrawn from the directory (%s: %s)", self._shard_index,
+                        self._address, type(error).__name__, error)
         await self._server.stop(grace=1.0)
