@@ -41,6 +41,13 @@ class ReplayResult:
     tolerance: float
     searchers: dict[str, SearcherReport]
 
+    def trials_to_within(self, searcher: str, tolerances: Sequence[float]) -> np.ndarray:
+        """Trials each run of ``searcher`` took to within ``tolerances[model]`` of that model's optimum, e.g. its
+        measurement noise (``[model, seed]``; the space's size when never reached)."""
+        curves = self.searchers[searcher].best_so_far
+        return np.array([[_first_reaching(curves[m, s], 1.0 - tolerance, size) for s in range(len(self.seeds))]
+                         for m, (tolerance, size) in enumerate(zip(tolerances, self.space_sizes, strict=True))])
+
 
 def replay(
     factories: Mapping[str, SearcherFactory],

@@ -131,6 +131,8 @@ def test_replay_metrics_on_a_hand_made_bank():
     assert summary["within_median"] == 2.0
     assert summary["optimum_mean"] == pytest.approx(3.0)
     assert result.models == ("a", "b", "c") and result.space_sizes == (4, 4, 4)
+    # Within each model's own tolerance (its measurement noise, say): a 5%, b exact, c within half.
+    np.testing.assert_array_equal(result.trials_to_within("grid", [0.05, 0.0, 0.5]), [[2, 2], [1, 1], [3, 3]])
 
 
 def test_replay_budget_caps_runs_at_the_space_size():
@@ -140,6 +142,7 @@ def test_replay_budget_caps_runs_at_the_space_size():
     report = result.searchers["grid"]
     np.testing.assert_array_equal(report.trials_to_optimum[:, 0], [4, 1])  # "a" never reached: the space size
     np.testing.assert_array_equal(report.trials_to_within[:, 0], [2, 1])
+    np.testing.assert_array_equal(result.trials_to_within("grid", [0.0, 0.0])[:, 0], [4, 1])  # capped as above
     assert report.best_so_far.shape == (2, 1, 2)
     assert runs == [("grid", "a", 0), ("grid", "b", 0)]
 
