@@ -10,8 +10,12 @@ processes that read the variable at import, as a replica does:
 - side by side   ``1/share`` processes at that share allocate up to their caps at the same time: they fit together.
 - compute  fp16 matmuls (4096^2), one process alone, then two at share 0.5 in the same time window: without an MPS
            daemon the GPU time-slices between them, so the share divides memory, not compute.
+- mps      (``--mps``) the same under an MPS control daemon of this run's own (private pipe and log directories, so
+           no other process of the machine uses it; quit at the end): one process at 100%, one alone at
+           ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25``, then two at 50 together. The percentage caps the SMs a process
+           may use, so a process at 25 gets a quarter even on an idle GPU.
 
-    python -m benchmarks.bench_gpu_share [--shares 0.25 0.5 1.0] [--seconds 5] [--out DIR]
+    python -m benchmarks.bench_gpu_share [--shares 0.25 0.5 1.0] [--seconds 5] [--mps] [--out DIR]
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +37,8 @@ from benchmarks.records import RESULTS, machine, provenance, write_results
 NAME = "bench_gpu_share"
 BLOCK_BYTES = 64 << 20
 MATMUL_SIDE = 4096
+MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"  # what autoconfig sets from a GPU share under MPS
+WINDOW_IN_S = 15  # children import torch and warm up before their common window opens
 
 
 def _allocate_until_refused(hold_s: float) -> dict[str, float]:
@@ -70,9 +78,10 @@ def _matmuls_in_window(start_at: float, seconds: float) -> dict[str, float]:
     return {"tflops": done * 2 * MATMUL_SIDE**3 / elapsed / 1e12, "seconds": elapsed}
 
 
-def _children(share: float, count: int, *arguments: str) -> list[dict[str, float]]:
-    """``count`` children at ``share``, started together; each prints one JSON line."""
-    env = {**os.environ, "SWIFTSERVE_CUDA_MEMORY_FRACTION": str(min(share, 1.0)), "SWIFTSERVE_DEVICE": "cuda"}
+def _children(share: float, count: int, *arguments: str, env: dict[str, str] | None = None) -> list[dict[str, float]]:
+    """``count`` children at ``share`` (and ``env``), started together; each prints one JSON line."""
+    env = {**os.environ, "SWIFTSERVE_CUDA_MEMORY_FRACTION": str(min(share, 1.0)), "SWIFTSERVE_DEVICE": "cuda",
+           **(env or {})}
     command = [sys.executable, "-m", "benchmarks.bench_gpu_share", "--child", *arguments]
     processes = [subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True) for _ in range(count)]
     outputs = [process.communicate()[0] for process in processes]
@@ -82,7 +91,9 @@ def _children(share: float, count: int, *arguments: str) -> list[dict[str, float
 
 
 def _mps_daemon_runs() -> bool:
-    return subprocess.run(["pgrep", "-f", "nvidia-cuda-mps-control"], capture_output=True).returncode == 0
+    """Whether an MPS control daemon or server runs (by process name, which the kernel cuts to 15 characters:
+    matching command lines would also match any shell that merely names the daemon)."""
+    return subprocess.run(["pgrep", "-x", "nvidia-cuda-mps"], capture_output=True).returncode == 0
 
 
 def run(shares: list[float], seconds: float) -> dict:
@@ -99,11 +110,36 @@ def run(shares: list[float], seconds: float) -> dict:
                                                         for c in together],
                                  "allocated_over_device": sum(c["allocated_bytes"] for c in together)
                                  / together[0]["total_bytes"]})
-    window_in_s = 15  # the children imported torch and warmed up by then
-    (alone,) = _children(1.0, 1, "matmul", str(time.time() + window_in_s), str(seconds))
-    halves = _children(0.5, 2, "matmul", str(time.time() + window_in_s), str(seconds))
+    (alone,) = _children(1.0, 1, "matmul", str(time.time() + WINDOW_IN_S), str(seconds))
+    halves = _children(0.5, 2, "matmul", str(time.time() + WINDOW_IN_S), str(seconds))
     compute = {"alone_tflops": alone["tflops"], "two_at_half_tflops": [h["tflops"] for h in halves]}
     return {"memory": memory, "side_by_side": side_by_side, "compute": compute, "mps_daemon": _mps_daemon_runs()}
+
+
+def run_mps(seconds: float) -> dict:
+    """The compute case under an MPS daemon of this run's own; ``error`` says why not when it cannot run."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return {"error": "nvidia-cuda-mps-control is not on PATH"}
+    with tempfile.TemporaryDirectory(prefix="swiftserve-mps-") as directory:
+        env = {"CUDA_MPS_PIPE_DIRECTORY": f"{directory}/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{directory}/log"}
+        for path in env.values():
+            os.mkdir(path)
+        started = subprocess.run([control, "-d"], env={**os.environ, **env}, capture_output=True, text=True)
+        if started.returncode:
+            return {"error": f"nvidia-cuda-mps-control -d: exit {started.returncode} {started.stderr.strip()}"}
+        try:
+            (full,) = _children(1.0, 1, "matmul", str(time.time() + WINDOW_IN_S), str(seconds), env=env)
+            (quarter,) = _children(0.25, 1, "matmul", str(time.time() + WINDOW_IN_S), str(seconds),
+                                   env={**env, MPS_PERCENTAGE_ENV: "25"})
+            halves = _children(0.5, 2, "matmul", str(time.time() + WINDOW_IN_S), str(seconds),
+                               env={**env, MPS_PERCENTAGE_ENV: "50"})
+        except RuntimeError as error:
+            return {"error": str(error)}
+        finally:
+            subprocess.run([control], input="quit\n", env={**os.environ, **env}, text=True, timeout=60)
+    return {"alone_tflops": full["tflops"], "alone_at_25_tflops": quarter["tflops"],
+            "two_at_50_tflops": [h["tflops"] for h in halves]}
 
 
 def _table(result: dict) -> str:
@@ -117,6 +153,12 @@ def _table(result: dict) -> str:
     lines += ["", f"fp16 matmul {MATMUL_SIDE}^2: one process alone {compute['alone_tflops']:.0f} TFLOP/s; two at share "
               f"0.5 together {', '.join(f'{t:.0f}' for t in compute['two_at_half_tflops'])} TFLOP/s "
               f"(MPS daemon running: {result['mps_daemon']})"]
+    mps = result.get("mps")
+    if mps is not None:
+        lines += ["", f"Under an MPS daemon of its own: {mps['error']}" if "error" in mps else
+                  f"Under an MPS daemon of its own: one process at 100% {mps['alone_tflops']:.0f} TFLOP/s; one "
+                  f"alone at {MPS_PERCENTAGE_ENV}=25 {mps['alone_at_25_tflops']:.0f} TFLOP/s; two at 50 together "
+                  f"{', '.join(f'{t:.0f}' for t in mps['two_at_50_tflops'])} TFLOP/s"]
     return "\n".join(lines)
 
 
@@ -124,6 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5, 1.0])
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each compute window")
+    parser.add_argument("--mps", action="store_true", help="also measure under an MPS daemon of this run's own")
     parser.add_argument("--out", type=Path, default=RESULTS / "cuda")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -140,6 +183,12 @@ def main() -> None:
     halves = result["compute"]["two_at_half_tflops"]
     summary = {"allocated_over_cap": memory,
                "two_at_half_over_alone_tflops": round(sum(halves) / result["compute"]["alone_tflops"], 3)}
+    if args.mps:
+        mps = result["mps"] = run_mps(args.seconds)
+        if "error" not in mps:
+            summary["mps_alone_at_25_over_alone_tflops"] = round(mps["alone_at_25_tflops"] / mps["alone_tflops"], 3)
+            summary["mps_two_at_50_over_alone_tflops"] = [round(t / mps["alone_tflops"], 3)
+                                                          for t in mps["two_at_50_tflops"]]
     payload = {**provenance(), "machine": machine(), "summary": summary, **result}
     write_results(NAME, payload, f"# {NAME}\n\n`{payload['command']}` at {payload['commit']}\n\n{_table(result)}",
                   args.out)
