@@ -223,16 +223,15 @@ class _ReplicaShare:
             _not_enforced(deployment, error)
             return None
 
-    def throttle(self) -> EnforcedShare | None:
-        """Sets the quota, logged (None, logged, when the node refuses it)."""
+    def throttle(self) -> None:
+        """Sets the quota and logs it (or why the node refused it)."""
         try:
             group = throttle(self.cgroups, constants.CPU_SHARE)
         except CpuShareError as error:
             _not_enforced(self.deployment, error)
-            return None
-        enforced = EnforcedShare(group, self.cgroups.quota_us(group), self.cores)
-        logger.info("%s replica: %s", self.deployment, enforced.describe())
-        return enforced
+            return
+        logger.info("%s replica: %s", self.deployment,
+                    EnforcedShare(group, self.cgroups.quota_us(group), self.cores).describe())
 
 
 def _not_enforced(deployment: str, error: CpuShareError) -> None:
