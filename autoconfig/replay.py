@@ -17,11 +17,26 @@ from autoconfig.searchers.base import Observation, Searcher, SearcherFactory
 
 @dataclass(frozen=True)
 class SearcherReport:
-    """One searcher's runs; arrays are indexed ``[model, seed]`` (curves ``[model, seed, trial]``)."""
+    """One searcher's runs: ``best_so_far[model, seed, trial]`` is the best value so far over the model's optimum
+    (0 before any feasible trial; held after the run stopped). Trial counts are ``[model, seed]``."""
 
-    trials_to_optimum: np.ndarray
-    trials_to_within: np.ndarray
-    best_so_far: np.ndarray  # best value so far / the model's optimum (0 before any feasible trial)
+    best_so_far: np.ndarray
+    space_sizes: tuple[int, ...]
+    tolerance: float
+
+    def trials_to(self, levels: Sequence[float]) -> np.ndarray:
+        """Trials each run took to reach ``levels[model]`` of its model's optimum (the space's size if never)."""
+        return np.array([[_first_reaching(curve, level, size) for curve in runs]
+                         for runs, level, size in zip(self.best_so_far, levels, self.space_sizes, strict=True)])
+
+    @property
+    def trials_to_optimum(self) -> np.ndarray:
+        return self.trials_to([1.0] * len(self.space_sizes))
+
+    @property
+    def trials_to_within(self) -> np.ndarray:
+        """Trials to within ``tolerance`` of the optimum."""
+        return self.trials_to([1.0 - self.tolerance] * len(self.space_sizes))
 
     def summary(self) -> dict[str, float]:
         """Median, p90 and mean of both trial counts over models x seeds."""
@@ -44,9 +59,7 @@ class ReplayResult:
     def trials_to_within(self, searcher: str, tolerances: Sequence[float]) -> np.ndarray:
         """Trials each run of ``searcher`` took to within ``tolerances[model]`` of that model's optimum, e.g. its
         measurement noise (``[model, seed]``; the space's size when never reached)."""
-        curves = self.searchers[searcher].best_so_far
-        return np.array([[_first_reaching(curves[m, s], 1.0 - tolerance, size) for s in range(len(self.seeds))]
-                         for m, (tolerance, size) in enumerate(zip(tolerances, self.space_sizes, strict=True))])
+        return self.searchers[searcher].trials_to([1.0 - tolerance for tolerance in tolerances])
 
 
 def replay(
@@ -70,10 +83,10 @@ def replay(
         if not np.nan_to_num(values, nan=0.0).max() > 0:
             raise ValueError(f"{entry.name}: no configuration has a positive objective")
     length = max(min(budget or entry.space.size, entry.space.size) for entry in entries)
+    sizes = tuple(entry.space.size for entry in entries)
     reports = {}
     for name, factory in factories.items():
         shape = (len(entries), len(seeds))
-        to_optimum, to_within = np.zeros(shape, dtype=np.int64), np.zeros(shape, dtype=np.int64)
         curves = np.zeros((*shape, length))
         for m, (entry, values) in enumerate(zip(entries, surfaces, strict=True)):
             prior = [other for i, other in enumerate(entries) if i != m]
@@ -82,14 +95,12 @@ def replay(
                 curve = _run(searcher, values, min(budget or entry.space.size, entry.space.size))
                 curves[m, s, : len(curve)] = curve
                 curves[m, s, len(curve) :] = curve[-1]
-                to_optimum[m, s] = _first_reaching(curve, 1.0, entry.space.size)
-                to_within[m, s] = _first_reaching(curve, 1.0 - tolerance, entry.space.size)
                 if on_run is not None:
                     on_run(name, entry.name, seed)
-        reports[name] = SearcherReport(to_optimum, to_within, curves)
+        reports[name] = SearcherReport(curves, sizes, tolerance)
     return ReplayResult(
         models=tuple(e.name for e in entries),
-        space_sizes=tuple(e.space.size for e in entries),
+        space_sizes=sizes,
         seeds=tuple(seeds),
         tolerance=tolerance,
         searchers=reports,

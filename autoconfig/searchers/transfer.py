@@ -19,11 +19,11 @@ from autoconfig.searchers.optuna_searchers import OptunaSearcher
 from autoconfig.space import Configuration, SearchSpace
 
 
-def prior_surfaces(space: SearchSpace, prior: Sequence[BankEntry]) -> np.ndarray:
-    """One row per :func:`comparable` entry: its measured objective at each configuration of ``space`` divided by
-    the entry's best (0 where it held no rate; NaN where the entry did not profile that configuration)."""
+def prior_surfaces(space: SearchSpace, entries: Sequence[BankEntry]) -> np.ndarray:
+    """One row per entry (:func:`comparable` ones): its measured objective at each configuration of ``space``
+    divided by the entry's best (0 where it held no rate; NaN where the entry did not profile that configuration)."""
     rows = []
-    for entry in comparable(space, prior):
+    for entry in entries:
         measured = entry.measured()
         best = max(measured.values(), default=0.0)
         rows.append([np.nan if c not in measured else (measured[c] / best if best > 0 else 0.0)
@@ -37,7 +37,7 @@ class BestOnAverageSearcher(Searcher):
 
     def __init__(self, space: SearchSpace, prior: Sequence[BankEntry]) -> None:
         super().__init__(space)
-        surfaces = prior_surfaces(space, prior)
+        surfaces = prior_surfaces(space, comparable(space, prior))
         profiled = ~np.isnan(surfaces).all(axis=0)
         mean = np.where(profiled, np.nan_to_num(surfaces, nan=0.0).mean(axis=0), -np.inf)
         self.order = np.argsort(-mean, kind="stable")
@@ -52,7 +52,7 @@ class WarmTPESearcher(OptunaSearcher):
 
     def __init__(self, space: SearchSpace, seed: int, prior: Sequence[BankEntry]) -> None:
         super().__init__(space, seed)
-        surfaces = np.nan_to_num(prior_surfaces(space, prior), nan=0.0)
+        surfaces = np.nan_to_num(prior_surfaces(space, comparable(space, prior)), nan=0.0)
         mean = surfaces.mean(axis=0)
         bests = dict.fromkeys(int(np.argmax(row)) for row in surfaces if row.max() > 0)
         configurations = space.configurations()
