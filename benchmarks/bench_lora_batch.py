@@ -93,7 +93,7 @@ def row_batch(engine: DiffusionEngine, size: int, loras: Sequence[RowLoRAs]) -> 
     rows, latent = len(loras), size // engine.vae_scale_factor
     generator = torch.Generator().manual_seed(0)
     sample = torch.randn(rows, engine.unet.config.in_channels, latent, latent, generator=generator)
-    context = torch.randn(rows, engine.tokenizer.model_max_length, engine.unet.config.cross_attention_dim,
+    context = torch.randn(rows, engine.prompts.tokenizer.model_max_length, engine.unet.config.cross_attention_dim,
                           generator=generator)
     timestep = torch.linspace(engine.base_scheduler.config.num_train_timesteps - 1, 0, rows).round().long()
     context = context.to(engine.device, engine.dtype)
@@ -190,7 +190,7 @@ def main() -> None:
         "machine": machine() | {"engine_device": str(device), "dtype": str(dtype).removeprefix("torch.")},
         "args": vars(args),
         "setup": {"preset": args.preset, "rows": args.rows, "latent_side": args.size // engine.vae_scale_factor,
-                  "context_tokens": engine.tokenizer.model_max_length,
+                  "context_tokens": engine.prompts.tokenizer.model_max_length,
                   "timesteps": cases[0].batch.timestep.tolist(), "lora_file_bytes": file_bytes,
                   "merged_copy_bytes": expected_merged, "merge_build_forward_s": merge_build_s,
                   "warmup_s": warmup_s},

@@ -248,6 +248,16 @@ class DiffusionAppConfig(_Config):
         return self
 
     @model_validator(mode="after")
+    def _controlnet_presets_fit_the_model(self) -> DiffusionAppConfig:
+        """A ControlNet preset is built for the UNet of the diffusion preset of its name (its family and sizes)."""
+        for index, controlnet in enumerate(self.controlnets):
+            if controlnet.preset is not None and self.model.preset is not None and controlnet.preset != \
+                    self.model.preset:
+                raise ValueError(f"controlnets[{index}].preset {controlnet.preset!r} is built for the "
+                                 f"{controlnet.preset!r} model, not model.preset {self.model.preset!r}")
+        return self
+
+    @model_validator(mode="after")
     def _bundled_loras_exist(self) -> DiffusionAppConfig:
         if self.lora.directory == "bundled" and self.bundled_lora_directory() is None:
             raise ValueError("lora.directory: `bundled` needs a model with a `loras/` folder (the `tiny` preset "
@@ -292,4 +302,20 @@ class DiffusionAppConfig(_Config):
             raise ValueError("defaults.num_inference_steps exceeds limits.max_steps")
         if self.defaults.guidance_scale > self.limits.max_guidance_scale:
             raise ValueError("defaults.guidance_scale exceeds limits.max_guidance_scale")
+        return self
+
+
+class ImagesAppConfig(_Config):
+    """Several base models behind one Images API (``serving.app:build_app`` args with ``models``): a request's
+    ``model`` picks one, the first when it names none. Each entry configures one model as a one-model app would
+    (its ControlNets, LoRA directory, engine, defaults and limits)."""
+
+    models: list[DiffusionAppConfig] = Field(..., min_length=1, description="The served base models, default first.")
+
+    @model_validator(mode="after")
+    def _unique_model_names(self) -> ImagesAppConfig:
+        names = [entry.model.name for entry in self.models]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"models: each model.name must be unique; repeated: {', '.join(repeated)}")
         return self

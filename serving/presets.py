@@ -2,6 +2,9 @@
 
 ``tiny``       a small text-to-image model (64x64 images) for tests and the default deployment.
 ``sd15-shape`` the Stable Diffusion 1.5 architecture with random weights: realistic compute for benchmarks.
+``sdxl-tiny``  the SDXL architecture (two text encoders, pooled text and size conditioning) at the tiny sizes
+               of diffusers' own SDXL tests (64x64 images).
+``sdxl-shape`` the SDXL 1.0 base architecture with random weights (1024x1024 images), for benchmarks.
 
 Presets are constructed in memory from fixed configs and a seed, so two builds are bit-identical and
 nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``, their
@@ -10,36 +13,63 @@ weights from ``.safetensors`` files only.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from diffusers import (
     AutoencoderKL,
     ControlNetModel,
     DDIMScheduler,
+    DiffusionPipeline,
+    EulerDiscreteScheduler,
     MultiControlNetModel,
     SchedulerMixin,
     StableDiffusionControlNetPipeline,
     StableDiffusionPipeline,
+    StableDiffusionXLControlNetPipeline,
+    StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
 from serving._private.tokenizer import build_tokenizer
 from serving.preset_catalog import WEIGHTS_CHOICES, WeightsChoice, check_preset, preset_weights
 
+#: The model families the engine serves: Stable Diffusion 1.x/2.x (one CLIP text encoder) and SDXL (two, the
+#: second's pooled embedding and the image size conditioning the UNet's added embedding).
+ModelFamily = Literal["sd", "sdxl"]
+#: The diffusers pipeline class a local directory's ``model_index.json`` names, by family.
+_PIPELINE_CLASSES: dict[str, ModelFamily] = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl"}
+
 
 @dataclass
 class DiffusionComponents:
-    """The parts of a Stable-Diffusion-style text-to-image model."""
+    """The parts of a Stable-Diffusion-style text-to-image model; SDXL adds a second text encoder with a
+    projection (``text_encoder_2``) and its tokenizer."""
 
     unet: UNet2DConditionModel
     vae: AutoencoderKL
     text_encoder: CLIPTextModel
     tokenizer: CLIPTokenizer
     scheduler: SchedulerMixin
+    text_encoder_2: CLIPTextModelWithProjection | None = None
+    tokenizer_2: CLIPTokenizer | None = None
+    #: SDXL: an absent negative prompt conditions on zeros, not on the empty prompt's embedding (diffusers' default)
+    force_zeros_for_empty_prompt: bool = True
+
+    def __post_init__(self) -> None:
+        sdxl = self.unet.config.addition_embed_type == "text_time"
+        if sdxl != (self.text_encoder_2 is not None and self.tokenizer_2 is not None):
+            raise ValueError("an SDXL UNet (addition_embed_type 'text_time') needs text_encoder_2 and tokenizer_2, "
+                             "and only it takes them")
+
+    @property
+    def family(self) -> ModelFamily:
+        return "sdxl" if self.text_encoder_2 is not None else "sd"
 
     @property
     def vae_scale_factor(self) -> int:
@@ -56,7 +86,10 @@ class DiffusionComponents:
         return max(8, self.vae_scale_factor)
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        return {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
+        modules = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
+        if self.text_encoder_2 is not None:
+            modules["text_encoder_2"] = self.text_encoder_2
+        return modules
 
     def freeze(self) -> DiffusionComponents:
         """Inference mode for every module: eval, no gradients. Weights are shared, never trained here."""
@@ -64,14 +97,26 @@ class DiffusionComponents:
             module.eval().requires_grad_(False)
         return self
 
-    def as_pipeline(self) -> StableDiffusionPipeline:
-        """A diffusers pipeline over these same modules (no copies), without a safety checker."""
+    def as_pipeline(self) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
+        """The family's diffusers pipeline over these same modules (no copies), without a safety checker."""
+        if self.family == "sdxl":
+            return StableDiffusionXLPipeline(
+                vae=self.vae, text_encoder=self.text_encoder, text_encoder_2=self.text_encoder_2,
+                tokenizer=self.tokenizer, tokenizer_2=self.tokenizer_2, unet=self.unet, scheduler=self.scheduler,
+                force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt, add_watermarker=False)
         return StableDiffusionPipeline(**self._pipeline_parts())
 
-    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]) -> StableDiffusionControlNetPipeline:
-        """diffusers' ControlNet pipeline over these modules (the reference our engine is tested against);
-        several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
+    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]
+                               ) -> StableDiffusionControlNetPipeline | StableDiffusionXLControlNetPipeline:
+        """The family's diffusers ControlNet pipeline over these modules (the reference our engine is tested
+        against); several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
         controlnet = controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets))
+        if self.family == "sdxl":
+            return StableDiffusionXLControlNetPipeline(
+                vae=self.vae, text_encoder=self.text_encoder, text_encoder_2=self.text_encoder_2,
+                tokenizer=self.tokenizer, tokenizer_2=self.tokenizer_2, unet=self.unet, controlnet=controlnet,
+                scheduler=self.scheduler, force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
+                add_watermarker=False)
         return StableDiffusionControlNetPipeline(**self._pipeline_parts(), controlnet=controlnet)
 
     def _pipeline_parts(self) -> dict:
@@ -101,8 +146,22 @@ def _sd_scheduler() -> DDIMScheduler:
     )
 
 
-def _text_encoder(tokenizer: CLIPTokenizer, **arch: int) -> CLIPTextModel:
-    config = CLIPTextConfig(
+def _sdxl_scheduler() -> EulerDiscreteScheduler:
+    """Euler with SDXL 1.0's noise schedule and ``leading`` timestep spacing. Its tables are made on the CPU even
+    where modules are built on another default device (``meta``, to size a preset without its memory)."""
+    with torch.device("cpu"):
+        return EulerDiscreteScheduler(
+            num_train_timesteps=1000,
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            steps_offset=1,
+            timestep_spacing="leading",
+        )
+
+
+def _text_config(tokenizer: CLIPTokenizer, **arch: int | str) -> CLIPTextConfig:
+    return CLIPTextConfig(
         vocab_size=len(tokenizer),
         max_position_embeddings=tokenizer.model_max_length,
         bos_token_id=tokenizer.bos_token_id,
@@ -110,7 +169,18 @@ def _text_encoder(tokenizer: CLIPTokenizer, **arch: int) -> CLIPTextModel:
         pad_token_id=tokenizer.pad_token_id,
         **arch,
     )
-    return CLIPTextModel(config)
+
+
+def _text_encoder(tokenizer: CLIPTokenizer, **arch: int | str) -> CLIPTextModel:
+    return CLIPTextModel(_text_config(tokenizer, **arch))
+
+
+def _vae(block_out_channels: tuple[int, ...], **arch: int | float) -> AutoencoderKL:
+    """A Stable Diffusion VAE: RGB images, 4 latent channels, one down/up stage per block."""
+    stages = len(block_out_channels)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * stages,
+                         up_block_types=("UpDecoderBlock2D",) * stages, block_out_channels=block_out_channels,
+                         latent_channels=4, **arch)
 
 
 def _build_tiny() -> DiffusionComponents:
@@ -128,17 +198,7 @@ def _build_tiny() -> DiffusionComponents:
             attention_head_dim=8,
             norm_num_groups=32,
         ),
-        vae=AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 3,
-            up_block_types=("UpDecoderBlock2D",) * 3,
-            block_out_channels=(16, 32, 64),
-            layers_per_block=1,
-            latent_channels=4,
-            norm_num_groups=8,
-            sample_size=64,
-        ),
+        vae=_vae((16, 32, 64), sample_size=64, layers_per_block=1, norm_num_groups=8),
         text_encoder=_text_encoder(
             tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
         ),
@@ -161,16 +221,7 @@ def _build_sd15_shape() -> DiffusionComponents:
             cross_attention_dim=768,
             attention_head_dim=8,
         ),
-        vae=AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            block_out_channels=(128, 256, 512, 512),
-            layers_per_block=2,
-            latent_channels=4,
-            sample_size=512,
-        ),
+        vae=_vae((128, 256, 512, 512), sample_size=512, layers_per_block=2),
         text_encoder=_text_encoder(
             tokenizer, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12
         ),
@@ -179,10 +230,75 @@ def _build_sd15_shape() -> DiffusionComponents:
     )
 
 
+def _sdxl_unet(**arch) -> UNet2DConditionModel:
+    """An SDXL UNet: linear projections in its transformers, the pooled text embedding and six size numbers
+    (original size, crop corner, target size) added to the time embedding."""
+    return UNet2DConditionModel(
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D",) + ("CrossAttnDownBlock2D",) * (len(arch["block_out_channels"]) - 1),
+        up_block_types=("CrossAttnUpBlock2D",) * (len(arch["block_out_channels"]) - 1) + ("UpBlock2D",),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        **arch,
+    )
+
+
+def _build_sdxl_tiny() -> DiffusionComponents:
+    tokenizer = build_tokenizer()
+    text = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "hidden_act": "gelu", "projection_dim": 32}
+    return DiffusionComponents(
+        unet=_sdxl_unet(
+            sample_size=32,
+            block_out_channels=(32, 64),
+            layers_per_block=2,
+            attention_head_dim=(2, 4),
+            transformer_layers_per_block=(1, 2),
+            cross_attention_dim=64,  # the two text encoders' hidden states, concatenated
+            addition_time_embed_dim=8,
+            projection_class_embeddings_input_dim=80,  # 6 size numbers x 8 + the pooled embedding's 32
+        ),
+        vae=_vae((32, 64), sample_size=128, scaling_factor=0.13025),
+        text_encoder=_text_encoder(tokenizer, **text),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, **text)),
+        tokenizer_2=build_tokenizer(),
+        scheduler=_sdxl_scheduler(),
+    )
+
+
+def _build_sdxl_shape() -> DiffusionComponents:
+    tokenizer = build_tokenizer()
+    return DiffusionComponents(
+        unet=_sdxl_unet(
+            sample_size=128,
+            block_out_channels=(320, 640, 1280),
+            layers_per_block=2,
+            attention_head_dim=(5, 10, 20),
+            transformer_layers_per_block=(1, 2, 10),
+            cross_attention_dim=2048,  # CLIP ViT-L (768) + OpenCLIP ViT-bigG (1280)
+            addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816,  # 6 x 256 + 1280
+        ),
+        vae=_vae((128, 256, 512, 512), sample_size=1024, layers_per_block=2, scaling_factor=0.13025),
+        text_encoder=_text_encoder(tokenizer, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                   num_attention_heads=12),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(
+            tokenizer, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20,
+            hidden_act="gelu", projection_dim=1280)),
+        tokenizer_2=build_tokenizer(),
+        scheduler=_sdxl_scheduler(),
+    )
+
+
 #: The builder of each preset in ``serving.preset_catalog.PRESET_NAMES``.
 _BUILDERS: dict[str, Callable[[], DiffusionComponents]] = {
     "tiny": _build_tiny,
     "sd15-shape": _build_sd15_shape,
+    "sdxl-tiny": _build_sdxl_tiny,
+    "sdxl-shape": _build_sdxl_shape,
 }
 
 
@@ -201,20 +317,40 @@ def build_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded")
     return components.freeze()
 
 
-def load_local(path: str | Path) -> DiffusionComponents:
-    """Load a diffusers text-to-image directory from local disk only (never a hub), its weights from
-    ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
-    path = Path(path)
-    if not (path / "model_index.json").is_file():
+def local_family(path: str | Path) -> ModelFamily:
+    """The family of a diffusers text-to-image directory, from the pipeline class its ``model_index.json`` names;
+    ValueError for a directory that is not one, or a pipeline this engine does not serve."""
+    index = Path(path) / "model_index.json"
+    if not index.is_file():
         raise ValueError(f"{path} is not a diffusers model directory (no model_index.json)")
-    pipe = StableDiffusionPipeline.from_pretrained(
-        path, local_files_only=True, use_safetensors=True, safety_checker=None, requires_safety_checker=False,
-        dtype=torch.float32,
-    )
+    try:
+        pipeline = json.loads(index.read_text()).get("_class_name")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"{index}: not a JSON object") from exc
+    if pipeline not in _PIPELINE_CLASSES:
+        raise ValueError(f"{index}: pipeline {pipeline!r} is not served; served: {', '.join(_PIPELINE_CLASSES)}")
+    return _PIPELINE_CLASSES[pipeline]
+
+
+def load_local(path: str | Path) -> DiffusionComponents:
+    """Load a diffusers SD or SDXL text-to-image directory from local disk only (never a hub), its weights from
+    ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
+    family = local_family(path)
+    options = {"local_files_only": True, "use_safetensors": True, "dtype": torch.float32}
+    pipe: DiffusionPipeline
+    if family == "sdxl":
+        pipe = StableDiffusionXLPipeline.from_pretrained(path, add_watermarker=False, **options)
+        extras = {"text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
+                  "force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}
+    else:
+        pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False,
+                                                       **options)
+        extras = {}
     return DiffusionComponents(
         unet=pipe.unet,
         vae=pipe.vae,
         text_encoder=pipe.text_encoder,
         tokenizer=pipe.tokenizer,
         scheduler=pipe.scheduler,
+        **extras,
     ).freeze()

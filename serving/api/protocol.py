@@ -73,11 +73,9 @@ class ImageGenerationRequest(BaseModel):
     controlnets: list[ControlNetRequest] = Field(default_factory=list, description="Spatial conditioning.")
 
     def to_params(self, info: ModelInfo, config: DiffusionAppConfig) -> GenerationParams:
-        """Apply defaults and limits; raise ``APIError`` (400/404) naming the field at fault."""
+        """Apply the model's defaults and limits (the model already picked by ``model``); raise ``APIError``
+        (400) naming the field at fault."""
         limits, defaults = config.limits, config.defaults
-        if self.model is not None and self.model != info.name:
-            raise APIError(404, f"model {self.model!r} does not exist; served model: {info.name!r}",
-                           param="model", code="model_not_found")
         _check_text("prompt", self.prompt, limits.max_prompt_chars)
         if self.negative_prompt is not None:
             _check_text("negative_prompt", self.negative_prompt, limits.max_prompt_chars)
@@ -204,13 +202,17 @@ class ImageGenerationResponse(BaseModel):
 
 
 class ModelCard(BaseModel):
-    """One entry of ``GET /v1/models`` (OpenAI shape plus ``kind``)."""
+    """One entry of ``GET /v1/models`` (OpenAI shape plus ``kind``); a base model's card gives its family and native
+    size, a LoRA's or ControlNet's the base model it is served with."""
 
     id: str
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str
     kind: Literal["base-model", "controlnet", "lora"]
+    family: str | None = Field(None, description="Base models: the model family (`sd`, `sdxl`).")
+    size: str | None = Field(None, description="Base models: the native `WIDTHxHEIGHT`.")
+    model: str | None = Field(None, description="LoRAs and ControlNets: the base model they apply to.")
 
 
 class ModelList(BaseModel):

@@ -1,6 +1,7 @@
-"""The diffusion app's OpenAI-compatible HTTP API: a FastAPI app over an ``ImageGenerationBackend``.
+"""The diffusion app's OpenAI-compatible HTTP API: a FastAPI app over the served models, each an
+``ImageGenerationBackend``.
 
-Inside Ray Serve the backend is a handle to the model deployment; in unit tests, an in-process engine.
+Inside Ray Serve a backend is a handle to a model deployment; in unit tests, an in-process engine.
 """
 
 from __future__ import annotations
@@ -8,13 +9,12 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from serving.api.models import ServedModels
 from serving.api.protocol import ErrorBody, ErrorResponse
 from serving.api.router import health_router, router
 from serving.common.auth import api_key_dependencies
 from serving.common.errors import APIError
 from serving.common.http import error_responses, install_error_handling
-from serving.config import DiffusionAppConfig
-from serving.engine import ImageGenerationBackend
 
 #: OpenAI answers a missing or wrong API key with 401 and type ``invalid_request_error``.
 _ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
@@ -28,16 +28,15 @@ def render_openai_error(error: APIError) -> Response:
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
-def create_images_api(backend: ImageGenerationBackend, config: DiffusionAppConfig, *, api_key: str = "") -> FastAPI:
-    """The Images API over ``backend``; with a non-empty ``api_key``, inference and model listing need it."""
+def create_images_api(models: ServedModels, *, api_key: str = "") -> FastAPI:
+    """The Images API over ``models``; with a non-empty ``api_key``, inference and model listing need it."""
     app = FastAPI(
         title="swiftserve diffusion",
         description="OpenAI Images API compatible text-to-image serving.",
         version="1",
     )
-    app.state.backend = backend
-    app.state.config = config
-    install_error_handling(app, render_openai_error, max_body_bytes=config.limits.max_body_bytes)
+    app.state.models = models
+    install_error_handling(app, render_openai_error, max_body_bytes=models.max_body_bytes)
     app.include_router(router, dependencies=api_key_dependencies(api_key),
                        responses=error_responses(ErrorResponse, 401) if api_key else None)
     app.include_router(health_router)

@@ -11,7 +11,8 @@ from serving.preset_catalog import WeightsChoice, preset_weights
 from serving.presets import build_preset
 
 # Conditioning-embedding widths: one stride-2 stage per factor of 2 between image and latent.
-_CONDITIONING_CHANNELS = {"tiny": (16, 32, 64), "sd15-shape": (16, 32, 96, 256)}
+_CONDITIONING_CHANNELS = {"tiny": (16, 32, 64), "sd15-shape": (16, 32, 96, 256), "sdxl-tiny": (16, 32),
+                          "sdxl-shape": (16, 32, 96, 256)}
 CONTROLNET_PRESETS: tuple[str, ...] = tuple(_CONDITIONING_CHANNELS)
 
 

@@ -1,15 +1,16 @@
 """Running one ControlNet on a batch of rows, possibly from several requests and calls.
 
 A call carries the rows of one UNet step that use this ControlNet: noisy latents, timesteps, text
-embeddings (and where each row's comes from, so a remote call sends each request's once), per-row
-conditioning scales, and each request's conditioning image once (with how many rows it covers).
+embeddings (and where each row's comes from, so a remote call sends each request's once), for SDXL the added
+inputs (pooled embedding, size ids), per-row conditioning scales, and each request's conditioning image once
+(with how many rows it covers).
 Residuals come back already scaled, as ``MultiControlNetModel`` sums them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from diffusers import ControlNetModel
@@ -34,6 +35,7 @@ class ControlNetCall:
     context_rows: list[ContextRow]  # where each row of encoder_hidden_states comes from
     scales: torch.Tensor  # [R]
     images: list[tuple[torch.Tensor, int]]  # ([1, 3, H, W] conditioning image, rows it covers), in row order
+    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the added inputs per row [R, ...] (SDXL)
 
     @property
     def rows(self) -> int:
@@ -59,6 +61,7 @@ def merge_calls(calls: Sequence[ControlNetCall]) -> ControlNetCall:
         context_rows=[row for c in calls for row in c.context_rows],
         scales=torch.cat([c.scales for c in calls]),
         images=[image for c in calls for image in c.images],
+        added={name: torch.cat([c.added[name] for c in calls]) for name in calls[0].added},
     )
 
 
@@ -88,6 +91,7 @@ class ControlNetRunner:
             encoder_hidden_states=call.encoder_hidden_states.to(device, dtype),
             controlnet_cond=images,
             conditioning_scale=1.0,
+            added_cond_kwargs={name: value.to(device, dtype) for name, value in call.added.items()} or None,
             return_dict=False,
         )
         scales = call.scales.to(device, dtype).view(-1, 1, 1, 1)

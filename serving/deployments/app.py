@@ -1,9 +1,10 @@
 """Serve application builder: ``import_path: serving.app:build_app`` in a Serve config."""
 
 # No ``from __future__ import annotations``: Ray reads the annotation to validate ``args``.
+
 from ray.serve import Application
 
-from serving.config import DiffusionAppConfig
+from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.deployments.cfg_worker import CFGWorkerDeployment
 from serving.deployments.controlnet import ControlNetService
 from serving.deployments.ingress import ImagesIngress
@@ -17,11 +18,26 @@ def build_app(args: DiffusionAppConfig) -> Application:
     """
     if not isinstance(args, DiffusionAppConfig):
         args = DiffusionAppConfig.model_validate(args)
-    cores = args.device_map.controlnets if args.device_map else {}
+    return ImagesIngress.bind([_model(args, "")], ImagesAppConfig(models=[args]))
+
+
+def build_multi_app(args: ImagesAppConfig) -> Application:
+    """Several base models behind one ``ImagesIngress`` (``import_path: serving.app:build_multi_app``): each model's
+    deployments as ``build_app`` makes them, named with ``_<model name>`` after them (``DiffusionModel_sdxl-tiny``,
+    ``ControlNet_edges_sdxl-tiny``, ``CFGWorker_sdxl-tiny``)."""
+    if not isinstance(args, ImagesAppConfig):
+        args = ImagesAppConfig.model_validate(args)
+    return ImagesIngress.bind([_model(entry, f"_{entry.model.name}") for entry in args.models], args)
+
+
+def _model(config: DiffusionAppConfig, suffix: str) -> Application:
+    """One model's ``DiffusionModel`` deployment, bound to its ControlNet services and CFG worker."""
+    cores = config.device_map.controlnets if config.device_map else {}
     controlnets = {
-        controlnet.name: ControlNetService.options(name=f"ControlNet_{controlnet.name}").bind(
+        controlnet.name: ControlNetService.options(name=f"ControlNet_{controlnet.name}{suffix}").bind(
             controlnet, cores.get(controlnet.name, []))
-        for controlnet in args.controlnets
+        for controlnet in config.controlnets
     }
-    cfg_worker = CFGWorkerDeployment.bind(args, controlnets) if args.engine.cfg_parallel else None
-    return ImagesIngress.bind(DiffusionModel.bind(args, controlnets, cfg_worker), args)
+    cfg_worker = (CFGWorkerDeployment.options(name=f"CFGWorker{suffix}").bind(config, controlnets)
+                  if config.engine.cfg_parallel else None)
+    return DiffusionModel.options(name=f"DiffusionModel{suffix}").bind(config, controlnets, cfg_worker)

@@ -71,6 +71,7 @@ class ServeCFGWorker(CFGWorker):
             loras=[tuple((weights.name, scale) for weights, scale in row) for row in batch.loras],
             controls=[tuple((name, self._shared.ref(image), scale) for name, image, scale in row)
                       for row in batch.controls],
+            added={name: to_numpy(value) for name, value in batch.added.items()},
         )
         self._metrics.remote_bytes("cfg", "sent", wire.nbytes)
         return PendingReply(self._handle.predict.remote(wire), self._timeout_s, self._noise)
@@ -178,6 +179,8 @@ class CFGWorkerCore:
                    for call, i in picked],
             controls=[tuple((name, self._tensors.get(ref), scale) for name, ref, scale in call.controls[i])
                       for call, i in picked],
+            added={name: from_numpy(np.concatenate([call.added[name][rows] for call, rows in chosen])).to(device)
+                   for name in calls[0].added},
         )
 
     async def band_steps(self, session: str, latents: np.ndarray, queue: Any,

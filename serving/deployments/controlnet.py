@@ -61,6 +61,7 @@ class ServeControlNets(ControlNetClient):
             context=self._shared.rows(call.context_rows),
             scales=to_numpy(call.scales),
             images=[(self._shared.ref(image), rows) for image, rows in call.images],
+            added={name: to_numpy(value) for name, value in call.added.items()},
         )
         self._metrics.remote_bytes("controlnet", "sent", wire.nbytes)
         return PendingReply(self._handles[name].residuals.remote(wire), self._timeout_s, self._residuals)
@@ -88,7 +89,8 @@ class ControlNetCore:
         context_rows = self._tensors.rows(call.context)
         images = [(self._tensors.get(ref), rows) for ref, rows in call.images]
         return ControlNetCall(from_numpy(call.sample), from_numpy(call.timestep), gather_context(context_rows),
-                              context_rows, from_numpy(call.scales), images)
+                              context_rows, from_numpy(call.scales), images,
+                              {name: from_numpy(value) for name, value in call.added.items()})
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)

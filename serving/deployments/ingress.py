@@ -1,4 +1,4 @@
-"""The HTTP ingress of the diffusion app and the engine interface it serves, over a handle to the model."""
+"""The HTTP ingress of the diffusion app and the engine interface it serves, over a handle to each model."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serving.api.models import ServedModel, ServedModels
 from serving.api.server import create_images_api
 from serving.common.backpressure import OVERLOADED
 from serving.common.constants import API_KEY
 from serving.common.device import placement
 from serving.common.errors import APIError, retry_after
 from serving.common.logging import get_logger
-from serving.config import DiffusionAppConfig
+from serving.config import ImagesAppConfig
 from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
 
 logger = get_logger("deployments.ingress")
@@ -67,12 +68,14 @@ class DeploymentBackend(ImageGenerationBackend):
                   backpressure_config=OVERLOADED)
 @serve.ingress()
 class ImagesIngress:
-    """The OpenAI Images HTTP API; forwards generations to ``DiffusionModel``."""
+    """The OpenAI Images HTTP API; forwards each generation to the ``DiffusionModel`` deployment of the model it
+    names (``models``: a handle per model, in ``config``'s order)."""
 
-    def __init__(self, model: DeploymentHandle, config: DiffusionAppConfig) -> None:
-        self._backend = DeploymentBackend(model)
-        self._config = config
-        logger.info("images ingress up on %s", placement())
+    def __init__(self, models: list[DeploymentHandle], config: ImagesAppConfig) -> None:
+        self._models = ServedModels([ServedModel(DeploymentBackend(handle), entry)
+                                     for handle, entry in zip(models, config.models, strict=True)])
+        logger.info("images ingress up on %s, serving %s", placement(),
+                    ", ".join(model.name for model in self._models.all))
 
     def __serve_build_asgi_app__(self) -> FastAPI:
-        return create_images_api(self._backend, self._config, api_key=API_KEY)
+        return create_images_api(self._models, api_key=API_KEY)

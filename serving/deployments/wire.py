@@ -5,7 +5,7 @@ waits for after its own share of the step. ``nbytes``: what a step's message mov
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -27,6 +27,7 @@ class WireRows:
     context: list[WireContextRow]
     loras: list[tuple[tuple[str, float], ...]]
     controls: list[tuple[tuple[str, ray.ObjectRef, float], ...]]
+    added: dict[str, np.ndarray] = field(default_factory=dict)  # the UNet's added inputs per row (SDXL)
 
     @property
     def rows(self) -> int:
@@ -34,7 +35,7 @@ class WireRows:
 
     @property
     def nbytes(self) -> int:
-        return self.sample.nbytes + self.timestep.nbytes
+        return self.sample.nbytes + self.timestep.nbytes + sum(value.nbytes for value in self.added.values())
 
 
 @dataclass
@@ -58,10 +59,12 @@ class WireCall:
     context: list[WireContextRow]
     scales: np.ndarray
     images: list[tuple[ray.ObjectRef, int]]
+    added: dict[str, np.ndarray] = field(default_factory=dict)  # the added inputs per row (SDXL)
 
     @property
     def nbytes(self) -> int:
-        return self.sample.nbytes + self.timestep.nbytes + self.scales.nbytes
+        return (self.sample.nbytes + self.timestep.nbytes + self.scales.nbytes
+                + sum(value.nbytes for value in self.added.values()))
 
 
 @dataclass

@@ -28,6 +28,7 @@ from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall
 from serving.engine.band_decode import BandDecodeUnsupported, check_band_decodable, decode_with_peer
 from serving.engine.cfg import CFGWorker
+from serving.engine.prompts import prompt_encoder
 from serving.engine.request import LoRAActivation, PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
@@ -72,19 +73,24 @@ class DiffusionEngine:
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
                  cfg_worker: CFGWorker | None = None, metrics: Metrics = NO_METRICS) -> None:
         self.info = ModelInfo(name=name, default_size=components.default_size,
-                              size_multiple=components.size_multiple)
+                              size_multiple=components.size_multiple, family=components.family)
         self.device, self.dtype = device, dtype
-        for module in components.modules().values():
+        self.family = components.family
+        # SDXL's VAE overflows in float16 (``force_upcast``): it decodes in float32, as diffusers' SDXL pipeline.
+        upcast = self.family == "sdxl" and dtype == torch.float16 and components.vae.config.force_upcast
+        self.vae_dtype = torch.float32 if upcast else dtype
+        for name, module in components.modules().items():
             module.to(device)
-            if dtype != torch.float32:
-                module.to(dtype)
+            module_dtype = self.vae_dtype if name == "vae" else dtype
+            if module_dtype != torch.float32:
+                module.to(module_dtype)
         self.unet, self.vae, self.text_encoder = components.unet, components.vae, components.text_encoder
-        self.tokenizer, self.base_scheduler = components.tokenizer, components.scheduler
+        self.base_scheduler = components.scheduler
         self.vae_scale_factor = components.vae_scale_factor
-        self.lora_targets = LoRATargets.from_modules(self.unet, self.text_encoder)
+        self.lora_targets = LoRATargets.from_modules(self.unet, self.text_encoder, components.text_encoder_2)
         # The UNet runs every step: a merged copy can pay off. The text encoder runs once per request: never merge.
         self._unet_loras = LoRAHooks(self.unet, merged_cache_bytes=merged_lora_bytes, merge_after=lora_merge_after)
-        self._text_loras = LoRAHooks(self.text_encoder)
+        self.prompts = prompt_encoder(components, device, dtype)
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         self.controlnets = controlnets
         self.cfg_worker = cfg_worker
@@ -132,10 +138,10 @@ class DiffusionEngine:
         scheduler = type(self.base_scheduler).from_config(self.base_scheduler.config)
         scheduler.set_timesteps(params.num_inference_steps, device=self.device)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
-        prompt_embeds, negative_embeds = self._encode_text(params, [])
+        prompt_embeds, negative_embeds = self.prompts.encode(params)
         shape = (1, self.unet.config.in_channels, params.height // self.vae_scale_factor,
                  params.width // self.vae_scale_factor)
-        noise = [torch.randn(shape, generator=g, dtype=prompt_embeds.dtype) for g in generators]
+        noise = [torch.randn(shape, generator=g, dtype=self.dtype) for g in generators]
         latents = torch.cat(noise).to(self.device) * scheduler.init_noise_sigma
         return RequestState(
             params=params,
@@ -156,10 +162,8 @@ class DiffusionEngine:
         """The request's (loaded) LoRAs on this device, and its text re-encoded where they touch the encoder. Reads
         ``state`` only: it may run on another thread while the request keeps denoising."""
         loras = [(self.lora_on_device(pending.load.result()), pending.scale) for pending in state.loras]
-        for weights, _ in loras:
-            self._text_loras.ensure_hooks(weights.text_encoder)
-        text_pairs = [(weights.text_encoder, scale) for weights, scale in loras if weights.text_encoder]
-        embeds = self._encode_text(state.params, text_pairs) if text_pairs else None
+        touching = [(weights, scale) for weights, scale in loras if weights.targets_text]
+        embeds = self.prompts.encode(state.params, touching) if touching else None
         return LoRAActivation(loras, embeds)
 
     def apply_loras(self, state: RequestState, activation: LoRAActivation) -> None:
@@ -234,13 +238,14 @@ class DiffusionEngine:
         with self._unet_loras.active(plan_lora_rows(assignments, self.device)):
             if any(batch.controls):
                 return self._controlled_unet(batch)
-            return self.unet(batch.sample, batch.timestep, encoder_hidden_states=batch.context, return_dict=False)[0]
+            return self.unet(batch.sample, batch.timestep, encoder_hidden_states=batch.context,
+                             added_cond_kwargs=batch.added or None, return_dict=False)[0]
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> np.ndarray:
         """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker, its device decodes the lower
         half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
-        latents = state.latents / self.vae.config.scaling_factor
+        latents = state.latents.to(self.vae_dtype) / self.vae.config.scaling_factor
         images = None
         if self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2:
             try:
@@ -277,9 +282,10 @@ class DiffusionEngine:
             call = ControlNetCall(sample=batch.sample[index], timestep=batch.timestep[index.to(batch.timestep.device)],
                                   encoder_hidden_states=batch.context[index],
                                   context_rows=[batch.context_rows[row] for row, _, _ in entries],
-                                  scales=torch.tensor([scale for _, _, scale in entries]), images=images)
+                                  scales=torch.tensor([scale for _, _, scale in entries]), images=images,
+                                  added={key: value[index] for key, value in batch.added.items()})
             pending.append((name, index, self.controlnets.submit(name, call)))
-        down = self._split_unet.down(batch.sample, batch.timestep, batch.context)
+        down = self._split_unet.down(batch.sample, batch.timestep, batch.context, batch.added)
         down_residuals = [torch.zeros_like(skip) for skip in down.skips]
         mid_residual = torch.zeros_like(down.sample)
         for name, index, future in pending:  # summed across ControlNets, as MultiControlNetModel does
@@ -311,23 +317,6 @@ class DiffusionEngine:
         if self._step_takes_generator:
             kwargs["generator"] = state.generators
         return kwargs
-
-    def _encode_text(self, params: GenerationParams,
-                     lora_pairs: list) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Prompt (and, with CFG, negative prompt) embeddings, each repeated for the request's n images."""
-        texts = [params.prompt]
-        if params.uses_cfg:
-            texts.append(params.negative_prompt or "")
-        tokens = self.tokenizer(texts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                                truncation=True, return_tensors="pt")
-        use_mask = getattr(self.text_encoder.config, "use_attention_mask", False)
-        mask = tokens.attention_mask.to(self.device) if use_mask else None
-        with self._text_loras.active(plan_lora_rows([lora_pairs] * len(texts), self.device)):
-            encoded = self.text_encoder(tokens.input_ids.to(self.device), attention_mask=mask)[0]
-        encoded = encoded.to(self.dtype).repeat_interleave(params.n, dim=0)
-        if params.uses_cfg:
-            return encoded[:params.n], encoded[params.n:]
-        return encoded, None
 
 
 def _band_decodable(vae: torch.nn.Module) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -11,6 +12,16 @@ from diffusers import SchedulerMixin
 
 from serving.engine.types import GenerationParams
 from serving.lora.weights import LoRAWeights
+
+
+@dataclass(frozen=True)
+class TextEmbeddings:
+    """What one prompt conditions the UNet on, a row per image: cross-attention states [n, S, D] and, for a UNet
+    with an added embedding (SDXL), its inputs by ``added_cond_kwargs`` name (``text_embeds`` [n, P],
+    ``time_ids`` [n, 6])."""
+
+    hidden: torch.Tensor
+    added: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -29,7 +40,7 @@ class LoRAActivation:
     them (``None`` when none touches the text encoder)."""
 
     loras: list[tuple[LoRAWeights, float]]
-    embeds: tuple[torch.Tensor, torch.Tensor | None] | None
+    embeds: tuple[TextEmbeddings, TextEmbeddings | None] | None
 
 
 @dataclass
@@ -41,8 +52,8 @@ class RequestState:
     timesteps: torch.Tensor
     latents: torch.Tensor  # [n, C, h, w]
     generators: list[torch.Generator]
-    prompt_embeds: torch.Tensor  # [n, seq, dim]
-    negative_embeds: torch.Tensor | None  # [n, seq, dim] when CFG runs
+    prompt_embeds: TextEmbeddings
+    negative_embeds: TextEmbeddings | None  # when CFG runs
     lora_step: int  # the step at which the request stops and waits for its LoRAs
     controls: list[tuple[str, torch.Tensor, float]] = field(default_factory=list)  # name, [1,3,H,W], scale
     loras: list[PendingLoRA] = field(default_factory=list)
@@ -54,19 +65,31 @@ class RequestState:
     blocked_since: float | None = None
     admitted: float = field(default_factory=time.perf_counter)  # joined the engine loop
     denoised: float | None = None  # took its last step
-    _context: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = field(
-        default=None, init=False, repr=False)  # (context, the prompt and negative embeddings it was built from)
+    _context: tuple[torch.Tensor, dict[str, torch.Tensor], TextEmbeddings, TextEmbeddings | None] | None = field(
+        default=None, init=False, repr=False)  # (context, added, the prompt and negative embeddings they came from)
 
     @property
     def context(self) -> torch.Tensor:
         """The text embeddings of every row [rows, S, D] (with CFG the negative ones first): one tensor until the
         embeddings are replaced (LoRAs re-encoding the text), so a remote worker is sent it once."""
+        return self._rows()[0]
+
+    @property
+    def added(self) -> dict[str, torch.Tensor]:
+        """The UNet's added inputs of every row, in the order of ``context`` (empty for a UNet without them)."""
+        return self._rows()[1]
+
+    def _rows(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         built = self._context
-        if built is None or built[1] is not self.prompt_embeds or built[2] is not self.negative_embeds:
+        if built is None or built[2] is not self.prompt_embeds or built[3] is not self.negative_embeds:
             prompt, negative = self.prompt_embeds, self.negative_embeds
-            built = (prompt if negative is None else torch.cat([negative, prompt]), prompt, negative)
-            self._context = built
-        return built[0]
+            if negative is None:
+                context, added = prompt.hidden, dict(prompt.added)
+            else:
+                context = torch.cat([negative.hidden, prompt.hidden])
+                added = {name: torch.cat([negative.added[name], value]) for name, value in prompt.added.items()}
+            built = self._context = (context, added, prompt, negative)
+        return built[0], built[1]
 
     @property
     def done(self) -> bool:

@@ -1,6 +1,7 @@
 """``RowBatch``: the rows of one UNet forward, whichever requests they come from.
 
-Each row carries its own timestep, text embedding, LoRAs and ControlNet conditions, so a forward can
+Each row carries its own timestep, text embedding (and, for SDXL, the UNet's added inputs: pooled text embedding
+and size ids), LoRAs and ControlNet conditions, so a forward can
 mix requests freely, and a subset of rows (the unconditional half, for parallel CFG) can be cut out
 and computed elsewhere. Each row also knows which request tensor its text embedding comes from
 (``context_rows``), so what computes it elsewhere is sent each request's embeddings once.
@@ -9,7 +10,7 @@ and computed elsewhere. Each row also knows which request tensor its text embedd
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,6 +30,7 @@ class RowBatch:
     context_rows: list[ContextRow]  # where each row of ``context`` comes from
     loras: list[RowLoRAs]
     controls: list[RowControls]
+    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the UNet's added inputs [R, ...] (SDXL)
 
     @property
     def rows(self) -> int:
@@ -43,18 +45,21 @@ class RowBatch:
             context_rows=[self.context_rows[i] for i in index],
             loras=[self.loras[i] for i in index],
             controls=[self.controls[i] for i in index],
+            added={name: value.index_select(0, positions) for name, value in self.added.items()},
         )
 
     def to(self, device: torch.device) -> RowBatch:
         """The same rows with their activations on ``device`` (LoRAs and images are moved by their users)."""
         return RowBatch(self.sample.to(device), self.timestep.to(device), self.context.to(device),
-                        self.context_rows, self.loras, self.controls)
+                        self.context_rows, self.loras, self.controls,
+                        {name: value.to(device) for name, value in self.added.items()})
 
     @classmethod
     def for_states(cls, states: Sequence[RequestState]) -> RowBatch:
         """All rows of ``states`` at their current step: per CFG request its unconditional rows, then its
         conditional rows (the order diffusers concatenates them in)."""
         samples, timesteps, contexts, context_rows, loras, controls = [], [], [], [], [], []
+        added: dict[str, list[torch.Tensor]] = {}
         for state in states:
             t = state.timesteps[state.step_index]
             latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
@@ -65,4 +70,7 @@ class RowBatch:
             context_rows += [(context, row) for row in range(state.rows)]
             loras += [tuple(state.active_loras)] * state.rows
             controls += [tuple(state.controls)] * state.rows
-        return cls(torch.cat(samples), torch.cat(timesteps), torch.cat(contexts), context_rows, loras, controls)
+            for name, value in state.added.items():
+                added.setdefault(name, []).append(value)
+        return cls(torch.cat(samples), torch.cat(timesteps), torch.cat(contexts), context_rows, loras, controls,
+                   {name: torch.cat(values) for name, values in added.items()})

@@ -83,6 +83,7 @@ class ModelInfo:
     name: str
     default_size: int
     size_multiple: int
+    family: str = "sd"  # ``serving.presets.ModelFamily``: which LoRAs and ControlNets fit it
 
 
 class ImageGenerationBackend(ABC):

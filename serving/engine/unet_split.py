@@ -2,13 +2,14 @@
 and the mid block while remote ControlNets compute the same step's residuals (added only afterwards: to the skip
 connections, which the up blocks read, and to the mid block's output).
 
-The arithmetic is diffusers' own for Stable-Diffusion-style UNets (no class/addition embeddings, attention masks,
-adapters or GLIGEN); other UNets are refused at construction.
+The arithmetic is diffusers' own for Stable Diffusion 1.x/2.x and SDXL UNets (SDXL's ``text_time`` added embedding;
+no class embeddings, other added embeddings, attention masks, adapters or GLIGEN); other UNets are refused at
+construction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +35,8 @@ class SplitUNet:
         unsupported = [
             name for name, value in (
                 ("class_embed_type", config.class_embed_type),
-                ("addition_embed_type", config.addition_embed_type),
+                ("addition_embed_type", None if config.addition_embed_type == "text_time"
+                 else config.addition_embed_type),
                 ("encoder_hid_dim_type", config.encoder_hid_dim_type),
                 ("center_input_sample", config.center_input_sample or None),
                 ("time_cond_proj_dim", config.time_cond_proj_dim),
@@ -44,12 +46,17 @@ class SplitUNet:
             raise ValueError(f"UNet features not supported by the split forward: {', '.join(unsupported)}")
         self.unet = unet
 
-    def down(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor) -> DownPass:
-        """The time embedding, ``conv_in``, the down blocks and the mid block."""
+    def down(self, sample: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
+             added: Mapping[str, torch.Tensor] | None = None) -> DownPass:
+        """The time embedding (plus the added one, from ``added``: SDXL's ``text_embeds`` and ``time_ids``),
+        ``conv_in``, the down blocks and the mid block."""
         unet = self.unet
         up_factor = 2**unet.num_upsamplers
         forward_upsample_size = any(dim % up_factor for dim in sample.shape[-2:])
         emb = unet.time_embedding(unet.get_time_embed(sample=sample, timestep=timestep))
+        if unet.config.addition_embed_type is not None:
+            emb = emb + unet.get_aug_embed(emb=emb, encoder_hidden_states=encoder_hidden_states,
+                                           added_cond_kwargs=dict(added or {}))
         if unet.time_embed_act is not None:
             emb = unet.time_embed_act(emb)
         sample = unet.conv_in(sample)

@@ -160,7 +160,7 @@ class LoRACache:
                 del self._loads[name]
                 self._insert(name, _Entry(load.key, weights))
             self._metrics.lora_cache_bytes(self._bytes)
-        modules = len(weights.unet) + len(weights.text_encoder)
+        modules = weights.modules
         logger.info("LoRA %r loaded: %d modules, %.1f MiB in %.2fs", name, modules, weights.nbytes / 2**20,
                     time.perf_counter() - started)
         load.future.set_result(weights)

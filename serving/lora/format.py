@@ -15,13 +15,13 @@ import re
 import stat
 import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.decoder import scanstring
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils import (
     convert_state_dict_to_diffusers,
     convert_state_dict_to_peft,
@@ -59,7 +59,7 @@ _HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian u64 header si
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 _JSON_DECODER = json.JSONDecoder()
 
-Component = Literal["unet", "text_encoder"]
+Component = Literal["unet", "text_encoder", "text_encoder_2"]
 
 
 class LoRAFormatError(ValueError):
@@ -101,13 +101,17 @@ class LoRATargets:
     #: CLIP keeps its modules under ``text_model.`` (older transformers); when it does not, diffusers strips
     #: that prefix from LoRA keys.
     text_encoder_nested: bool
+    #: SDXL's second text encoder (empty for a model with one)
+    text_encoder_2: Mapping[str, ModuleShape] = field(default_factory=dict)
 
     @classmethod
-    def from_modules(cls, unet: nn.Module, text_encoder: nn.Module) -> LoRATargets:
+    def from_modules(cls, unet: nn.Module, text_encoder: nn.Module,
+                     text_encoder_2: nn.Module | None = None) -> LoRATargets:
         return cls(
             unet=_module_shapes(unet),
             text_encoder=_module_shapes(text_encoder),
             text_encoder_nested=hasattr(text_encoder, "text_model"),
+            text_encoder_2=_module_shapes(text_encoder_2) if text_encoder_2 is not None else {},
         )
 
 
@@ -162,8 +166,9 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
         for marker, kind in _UNSUPPORTED_MARKERS:
             if marker in key:
                 raise LoRAFormatError(name, f"{key!r}: {kind} adapters are not supported")
+    pipeline = StableDiffusionXLPipeline if targets.text_encoder_2 else StableDiffusionPipeline
     try:
-        state_dict, network_alphas = StableDiffusionPipeline.lora_state_dict(tensors)
+        state_dict, network_alphas = pipeline.lora_state_dict(tensors)
     except Exception as exc:  # diffusers' conversion: ValueError, KeyError, ... on malformed files
         raise LoRAFormatError(name, f"not a LoRA diffusers can convert: {exc!r}") from None
     if not state_dict:
@@ -171,7 +176,7 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     if network_alphas and metadata:
         raise LoRAFormatError(name, "both kohya alphas and diffusers adapter metadata are present")
 
-    split: dict[str, dict[str, torch.Tensor]] = {"unet": {}, "text_encoder": {}}
+    split: dict[str, dict[str, torch.Tensor]] = {"unet": {}, "text_encoder": {}, "text_encoder_2": {}}
     for key, tensor in state_dict.items():
         prefix, _, rest = key.partition(".")
         if "lora" not in key or prefix not in split or not rest:
@@ -179,10 +184,20 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
         split[prefix][rest] = tensor
     if not split["unet"]:
         raise LoRAFormatError(name, "the file has no UNet LoRA weights")
+    if split["text_encoder_2"] and not targets.text_encoder_2:
+        raise LoRAFormatError(name, "it has weights for a second text encoder: a LoRA for the sdxl family, and "
+                                    "this model has one text encoder")
     loader = _ComponentLoader(name, targets, network_alphas, metadata, dtype)
-    unet = loader.load("unet", split["unet"])
-    text_encoder = loader.load("text_encoder", split["text_encoder"]) if split["text_encoder"] else {}
-    return LoRAWeights.build(path.stem, unet, text_encoder)
+    try:
+        unet = loader.load("unet", split["unet"])
+    except LoRAFormatError as exc:
+        if targets.text_encoder_2 and not split["text_encoder_2"]:  # the UNet of an SD model is not SDXL's
+            raise LoRAFormatError(name, f"{exc.reason}; it does not fit this sdxl model: a LoRA for the sd "
+                                        "family?") from None
+        raise
+    text = {component: loader.load(component, split[component]) if split[component] else {}
+            for component in ("text_encoder", "text_encoder_2")}
+    return LoRAWeights.build(path.stem, unet, text["text_encoder"], text["text_encoder_2"])
 
 
 def _read_safetensors(path: Path, max_file_bytes: int, max_header_bytes: int,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,25 +33,40 @@ class LoRALayer:
 
 @dataclass(frozen=True, eq=False)
 class LoRAWeights:
-    """A LoRA file, validated against one model: layers keyed by exact ``named_modules()`` names (by identity)."""
+    """A LoRA file, validated against one model: layers keyed by exact ``named_modules()`` names (by identity), per
+    component (SDXL's second text encoder: ``text_encoder_2``)."""
 
     name: str
     unet: Mapping[str, LoRALayer]
     text_encoder: Mapping[str, LoRALayer]
     nbytes: int  # bytes of all tensors
+    text_encoder_2: Mapping[str, LoRALayer] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, name: str, unet: Mapping[str, LoRALayer], text_encoder: Mapping[str, LoRALayer]) -> LoRAWeights:
+    def build(cls, name: str, unet: Mapping[str, LoRALayer], text_encoder: Mapping[str, LoRALayer],
+              text_encoder_2: Mapping[str, LoRALayer] | None = None) -> LoRAWeights:
         """Weights with ``nbytes`` computed from the layers."""
-        nbytes = sum(layer.nbytes for layers in (unet, text_encoder) for layer in layers.values())
-        return cls(name=name, unet=dict(unet), text_encoder=dict(text_encoder), nbytes=nbytes)
+        text_encoder_2 = text_encoder_2 or {}
+        nbytes = sum(layer.nbytes for layers in (unet, text_encoder, text_encoder_2) for layer in layers.values())
+        return cls(name=name, unet=dict(unet), text_encoder=dict(text_encoder), nbytes=nbytes,
+                   text_encoder_2=dict(text_encoder_2))
+
+    @property
+    def targets_text(self) -> bool:
+        """Whether it changes a text encoder (the prompt's embeddings)."""
+        return bool(self.text_encoder or self.text_encoder_2)
+
+    @property
+    def modules(self) -> int:
+        """Modules it targets, over every component."""
+        return len(self.unet) + len(self.text_encoder) + len(self.text_encoder_2)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LoRAWeights:
         """A copy on ``device`` (and in ``dtype`` if given); ``self`` is left untouched."""
         return LoRAWeights.build(
             self.name,
-            {key: layer.to(device, dtype) for key, layer in self.unet.items()},
-            {key: layer.to(device, dtype) for key, layer in self.text_encoder.items()},
+            *({key: layer.to(device, dtype) for key, layer in layers.items()}
+              for layers in (self.unet, self.text_encoder, self.text_encoder_2)),
         )
 
 

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 
 import torch
-from diffusers import StableDiffusionPipeline
+from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 from diffusers.utils import convert_state_dict_to_diffusers
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
@@ -21,20 +21,22 @@ TEXT_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
 
 def write_lora(path: Path, *, seed: int, rank: int = 4, alpha: float | None = None, text_encoder: bool = False,
                unet_targets: list[str] = UNET_TARGETS, preset: str = "tiny") -> Path:
-    """A diffusers-format LoRA for ``preset`` at ``path`` (``.safetensors``), random non-zero weights."""
+    """A diffusers-format LoRA for ``preset`` at ``path`` (``.safetensors``), random non-zero weights; with
+    ``text_encoder``, on every text encoder of the preset (SDXL's two)."""
     components = build_preset(preset)
+    encoders = [components.text_encoder] + ([components.text_encoder_2] if components.text_encoder_2 else [])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         components.unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=unet_targets,
                                                init_lora_weights=False))
-        unet_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(components.unet))
-        text_layers = None
-        if text_encoder:
-            components.text_encoder.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank,
-                                                           target_modules=TEXT_TARGETS, init_lora_weights=False))
-            text_layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(components.text_encoder))
-    StableDiffusionPipeline.save_lora_weights(path.parent, unet_lora_layers=unet_layers,
-                                              text_encoder_lora_layers=text_layers, weight_name=path.name)
+        layers = {"unet_lora_layers": convert_state_dict_to_diffusers(get_peft_model_state_dict(components.unet))}
+        for index, encoder in enumerate(encoders if text_encoder else []):
+            encoder.add_adapter(LoraConfig(r=rank, lora_alpha=alpha or rank, target_modules=TEXT_TARGETS,
+                                           init_lora_weights=False))
+            name = "text_encoder_lora_layers" if index == 0 else "text_encoder_2_lora_layers"
+            layers[name] = convert_state_dict_to_diffusers(get_peft_model_state_dict(encoder))
+    pipeline = StableDiffusionXLPipeline if components.family == "sdxl" else StableDiffusionPipeline
+    pipeline.save_lora_weights(path.parent, weight_name=path.name, **layers)
     return path
 
 

@@ -28,6 +28,7 @@ from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMLimits
 from disagg.model import DLRM, build_preset
 from disagg.spec import preset_spec, preset_weights
+from serving.api.models import ServedModels
 from serving.api.server import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
 from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, LocalBackend, ModelInfo
@@ -139,8 +140,8 @@ def fuzz_test(name: str, app: FastAPI, headers: dict[str, str] | None) -> Any:
 
 
 APPS = {
-    "images": (create_images_api(IMAGES, IMAGES_CONFIG), None),
-    "images+key": (create_images_api(IMAGES, IMAGES_CONFIG, api_key=API_KEY), AUTH),
+    "images": (create_images_api(ServedModels.one(IMAGES, IMAGES_CONFIG)), None),
+    "images+key": (create_images_api(ServedModels.one(IMAGES, IMAGES_CONFIG), api_key=API_KEY), AUTH),
     "oip": (create_oip_api(DLRM_BACKEND, DLRM_CONFIG), None),
     "oip+key": (create_oip_api(DLRM_BACKEND, DLRM_CONFIG, api_key=API_KEY), AUTH),
 }

@@ -335,3 +335,11 @@ def test_dockerignore_keeps_local_environments_out():
                if line.strip() and not line.startswith("#")}
     assert {".git", ".venv"} <= ignored
     assert not ignored & {"serving", "disagg", "autoconfig", "deploy", "pyproject.toml", "README.md"}
+
+
+def test_the_multi_model_example_gives_each_model_its_own_named_deployments():
+    app = load_serve_config(DEPLOY / "serve_config.multi.yaml").applications[0]
+    built = serve_build_app(import_builder(app.import_path)(app.args), name=app.name)
+    assert {deployment.name for deployment in built.deployments} == {
+        "ImagesIngress", "DiffusionModel_tiny", "ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny",
+        "ControlNet_edges-xl_sdxl-tiny"}

@@ -47,3 +47,16 @@ def test_bad_device_map_is_refused_naming_the_field(device_map, fields, where, m
     (error,) = caught.value.errors()
     assert ".".join(str(part) for part in error["loc"]) == where
     assert message in error["msg"]
+
+
+def test_a_controlnet_preset_must_be_the_model_presets_own():
+    config = DiffusionAppConfig.model_validate({"model": {"preset": "sdxl-tiny"},
+                                                "controlnets": [{"name": "edges", "preset": "sdxl-tiny"}]})
+    assert config.controlnets[0].preset == "sdxl-tiny"
+    with pytest.raises(ValidationError, match=r"controlnets\[1\]\.preset 'tiny' is built for the 'tiny' model, not "
+                                              r"model\.preset 'sdxl-tiny'"):
+        DiffusionAppConfig.model_validate({"model": {"preset": "sdxl-tiny"}, "controlnets": [
+            {"name": "a", "preset": "sdxl-tiny"}, {"name": "b"}]})  # a ControlNet's preset defaults to `tiny`
+    local = DiffusionAppConfig.model_validate({"model": {"preset": None, "path": "/models/sdxl"},
+                                               "controlnets": [{"name": "edges"}]})
+    assert local.controlnets[0].preset == "tiny"  # a local model's architecture is known once loaded, not here

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -47,6 +49,55 @@ def test_sd15_shape_has_stable_diffusion_15_architecture():
     assert (sd15.default_size, sd15.size_multiple) == (512, 8)
     assert sd15.text_encoder.config.hidden_size == sd15.unet.config.cross_attention_dim == 768
     assert "sd15-shape" in PRESET_NAMES
+
+
+def test_sdxl_tiny_has_two_text_encoders_feeding_the_unets_cross_attention_and_added_embedding():
+    sdxl = build_preset("sdxl-tiny")
+    assert sdxl.family == "sdxl" and build_preset("tiny").family == "sd"
+    assert (sdxl.default_size, sdxl.size_multiple) == (64, 8)
+    hidden = sdxl.text_encoder.config.hidden_size + sdxl.text_encoder_2.config.hidden_size
+    assert sdxl.unet.config.cross_attention_dim == hidden
+    added = 6 * sdxl.unet.config.addition_time_embed_dim + sdxl.text_encoder_2.config.projection_dim
+    assert sdxl.unet.config.projection_class_embeddings_input_dim == added
+    assert set(sdxl.modules()) == {"unet", "vae", "text_encoder", "text_encoder_2"}
+
+
+def test_sdxl_shape_has_the_sdxl_base_architecture_sized_without_its_memory():
+    with torch.device("meta"):
+        sdxl = build_preset("sdxl-shape")
+    parameters = {name: sum(p.numel() for p in module.parameters()) for name, module in sdxl.modules().items()}
+    assert parameters["unet"] == 2_567_463_684  # SDXL 1.0 base's UNet
+    assert parameters["vae"] == 83_653_863  # and its VAE
+    assert (sdxl.default_size, sdxl.unet.config.cross_attention_dim) == (1024, 768 + 1280)
+
+
+def test_an_sdxl_component_set_needs_both_second_parts():
+    sdxl = build_preset("sdxl-tiny")
+    with pytest.raises(ValueError, match="text_encoder_2"):
+        type(sdxl)(sdxl.unet, sdxl.vae, sdxl.text_encoder, sdxl.tokenizer, sdxl.scheduler)
+    tiny = build_preset("tiny")
+    with pytest.raises(ValueError, match="text_encoder_2"):
+        type(tiny)(tiny.unet, tiny.vae, tiny.text_encoder, tiny.tokenizer, tiny.scheduler,
+                   text_encoder_2=sdxl.text_encoder_2, tokenizer_2=sdxl.tokenizer_2)
+
+
+def test_a_local_sdxl_directory_loads_as_sdxl(tmp_path):
+    sdxl = build_preset("sdxl-tiny", seed=7)
+    sdxl.force_zeros_for_empty_prompt = False
+    sdxl.as_pipeline().save_pretrained(tmp_path)
+    loaded = load_local(tmp_path)
+    assert loaded.family == "sdxl" and loaded.force_zeros_for_empty_prompt is False
+    original, reloaded = _state(sdxl), _state(loaded)
+    assert original.keys() == reloaded.keys()
+    assert all(torch.equal(original[key], reloaded[key]) for key in original)
+    assert type(loaded.scheduler) is type(sdxl.scheduler)
+
+
+def test_a_local_directory_of_a_pipeline_not_served_is_refused_naming_the_served_ones(tmp_path):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(ValueError, match="'FluxPipeline' is not served; served: StableDiffusionPipeline, "
+                                         "StableDiffusionXLPipeline"):
+        load_local(tmp_path)
 
 
 def test_local_directory_loads_without_hub(tmp_path):

@@ -57,10 +57,13 @@ def test_models_lists_the_served_model(client):
     response = client.get("/v1/models")
     assert response.status_code == 200
     assert response.json() == {"object": "list", "data": [
-        {"id": "tiny", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "base-model"},
-        {"id": "edges", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "controlnet"},
-        {"id": "corrupt", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora"},
-        {"id": "outlined", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora"},
+        {"id": "tiny", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "base-model",
+         "family": "sd", "size": "64x64"},
+        {"id": "edges", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "controlnet",
+         "model": "tiny"},
+        {"id": "corrupt", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora", "model": "tiny"},
+        {"id": "outlined", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora",
+         "model": "tiny"},
     ]}
 
 
@@ -161,6 +164,7 @@ def test_bad_fields_are_400_naming_the_field(client, body, param):
 def test_unknown_model_is_404(client):
     error = _error(client.post("/v1/images/generations", json={"prompt": "x", "model": "dall-e-3"}), 404)
     assert (error["param"], error["code"]) == ("model", "model_not_found")
+    assert error["message"] == "model 'dall-e-3' does not exist; served models: 'tiny'"
 
 
 def test_oversized_body_is_413_and_server_keeps_serving(tiny_engine):

@@ -70,12 +70,6 @@ def test_limits_name_the_field(body, param):
     assert caught.value.message.startswith(param)
 
 
-def test_unknown_model_is_404():
-    with pytest.raises(APIError) as caught:
-        _params(model="dall-e-3")
-    assert (caught.value.status_code, caught.value.param, caught.value.code) == (404, "model", "model_not_found")
-
-
 @pytest.mark.parametrize(
     ("body", "field"),
     [

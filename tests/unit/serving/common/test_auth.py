@@ -9,6 +9,7 @@ from fastapi.testclient import TestClient
 
 import serving.common.constants
 from disagg.api.server import create_oip_api, render_oip_error
+from serving.api.models import ServedModels
 from serving.api.server import create_images_api
 from serving.common.auth import api_key_dependencies
 from serving.common.http import install_error_handling
@@ -72,7 +73,7 @@ def test_neither_the_key_nor_a_presented_token_is_logged(
     backend = LocalBackend.for_engine(tiny_engine, fast_config)
     try:
         oip = TestClient(create_oip_api(FakeBackend(), app_config(), api_key=KEY))
-        images = TestClient(create_images_api(backend, fast_config, api_key=KEY))
+        images = TestClient(create_images_api(ServedModels.one(backend, fast_config), api_key=KEY))
         for client, path in ((oip, "/models/ctr/infer"), (images, "/v1/images/generations")):
             for authorization in (f"Bearer {presented}", f"Basic {KEY}", f"Bearer {KEY}x", None):
                 headers = {} if authorization is None else {"Authorization": authorization}

@@ -62,8 +62,8 @@ def _params(**overrides) -> GenerationParams:
     return GenerationParams(**{**values, **overrides})
 
 
-def _reference(controlnets, params, specs, lora_path=None, lora_scale=1.0) -> np.ndarray:
-    pipe = build_preset("tiny").as_controlnet_pipeline([controlnets[spec.name] for spec in specs])
+def _reference(controlnets, params, specs, lora_path=None, lora_scale=1.0, preset: str = "tiny") -> np.ndarray:
+    pipe = build_preset(preset).as_controlnet_pipeline([controlnets[spec.name] for spec in specs])
     pipe.set_progress_bar_config(disable=True)
     if lora_path is not None:
         pipe.load_lora_weights(load_file(lora_path))
@@ -107,6 +107,22 @@ def test_two_controlnets_sum_like_multicontrolnet(engine, controlnets):
     specs = (ControlNetSpec("edges", _shape_image("square"), 0.7), ControlNetSpec("mask", _shape_image("disk"), 1.3))
     params = _params(controlnets=specs, negative_prompt="blue")
     assert np.abs(_run(engine, params) - _reference(controlnets, params, specs)).max() <= TOLERANCE
+
+
+@pytest.mark.parametrize("names", [("edges",), ("edges", "mask")], ids=["one", "two"])
+def test_sdxl_controlnets_match_diffusers_sdxl_controlnet_pipeline(names):
+    """SDXL ControlNets take the rows' pooled embeddings and size ids too; two sum like MultiControlNetModel."""
+    controlnets = {"edges": build_controlnet_preset("sdxl-tiny", seed=1), "mask": build_controlnet_preset(
+        "sdxl-tiny", seed=2)}
+    client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
+    engine = DiffusionEngine("sdxl-tiny", build_preset("sdxl-tiny"), CPU, controlnets=client)
+    images = {"edges": _shape_image("square"), "mask": _shape_image("disk")}
+    specs = tuple(ControlNetSpec(name, images[name], scale) for name, scale in zip(names, (0.8, 1.2), strict=False))
+    params = _params(controlnets=specs, guidance_scale=5.0, num_inference_steps=2, n=2)
+    ours = _run(engine, params)
+    assert np.abs(ours - _reference(controlnets, params, specs, preset="sdxl-tiny")).max() <= TOLERANCE
+    plain = _run(engine, _params(guidance_scale=5.0, num_inference_steps=2, n=2))
+    assert np.abs(ours - plain).max() > 20 * TOLERANCE
 
 
 def test_controlnet_with_lora_matches_diffusers(engine, controlnets, tmp_path):

@@ -194,6 +194,21 @@ def test_remote_bytes_count_the_step_arrays_each_put_and_the_noise_back():
     assert not sink.records(REMOTE_BYTES, path="controlnet")
 
 
+def test_sdxl_rows_take_their_pooled_embeddings_and_size_ids_to_the_worker():
+    """SDXL's added UNet inputs travel with each step's rows (counted as step bytes); the images are one engine's."""
+    store = FakeStore()
+    sdxl = build_preset("sdxl-tiny")
+    worker, handle = _worker(CFGWorkerCore(DiffusionEngine("w", sdxl, CPU), None, ResolvedTensors(get=store.get)),
+                             store)
+    requests = [(_params(seed=1, width=48), []), (_params(seed=2, negative_prompt="blue", n=2, width=48), [])]
+    split = denoise_together(DiffusionEngine("sdxl", sdxl, CPU, cfg_worker=worker), requests)
+    _assert_images_close(split, denoise_together(DiffusionEngine("alone", sdxl, CPU), requests))
+    wire = handle.predict.calls[0][0]
+    assert {name: value.shape for name, value in wire.added.items()} == {"text_embeds": (3, 32), "time_ids": (3, 6)}
+    np.testing.assert_array_equal(wire.added["time_ids"][0], [64, 48, 0, 0, 64, 48])
+    assert wire.nbytes == wire.sample.nbytes + wire.timestep.nbytes + 3 * (32 + 6) * 4
+
+
 def _denoised(engine: DiffusionEngine) -> RequestState:
     state = engine.start(_params(width=64, height=48, num_inference_steps=2))
     while not state.done:

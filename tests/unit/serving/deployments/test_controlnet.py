@@ -5,6 +5,7 @@ count the bytes they move."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from serving.common.metrics import REMOTE_BYTES, InMemorySink, Metrics
@@ -23,14 +24,16 @@ CPU = torch.device("cpu")
 TOLERANCE = 1e-3
 
 
-def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_image():
+@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny"])
+def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_image(preset):
+    """With SDXL, each row's pooled embedding and size ids travel in the step's call (counted in its bytes)."""
     store, sink = FakeStore(), InMemorySink()
-    runner = ControlNetRunner(build_controlnet_preset("tiny", seed=1), CPU)
+    runner = ControlNetRunner(build_controlnet_preset(preset, seed=1), CPU)
     core = ControlNetCore(runner, ResolvedTensors(get=store.get))
     handle = FakeHandle(residuals=lambda wire: core.forward([wire])[0])
-    remote = DiffusionEngine("tiny", build_preset("tiny"), CPU,
+    remote = DiffusionEngine(preset, build_preset(preset), CPU,
                              controlnets=ServeControlNets({"edges": handle}, 30.0, Metrics(sink), put=store.put))
-    local = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=LocalControlNets({"edges": runner}))
+    local = DiffusionEngine(preset, build_preset(preset), CPU, controlnets=LocalControlNets({"edges": runner}))
     params = GenerationParams("a red square", 64, 64, 3, 6.0, 7, n=2,
                               controlnets=(ControlNetSpec("edges", square(), 0.8),))
     images, puts = [], []
@@ -45,6 +48,8 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     assert np.abs(images[0] - images[1]).max() <= TOLERANCE
     wires = [wire for (wire,) in handle.residuals.calls]
     assert [row for _, row in wires[0].context] == [0, 1, 2, 3]  # both images, unconditional and conditional
+    added = {"text_embeds": (4, 32), "time_ids": (4, 6)} if preset == "sdxl-tiny" else {}
+    assert {name: value.shape for name, value in wires[0].added.items()} == added
     assert store.gets == 2  # the service resolved each once
     sent = sum(wire.nbytes for wire in wires) + sum(array.nbytes for array in store.objects.values())
     assert sink.total(REMOTE_BYTES, path="controlnet", direction="sent") == sent

@@ -74,19 +74,21 @@ def write_peft_lora(path: Path, *, seed: int, unet: LoraConfig, text_encoder: Lo
     return path
 
 
-def kohya_tensors(targets: LoRATargets, *, seed: int, unet: list[str], text: list[str] = (),
+def kohya_tensors(targets: LoRATargets, *, seed: int, unet: list[str], text: list[str] = (), text_2: list[str] = (),
                   alphas: dict[str, float] | None = None, ranks: dict[str, int] | None = None,
                   default_alpha: float = 2.0, default_rank: int = 4) -> dict[str, torch.Tensor]:
-    """kohya-ss keys (``lora_unet_<path with _>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``)."""
+    """kohya-ss keys (``lora_unet_<path with _>.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha``); the text
+    encoders as ``lora_te_`` (one) or ``lora_te1_`` and ``lora_te2_`` (SDXL's two)."""
     alphas, ranks = alphas or {}, ranks or {}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for prefix, names, shapes in (("lora_unet_", unet, targets.unet), ("lora_te_text_model_", text,
-                                                                         targets.text_encoder)):
+    first = "lora_te1_text_model_" if targets.text_encoder_2 else "lora_te_text_model_"
+    for prefix, names, shapes in (("lora_unet_", unet, targets.unet), (first, text, targets.text_encoder),
+                                  ("lora_te2_text_model_", text_2, targets.text_encoder_2)):
         for name in names:
             shape, rank = shapes[name], ranks.get(name, default_rank)
             down, up = shape.factor_shapes(rank)
-            key = prefix + name.replace(".", "_")
+            key = prefix + name.removeprefix("text_model.").replace(".", "_")
             tensors[f"{key}.lora_down.weight"] = torch.randn(down, generator=generator) * 0.3
             tensors[f"{key}.lora_up.weight"] = torch.randn(up, generator=generator) * 0.3
             tensors[f"{key}.alpha"] = torch.tensor(alphas.get(name, default_alpha))
@@ -118,15 +120,16 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(module, torch.nn.Linear | torch.nn.Conv2d)}
 
 
-def diffusers_deltas(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+def diffusers_deltas(path: Path, preset: str = "tiny") -> dict[str, dict[str, torch.Tensor]]:
     """``fused_W - base_W`` for every module diffusers changed, after ``load_lora_weights`` + ``fuse_lora(0.7)``."""
-    model = build_preset("tiny")
-    before = {"unet": _weights(model.unet), "text_encoder": _weights(model.text_encoder)}
+    model = build_preset(preset)
+    modules = {name: module for name, module in model.modules().items() if name != "vae"}
+    before = {name: _weights(module) for name, module in modules.items()}
     pipe = model.as_pipeline()
     pipe.load_lora_weights(str(path))
-    pipe.fuse_lora(lora_scale=FUSE_SCALE)
+    pipe.fuse_lora(components=list(modules), lora_scale=FUSE_SCALE)
     pipe.unload_lora_weights()  # keeps the fused weights, removes the adapter wrappers
-    after = {"unet": _weights(model.unet), "text_encoder": _weights(model.text_encoder)}
+    after = {name: _weights(module) for name, module in modules.items()}
     return {component: {name: after[component][name] - weight for name, weight in before[component].items()
                         if not torch.equal(after[component][name], weight)}
             for component in before}
@@ -181,6 +184,34 @@ def test_deltas_match_diffusers_fuse_lora(case, targets, tmp_path):
     assert weights.name == case
     assert weights.nbytes == sum(layer.down.nbytes + layer.up.nbytes
                                  for layers in (weights.unet, weights.text_encoder) for layer in layers.values())
+
+
+SDXL_KOHYA_UNET = [
+    "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q",
+    "down_blocks.1.attentions.0.transformer_blocks.1.attn2.to_k",
+    "down_blocks.1.attentions.0.proj_in",
+    "down_blocks.1.resnets.0.conv1",
+    "mid_block.attentions.0.transformer_blocks.0.attn2.to_v",
+    "up_blocks.0.attentions.1.proj_out",
+]
+
+
+def test_an_sdxl_kohya_lora_on_both_text_encoders_matches_diffusers_fuse_lora(tmp_path):
+    """``lora_te1_`` / ``lora_te2_`` keys land on SDXL's first and second text encoder, as diffusers puts them."""
+    sdxl = build_preset("sdxl-tiny")
+    targets = LoRATargets.from_modules(sdxl.unet, sdxl.text_encoder, sdxl.text_encoder_2)
+    text_2 = [f"text_model.{name}" for name in KOHYA_TEXT[3:]]  # CLIPTextModelWithProjection nests its modules
+    path = write_kohya_lora(tmp_path / "xl.safetensors", targets, seed=8, unet=SDXL_KOHYA_UNET, text=KOHYA_TEXT,
+                            text_2=text_2, default_alpha=1.0)
+    weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
+    reference = diffusers_deltas(path, "sdxl-tiny")
+    for component, names in (("unet", SDXL_KOHYA_UNET), ("text_encoder", KOHYA_TEXT), ("text_encoder_2", text_2)):
+        ours = our_deltas(weights, component)
+        assert set(ours) == set(reference[component]) == set(names), component
+        for name, delta in ours.items():
+            torch.testing.assert_close(delta.view_as(reference[component][name]), reference[component][name],
+                                       atol=1e-5, rtol=0, msg=f"{component} {name}")
+    assert weights.modules == len(SDXL_KOHYA_UNET) + len(KOHYA_TEXT) + 3
 
 
 def test_kohya_scales_and_layout(targets, tmp_path):
@@ -349,7 +380,7 @@ def test_incomplete_pairs_and_non_lora_keys(targets, tmp_path):
     other = peft_keys_lora(tmp_path, targets, KOHYA_UNET[:1])
     other["text_encoder_2.encoder.layers.0.self_attn.q_proj.lora_A.weight"] = torch.randn(4, 64)
     save_file(other, str(tmp_path / "sdxl.safetensors"))
-    _refused(tmp_path / "sdxl.safetensors", targets, "text_encoder_2.*not a UNet or text encoder")
+    _refused(tmp_path / "sdxl.safetensors", targets, "weights for a second text encoder: a LoRA for the sdxl family")
 
 
 @pytest.mark.parametrize(("extra", "match"), [
