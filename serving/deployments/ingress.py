@@ -64,6 +64,12 @@ class DeploymentBackend(ImageGenerationBackend):
         return result
 
 
+def served_models(handles: list[DeploymentHandle], config: ImagesAppConfig) -> ServedModels:
+    """Each model's ``DiffusionModel`` handle as the API's backend for it (``handles`` in ``config.models``' order)."""
+    return ServedModels([ServedModel(DeploymentBackend(handle), entry)
+                         for handle, entry in zip(handles, config.models, strict=True)])
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=64, max_queued_requests=64,
                   backpressure_config=OVERLOADED)
 @serve.ingress()
@@ -72,8 +78,7 @@ class ImagesIngress:
     names (``models``: a handle per model, in ``config``'s order)."""
 
     def __init__(self, models: list[DeploymentHandle], config: ImagesAppConfig) -> None:
-        self._models = ServedModels([ServedModel(DeploymentBackend(handle), entry)
-                                     for handle, entry in zip(models, config.models, strict=True)])
+        self._models = served_models(models, config)
         logger.info("images ingress up on %s, serving %s", placement(),
                     ", ".join(model.name for model in self._models.all))
 

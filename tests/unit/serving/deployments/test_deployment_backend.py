@@ -1,14 +1,20 @@
-"""How the ingress answers what the model deployment's handle raises: overload, a dead replica, an API error."""
+"""How the ingress answers what the model deployment's handle raises: overload, a dead replica, an API error; and
+which model's handle it calls."""
 
 import asyncio
 
 import pytest
+from fastapi.testclient import TestClient
 from ray.exceptions import ActorDiedError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 
+from serving.api.server import create_images_api
 from serving.common.errors import APIError
-from serving.deployments.ingress import DeploymentBackend
-from serving.engine import GenerationParams
+from serving.config import DiffusionAppConfig, ImagesAppConfig
+from serving.controlnet.client import ControlNetNotFound
+from serving.deployments.ingress import DeploymentBackend, served_models
+from serving.engine import GenerationParams, GenerationResult, ModelInfo
+from tests.helpers.images import encode_b64, square
 
 
 class _RaisingMethod:
@@ -93,3 +99,50 @@ def test_an_api_error_the_replica_returns_is_raised_to_the_client_and_a_result_p
     assert raised.value is refusal
     handle.generate = _ReturningMethod("a result")
     assert asyncio.run(DeploymentBackend(handle).generate(PARAMS)) == "a result"
+
+
+class _Generations:
+    """A model replica's ``generate``: records each call; a ControlNet it does not serve is answered as the
+    replica answers it (the ``APIError`` as a value)."""
+
+    def __init__(self, controlnet: str) -> None:
+        self.controlnet = controlnet
+        self.calls: list[GenerationParams] = []
+
+    def remote(self, params: GenerationParams):
+        self.calls.append(params)
+        unknown = [spec.name for spec in params.controlnets if spec.name != self.controlnet]
+        answer = (ControlNetNotFound(unknown[0]).located([spec.name for spec in params.controlnets]) if unknown
+                  else GenerationResult(images=[b"png"], seed=params.seed))
+        return _ReturningMethod(answer).remote()
+
+
+class _ModelHandle:
+    """A ``DiffusionModel`` handle answering at once: its model's info, one ControlNet, and the generations."""
+
+    def __init__(self, info: ModelInfo, controlnet: str) -> None:
+        self.model_info = _ReturningMethod(info)
+        self.list_loras = _ReturningMethod([])
+        self.list_controlnets = _ReturningMethod([controlnet])
+        self.generate = _Generations(controlnet)
+
+
+def test_the_ingress_sends_each_request_to_the_handle_of_the_model_it_names():
+    handles = [_ModelHandle(ModelInfo("tiny", 64, 8, "sd"), "edges"),
+               _ModelHandle(ModelInfo("sdxl-tiny", 64, 8, "sdxl"), "edges-xl")]
+    config = ImagesAppConfig(models=[DiffusionAppConfig(), DiffusionAppConfig(model={"name": "sdxl-tiny",
+                                                                                     "preset": "sdxl-tiny"})])
+    with TestClient(create_images_api(served_models(handles, config))) as client:
+        cards = client.get("/v1/models").json()["data"]
+        response = client.post("/v1/images/generations", json={"prompt": "x", "model": "sdxl-tiny", "size": "32x32"})
+        mismatch = client.post("/v1/images/generations", json={"prompt": "x", "controlnets": [
+            {"name": "edges-xl", "image": encode_b64(square())}]})
+    assert [(card["id"], card.get("family"), card.get("model")) for card in cards] == [
+        ("tiny", "sd", None), ("sdxl-tiny", "sdxl", None), ("edges", None, "tiny"), ("edges-xl", None, "sdxl-tiny")]
+    assert response.status_code == 200, response.text
+    assert [params.width for params in handles[1].generate.calls] == [32]
+    assert len(handles[0].generate.calls) == 1  # the default model got the request naming the other's ControlNet
+    assert mismatch.status_code == 422, mismatch.text
+    error = mismatch.json()["error"]
+    assert (error["code"], error["param"]) == ("model_mismatch", "controlnets[0].name")
+    assert "served with model 'sdxl-tiny' and needs the sdxl family; model 'tiny' is sd" in error["message"]
