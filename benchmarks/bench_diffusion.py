@@ -33,6 +33,10 @@ the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_d
 
     .venv/bin/python -m benchmarks.bench_diffusion [--preset sd15-shape] [--steps 4] [--size 256] [--repeats 5]
         [--rank 64] [--lora-store-mb-per-s 20] [--out benchmarks/results]
+
+An SDXL preset (``--preset sdxl-shape``: SDXL 1.0 base's architecture) runs the same rows against
+``StableDiffusionXLPipeline`` and ``StableDiffusionXLControlNetPipeline``; its results are
+``bench_diffusion_sdxl.{json,md}``, its summary keys prefixed ``sdxl_`` (issue 22).
 """
 
 from __future__ import annotations
@@ -374,8 +378,9 @@ def main() -> None:
     image = conditioning_image(args.size, 0)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_preset(args.preset)
-        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.unet, model.text_encoder), args.rank,
-                          args.lora_store_mb_per_s * 2**20)
+        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.unet, model.text_encoder, model.text_encoder_2),
+                          args.rank, args.lora_store_mb_per_s * 2**20)
+        family = model.family
         del model
         lora_bytes = files.write(WARM)
         files.write(COLD)
@@ -443,13 +448,18 @@ def main() -> None:
         "rows": [{"system": system, "case": case, **stats[(system, case)], "repeats": runs[(system, case)]}
                  for system, case in ROUND],
         "comparisons": comparisons,
-        "summary": ratios,
-        "summary_ranges_overlap": ties,
-        "goals": {key: f"<= {goal}" for key, goal in GOALS.items()},
+        "summary": _prefixed(family, ratios),
+        "summary_ranges_overlap": _prefixed(family, ties),
+        "goals": _prefixed(family, {key: f"<= {goal}" for key, goal in GOALS.items()}),
     }
     table = _table(args, device, payload, stats, applied_cold)
     print(table)
-    write_results(NAME, payload, table, args.out)
+    write_results(NAME if family == "sd" else f"{NAME}_{family}", payload, table, args.out)
+
+
+def _prefixed(family: str, values: dict) -> dict:
+    """An SD model's summary keys as issue 19 names them; another family's prefixed with it (``sdxl_...``)."""
+    return values if family == "sd" else {f"{family}_{key}": value for key, value in values.items()}
 
 
 def _range(stats: dict) -> str:
