@@ -7,6 +7,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 SERVE_CONFIG ?= deploy/serve_config.yaml
+# `make test`: unit tests in this many processes (pytest-xdist; none starts Ray), then the integration tests in one
+# (they share one Ray cluster)
+TEST_WORKERS ?= 2
 
 # `make loadtest`: headless Locust against $(HOST); reports under $(LOADTEST_OUT); extra options in LOADTEST_ARGS
 HOST ?= http://127.0.0.1:8000
@@ -36,7 +39,8 @@ serve: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest tests/unit -n $(TEST_WORKERS)
+	$(BIN)/pytest tests/integration
 
 lint: install
 	$(BIN)/ruff check .

@@ -38,7 +38,7 @@ def _check(args: argparse.Namespace, console: Console) -> int:
     try:
         config = load_serve_config(args.config)
     except ServeConfigError as exc:
-        console.print(f"[red]invalid:[/red] {exc}")
+        console.print(f"[red]invalid:[/red] {exc}", soft_wrap=True)
         return 1
     table = Table(title=f"{args.config} (HTTP {config.http_options.host}:{config.http_options.port})")
     for column in ("application", "route", "import path", "deployment", "replicas", "resources"):
@@ -111,21 +111,21 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                                   rel_tolerance=args.tolerance, min_requests=args.min_requests)
         limits = Limits(max_memory_mib=args.max_memory_mib)
     except ValidationError as error:  # the rate search's options, named as SearchSettings fields
-        console.print(f"[red]error:[/red] {describe_validation_error(error)}")
+        console.print(f"[red]error:[/red] {describe_validation_error(error)}", soft_wrap=True)
         return 2
     except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         return 2
     if args.searcher in BANK_SEARCHERS and not prior:
         console.print(f"[red]error:[/red] --searcher {args.searcher} needs --bank DIR (profiles of other models to "
-                      "learn from)")
+                      "learn from)", soft_wrap=True)
         return 2
     # A profile walks the grid in deployment order: the kept trial app restarts replicas a few times per grid.
     try:
         searcher = (GridSearcher(space, order="deployment") if profiling
                     else SEARCHERS[args.searcher](space, args.seed, prior, target=description))
     except ValueError as error:  # a bank with no profile over this space's knobs
-        console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}")
+        console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}", soft_wrap=True)
         return 2
     if args.accelerator == "cpu":
         from serving.common.cpu_share import CgroupCpu, CpuShareError
@@ -248,10 +248,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         entries = load_bank(args.bank)
         names = selected(args.searchers.split(","), list(SEARCHERS))
     except (BankError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         return 2
     if len(entries) < 2:
-        console.print(f"[red]error:[/red] {args.bank}: leave-one-model-out needs at least 2 profiled models")
+        console.print(f"[red]error:[/red] {args.bank}: leave-one-model-out needs at least 2 profiled models",
+                      soft_wrap=True)
         return 2
     factories = {name: SEARCHERS[name] for name in names}
     with Progress(console=console) as progress:
@@ -284,10 +285,10 @@ def _report(args: argparse.Namespace, console: Console) -> int:
             history, records = study.history(), study.records()
             objective = records[0].get("objective_name", "objective") if records else "objective"
     except (BankError, StudyError) as error:
-        console.print(f"[red]error:[/red] {error}")
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
         return 2
     if not history:
-        console.print(f"[red]error:[/red] {title} has no finished trial")
+        console.print(f"[red]error:[/red] {title} has no finished trial", soft_wrap=True)
         return 1
     _print_trials(console, records)
     best = best_observation(history)

@@ -48,7 +48,7 @@ def test_a_flood_beyond_capacity_is_refused_fast_and_the_admitted_requests_compl
     before = http.post("/v1/images/generations", json=probe)
     assert before.status_code == 200, before.text
 
-    body = {"prompt": "a red circle", "size": "128x128", "num_inference_steps": 60, "seed": 1}
+    body = {"prompt": "a red circle", "size": "96x96", "num_inference_steps": 40, "seed": 1}
     start = threading.Barrier(FLOOD)
     with ThreadPoolExecutor(FLOOD) as pool:
         answers = list(pool.map(lambda _: _timed_post(base_url, body, start), range(FLOOD)))

@@ -834,7 +834,7 @@ def test_space_bad_knob_value_is_refused_naming_the_value(raw, data):
     assert str(raised.value).startswith(f"space: knobs.{knob}.values[{index}]: "), str(raised.value)
 
 
-@settings(SLOW, max_examples=150)
+@settings(SLOW, max_examples=75)
 @given(content=st.binary(max_size=200)
        | SPACE_GARBAGE.map(lambda value: yaml.safe_dump(value).encode())
        | st.text(max_size=200).map(str.encode)

@@ -23,7 +23,7 @@ def _argv(tmp_path, space: dict, workload: str) -> list[str]:
 
 def _refused(argv: list[str], capsys) -> str:
     assert main(argv) == 2
-    return " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    return " ".join(capsys.readouterr().out.split())
 
 
 def test_a_workload_line_that_is_not_json_is_named(tmp_path, capsys):
