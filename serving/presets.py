@@ -99,38 +99,27 @@ class DiffusionComponents:
 
     def as_pipeline(self) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
         """The family's diffusers pipeline over these same modules (no copies), without a safety checker."""
-        if self.family == "sdxl":
-            return StableDiffusionXLPipeline(
-                vae=self.vae, text_encoder=self.text_encoder, text_encoder_2=self.text_encoder_2,
-                tokenizer=self.tokenizer, tokenizer_2=self.tokenizer_2, unet=self.unet, scheduler=self.scheduler,
-                force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt, add_watermarker=False)
-        return StableDiffusionPipeline(**self._pipeline_parts())
+        pipeline = StableDiffusionXLPipeline if self.family == "sdxl" else StableDiffusionPipeline
+        return pipeline(**self._pipeline_parts())
 
     def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]
                                ) -> StableDiffusionControlNetPipeline | StableDiffusionXLControlNetPipeline:
         """The family's diffusers ControlNet pipeline over these modules (the reference our engine is tested
         against); several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
         controlnet = controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets))
-        if self.family == "sdxl":
-            return StableDiffusionXLControlNetPipeline(
-                vae=self.vae, text_encoder=self.text_encoder, text_encoder_2=self.text_encoder_2,
-                tokenizer=self.tokenizer, tokenizer_2=self.tokenizer_2, unet=self.unet, controlnet=controlnet,
-                scheduler=self.scheduler, force_zeros_for_empty_prompt=self.force_zeros_for_empty_prompt,
-                add_watermarker=False)
-        return StableDiffusionControlNetPipeline(**self._pipeline_parts(), controlnet=controlnet)
+        pipeline = StableDiffusionXLControlNetPipeline if self.family == "sdxl" else StableDiffusionControlNetPipeline
+        return pipeline(**self._pipeline_parts(), controlnet=controlnet)
 
     def _pipeline_parts(self) -> dict:
-        """The constructor arguments both diffusers pipelines share (no safety checker)."""
-        return {
-            "unet": self.unet,
-            "vae": self.vae,
-            "text_encoder": self.text_encoder,
-            "tokenizer": self.tokenizer,
-            "scheduler": self.scheduler,
-            "safety_checker": None,
-            "feature_extractor": None,
-            "requires_safety_checker": False,
-        }
+        """The constructor arguments the family's diffusers pipelines share (SD: no safety checker; SDXL: no
+        watermarker)."""
+        parts = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer,
+                 "scheduler": self.scheduler}
+        if self.family == "sdxl":
+            return parts | {"text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
+                            "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
+                            "add_watermarker": False}
+        return parts | {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
 
 
 def _sd_scheduler() -> DDIMScheduler:

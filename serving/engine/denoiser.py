@@ -75,9 +75,8 @@ class DiffusionEngine:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple, family=components.family)
         self.device, self.dtype = device, dtype
-        self.family = components.family
         # SDXL's VAE overflows in float16 (``force_upcast``): it decodes in float32, as diffusers' SDXL pipeline.
-        upcast = self.family == "sdxl" and dtype == torch.float16 and components.vae.config.force_upcast
+        upcast = components.family == "sdxl" and dtype == torch.float16 and components.vae.config.force_upcast
         self.vae_dtype = torch.float32 if upcast else dtype
         for name, module in components.modules().items():
             module.to(device)
