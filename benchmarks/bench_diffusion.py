@@ -378,7 +378,7 @@ def main() -> None:
     image = conditioning_image(args.size, 0)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_preset(args.preset)
-        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.unet, model.text_encoder, model.text_encoder_2),
+        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.denoiser, model.text_encoder, model.text_encoder_2),
                           args.rank, args.lora_store_mb_per_s * 2**20)
         family = model.family
         del model

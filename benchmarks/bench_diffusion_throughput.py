@@ -157,8 +157,8 @@ class VanillaDiffusers:
         diffusers.utils.logging.set_verbosity_error()  # "no LoRA keys for the text encoder", once per load
         device, dtype = resolve_device(config.model.device), DTYPES[config.model.dtype]
         components = load_components(config.model)
-        # A seeded ControlNet copies its encoder from the preset's seeded UNet: pass ours instead of building another.
-        nets = [build_controlnet_preset(net.preset, net.seed, weights=net.weights, unet=components.unet)
+        # A seeded ControlNet copies from the preset's seeded denoiser: pass ours instead of building another.
+        nets = [build_controlnet_preset(net.preset, net.seed, weights=net.weights, denoiser=components.denoiser)
                 if net.preset else load_controlnet(net.path) for net in config.controlnets]
         for module in [*components.modules().values(), *nets]:
             module.to(device, dtype)
@@ -393,7 +393,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lora_dir = Path(tmp)
         components = load_components(DiffusionModelConfig(preset=args.preset, weights="seeded"))
-        targets = LoRATargets.from_modules(components.unet, components.text_encoder)
+        targets = LoRATargets.from_modules(components.denoiser, components.text_encoder, components.text_encoder_2)
         del components
         lora_bytes = [write_attention_lora(lora_dir / f"lora{i}.safetensors", targets, rank=args.rank, seed=i)
                       for i in range(args.loras)]

@@ -98,7 +98,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         lora_path = Path(tmp) / "style.safetensors"
         components = build_preset("sd15-shape")
-        file_bytes = write_attention_lora(lora_path, LoRATargets.from_modules(components.unet,
+        file_bytes = write_attention_lora(lora_path, LoRATargets.from_modules(components.denoiser,
                                                                              components.text_encoder), args.rank)
         del components
         print(f"LoRA file: rank {args.rank}, {file_bytes / 2**20:.1f} MiB; {args.size}x{args.size}, "

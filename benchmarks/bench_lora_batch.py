@@ -92,8 +92,9 @@ def row_batch(engine: DiffusionEngine, size: int, loras: Sequence[RowLoRAs]) -> 
     """Seeded latents and context (the same for every case), each row at its own timestep, with ``loras``."""
     rows, latent = len(loras), size // engine.vae_scale_factor
     generator = torch.Generator().manual_seed(0)
-    sample = torch.randn(rows, engine.unet.config.in_channels, latent, latent, generator=generator)
-    context = torch.randn(rows, engine.prompts.tokenizer.model_max_length, engine.unet.config.cross_attention_dim,
+    unet = engine.denoiser.module
+    sample = torch.randn(rows, unet.config.in_channels, latent, latent, generator=generator)
+    context = torch.randn(rows, engine.prompts.tokenizer.model_max_length, unet.config.cross_attention_dim,
                           generator=generator)
     timestep = torch.linspace(engine.base_scheduler.config.num_train_timesteps - 1, 0, rows).round().long()
     context = context.to(engine.device, engine.dtype)
@@ -115,14 +116,14 @@ def write_loras(directory: Path, engine: DiffusionEngine, rank: int, count: int)
 def merged_copy_bytes(engine: DiffusionEngine) -> int:
     """Bytes of the merged weight copies held by the engine's UNet LoRA hooks (private state, read as the unit
     tests read it)."""
-    merged = engine._unet_loras._merged
+    merged = engine._denoiser_loras._merged
     return merged._bytes if merged is not None else 0
 
 
 def touched_weight_bytes(engine: DiffusionEngine, weights: LoRAWeights) -> int:
     """Bytes of the UNet weights ``weights`` changes: what its full merged copy takes."""
-    modules = dict(engine.unet.named_modules())
-    return sum(modules[name].weight.numel() * modules[name].weight.element_size() for name in weights.unet)
+    modules = dict(engine.denoiser.module.named_modules())
+    return sum(modules[name].weight.numel() * modules[name].weight.element_size() for name in weights.denoiser)
 
 
 def ratio(runs: list[float], baseline: list[float]) -> dict[str, float | bool]:

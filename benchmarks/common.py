@@ -28,16 +28,18 @@ ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
 
 def write_attention_lora(path: Path, targets: LoRATargets, rank: int, seed: int = 0) -> int:
-    """A PEFT-format fp16 LoRA of ``rank`` on every UNet attention projection; returns its size in bytes."""
+    """A PEFT-format fp16 LoRA of ``rank`` on every attention projection of the denoiser (a UNet's, or SD3's
+    transformer's); returns its size in bytes."""
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
-    for name, shape in targets.unet.items():
+    prefix = targets.denoiser_prefix
+    for name, shape in targets.denoiser.items():
         if not name.endswith(ATTENTION_PROJECTIONS):
             continue
-        tensors[f"unet.{name}.lora_A.weight"] = (torch.randn(rank, shape.in_features, generator=generator)
-                                                 / shape.in_features**0.5).half()
-        tensors[f"unet.{name}.lora_B.weight"] = (torch.randn(shape.out_features, rank, generator=generator)
-                                                 * 0.01).half()
+        tensors[f"{prefix}.{name}.lora_A.weight"] = (torch.randn(rank, shape.in_features, generator=generator)
+                                                     / shape.in_features**0.5).half()
+        tensors[f"{prefix}.{name}.lora_B.weight"] = (torch.randn(shape.out_features, rank, generator=generator)
+                                                     * 0.01).half()
     save_file(tensors, str(path))
     return path.stat().st_size
 

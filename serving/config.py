@@ -103,7 +103,7 @@ class ImageLimits(_Config):
 
 
 class CFGWorkerConfig(_Config):
-    """How the `CFGWorker` deployment merges the calls of every model replica into UNet forwards."""
+    """How the `CFGWorker` deployment merges the calls of every model replica into denoiser forwards."""
 
     max_batch_size: int = Field(
         8, ge=1, description="Calls (from any model replica and step) merged per forward; calls of other latent "
@@ -114,7 +114,7 @@ class CFGWorkerConfig(_Config):
 class EngineConfig(_Config):
     """How a model replica schedules denoising work."""
 
-    max_batch_rows: int = Field(16, ge=1, description="Most UNet rows per step (an image with CFG takes two).")
+    max_batch_rows: int = Field(16, ge=1, description="Most denoiser rows per step (an image with CFG takes two).")
     continuous_batching: bool = Field(
         True, description="Admit requests at every step boundary; off: only when the replica is idle.")
     max_skipped_steps: int = Field(
@@ -144,7 +144,7 @@ class EngineConfig(_Config):
 class EngineTuning(_Config):
     """The engine settings a running replica takes live, as its Serve ``user_config`` (unset: unchanged)."""
 
-    max_batch_rows: int | None = Field(None, ge=1, description="Most UNet rows per step.")
+    max_batch_rows: int | None = Field(None, ge=1, description="Most denoiser rows per step.")
     continuous_batching: bool | None = Field(None, description="Admit requests at every step boundary.")
     max_skipped_steps: int | None = Field(None, ge=1, description="See `EngineConfig`.")
     lora_wait_fraction: float | None = Field(None, ge=0.0, le=1.0, description="See `EngineConfig`.")
@@ -175,11 +175,11 @@ class LoRAConfig(_Config):
     load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
     merged_cache_bytes: int = Field(
         2**30, ge=0,
-        description="Device memory for merged weight copies, used when every row of a UNet batch has the same "
+        description="Device memory for merged weight copies, used when every row of a denoiser batch has the same "
                     "LoRAs (no per-step LoRA cost); 0: always apply LoRAs unmerged.")
     merge_after_forwards: int = Field(
         8, ge=0,
-        description="UNet forwards a LoRA combination runs unmerged before its merged copy is built (building "
+        description="Denoiser forwards a LoRA combination runs unmerged before its merged copy is built (building "
                     "costs about as much as a few unmerged steps).")
 
 
@@ -249,7 +249,7 @@ class DiffusionAppConfig(_Config):
 
     @model_validator(mode="after")
     def _controlnet_presets_fit_the_model(self) -> DiffusionAppConfig:
-        """A ControlNet preset is built for the UNet of the diffusion preset of its name (its family and sizes)."""
+        """A ControlNet preset is built for the denoiser of the diffusion preset of its name (its family and sizes)."""
         for index, controlnet in enumerate(self.controlnets):
             if controlnet.preset is not None and self.model.preset is not None and controlnet.preset != \
                     self.model.preset:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-PRESET_NAMES: tuple[str, ...] = ("tiny", "sd15-shape", "sdxl-tiny", "sdxl-shape")
+PRESET_NAMES: tuple[str, ...] = ("tiny", "sd15-shape", "sdxl-tiny", "sdxl-shape", "sd3-tiny")
 #: Trained weights shipped in the repository, one diffusers pipeline directory per preset that has them
 #: (written by ``python -m training.tiny_diffusion``); its ``controlnet/`` and ``loras/`` hold the extras.
 WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"

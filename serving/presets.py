@@ -5,6 +5,8 @@
 ``sdxl-tiny``  the SDXL architecture (two text encoders, pooled text and size conditioning) at the tiny sizes
                of diffusers' own SDXL tests (64x64 images).
 ``sdxl-shape`` the SDXL 1.0 base architecture with random weights (1024x1024 images), for benchmarks.
+``sd3-tiny``   the Stable Diffusion 3 architecture (an MMDiT transformer, two CLIP encoders and a T5 encoder, a
+               16-channel VAE, flow matching) at tiny sizes (64x64 images).
 
 Presets are constructed in memory from fixed configs and a seed, so two builds are bit-identical and
 nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``, their
@@ -26,49 +28,84 @@ from diffusers import (
     DDIMScheduler,
     DiffusionPipeline,
     EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
     MultiControlNetModel,
     SchedulerMixin,
+    SD3ControlNetModel,
+    SD3MultiControlNetModel,
+    SD3Transformer2DModel,
+    StableDiffusion3ControlNetPipeline,
+    StableDiffusion3Pipeline,
     StableDiffusionControlNetPipeline,
     StableDiffusionPipeline,
     StableDiffusionXLControlNetPipeline,
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
 
-from serving._private.tokenizer import build_tokenizer
+from serving._private.tokenizer import build_t5_tokenizer, build_tokenizer
 from serving.preset_catalog import WEIGHTS_CHOICES, WeightsChoice, check_preset, preset_weights
 
-#: The model families the engine serves: Stable Diffusion 1.x/2.x (one CLIP text encoder) and SDXL (two, the
-#: second's pooled embedding and the image size conditioning the UNet's added embedding).
-ModelFamily = Literal["sd", "sdxl"]
+#: The model families the engine serves: Stable Diffusion 1.x/2.x (a UNet, one CLIP text encoder), SDXL (a UNet,
+#: two CLIP encoders, the second's pooled embedding and the image size conditioning the UNet's added embedding) and
+#: Stable Diffusion 3 (an MMDiT transformer denoiser, two CLIP encoders and a T5 encoder, flow matching).
+ModelFamily = Literal["sd", "sdxl", "sd3"]
 #: The diffusers pipeline class a local directory's ``model_index.json`` names, by family.
-_PIPELINE_CLASSES: dict[str, ModelFamily] = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl"}
+_PIPELINE_CLASSES: dict[str, ModelFamily] = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
+                                             "StableDiffusion3Pipeline": "sd3"}
+#: The family's diffusers pipelines: text-to-image, and with ControlNets (the references the engine is tested on).
+_PIPELINES = {"sd": (StableDiffusionPipeline, StableDiffusionControlNetPipeline),
+              "sdxl": (StableDiffusionXLPipeline, StableDiffusionXLControlNetPipeline),
+              "sd3": (StableDiffusion3Pipeline, StableDiffusion3ControlNetPipeline)}
+#: A denoiser: a UNet with down, mid and up blocks (SD, SDXL) or an MMDiT transformer (SD3).
+Denoiser = UNet2DConditionModel | SD3Transformer2DModel
 
 
 @dataclass
 class DiffusionComponents:
-    """The parts of a Stable-Diffusion-style text-to-image model; SDXL adds a second text encoder with a
-    projection (``text_encoder_2``) and its tokenizer."""
+    """The parts of a text-to-image latent diffusion model. SDXL adds a second CLIP text encoder with a projection
+    (``text_encoder_2``); SD3 has a transformer denoiser, two CLIP encoders with projections and a T5 encoder
+    (``text_encoder_3``)."""
 
-    unet: UNet2DConditionModel
+    denoiser: Denoiser
     vae: AutoencoderKL
     text_encoder: CLIPTextModel
     tokenizer: CLIPTokenizer
     scheduler: SchedulerMixin
     text_encoder_2: CLIPTextModelWithProjection | None = None
     tokenizer_2: CLIPTokenizer | None = None
+    text_encoder_3: T5EncoderModel | None = None
+    tokenizer_3: T5TokenizerFast | None = None
     #: SDXL: an absent negative prompt conditions on zeros, not on the empty prompt's embedding (diffusers' default)
     force_zeros_for_empty_prompt: bool = True
 
     def __post_init__(self) -> None:
-        sdxl = self.unet.config.addition_embed_type == "text_time"
-        if sdxl != (self.text_encoder_2 is not None and self.tokenizer_2 is not None):
+        has_second = self.text_encoder_2 is not None and self.tokenizer_2 is not None
+        has_third = self.text_encoder_3 is not None and self.tokenizer_3 is not None
+        if isinstance(self.denoiser, SD3Transformer2DModel):
+            if not (has_second and has_third):
+                raise ValueError("an SD3 transformer needs text_encoder_2, tokenizer_2, text_encoder_3 and tokenizer_3")
+            return
+        if has_third or self.text_encoder_3 is not None:
+            raise ValueError("only an SD3 transformer takes text_encoder_3 and tokenizer_3")
+        sdxl = self.denoiser.config.addition_embed_type == "text_time"
+        if sdxl != has_second:
             raise ValueError("an SDXL UNet (addition_embed_type 'text_time') needs text_encoder_2 and tokenizer_2, "
                              "and only it takes them")
 
     @property
     def family(self) -> ModelFamily:
+        if isinstance(self.denoiser, SD3Transformer2DModel):
+            return "sd3"
         return "sdxl" if self.text_encoder_2 is not None else "sd"
 
     @property
@@ -76,19 +113,31 @@ class DiffusionComponents:
         return 2 ** (len(self.vae.config.block_out_channels) - 1)
 
     @property
+    def latent_factor(self) -> int:
+        """Image pixels per denoiser position along a side: the VAE's factor, times the transformer's patch."""
+        return self.vae_scale_factor * getattr(self.denoiser.config, "patch_size", 1)
+
+    @property
     def default_size(self) -> int:
         """Native image side in pixels."""
-        return self.unet.config.sample_size * self.vae_scale_factor
+        return self.denoiser.config.sample_size * self.vae_scale_factor
 
     @property
     def size_multiple(self) -> int:
-        """Image sides must be multiples of this: 8, as diffusers' pipelines require, or a coarser VAE grid."""
-        return max(8, self.vae_scale_factor)
+        """Image sides must be multiples of this: 8, as diffusers' pipelines require, or a coarser latent grid."""
+        return max(8, self.latent_factor)
+
+    @property
+    def max_side(self) -> int | None:
+        """The largest image side the denoiser takes (SD3: its positional embedding's grid), or None."""
+        grid = getattr(self.denoiser.config, "pos_embed_max_size", None)
+        return grid * self.latent_factor if grid is not None else None
 
     def modules(self) -> dict[str, torch.nn.Module]:
-        modules = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
-        if self.text_encoder_2 is not None:
-            modules["text_encoder_2"] = self.text_encoder_2
+        modules = {"denoiser": self.denoiser, "vae": self.vae, "text_encoder": self.text_encoder}
+        for name in ("text_encoder_2", "text_encoder_3"):
+            if getattr(self, name) is not None:
+                modules[name] = getattr(self, name)
         return modules
 
     def freeze(self) -> DiffusionComponents:
@@ -97,24 +146,28 @@ class DiffusionComponents:
             module.eval().requires_grad_(False)
         return self
 
-    def as_pipeline(self) -> StableDiffusionPipeline | StableDiffusionXLPipeline:
+    def as_pipeline(self) -> DiffusionPipeline:
         """The family's diffusers pipeline over these same modules (no copies), without a safety checker."""
-        pipeline = StableDiffusionXLPipeline if self.family == "sdxl" else StableDiffusionPipeline
-        return pipeline(**self._pipeline_parts())
+        return _PIPELINES[self.family][0](**self._pipeline_parts())
 
-    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel]
-                               ) -> StableDiffusionControlNetPipeline | StableDiffusionXLControlNetPipeline:
+    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel | SD3ControlNetModel]) -> DiffusionPipeline:
         """The family's diffusers ControlNet pipeline over these modules (the reference our engine is tested
-        against); several ControlNets are combined by ``MultiControlNetModel``, as diffusers does."""
-        controlnet = controlnets[0] if len(controlnets) == 1 else MultiControlNetModel(list(controlnets))
-        pipeline = StableDiffusionXLControlNetPipeline if self.family == "sdxl" else StableDiffusionControlNetPipeline
-        return pipeline(**self._pipeline_parts(), controlnet=controlnet)
+        against); several ControlNets are combined by ``MultiControlNetModel`` (SD3: ``SD3MultiControlNetModel``),
+        as diffusers does."""
+        multi = SD3MultiControlNetModel if self.family == "sd3" else MultiControlNetModel
+        controlnet = controlnets[0] if len(controlnets) == 1 else multi(list(controlnets))
+        return _PIPELINES[self.family][1](**self._pipeline_parts(), controlnet=controlnet)
 
     def _pipeline_parts(self) -> dict:
         """The constructor arguments the family's diffusers pipelines share (SD: no safety checker; SDXL: no
         watermarker)."""
-        parts = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer,
+        parts = {"vae": self.vae, "text_encoder": self.text_encoder, "tokenizer": self.tokenizer,
                  "scheduler": self.scheduler}
+        if self.family == "sd3":
+            return parts | {"transformer": self.denoiser, "text_encoder_2": self.text_encoder_2,
+                            "tokenizer_2": self.tokenizer_2, "text_encoder_3": self.text_encoder_3,
+                            "tokenizer_3": self.tokenizer_3}
+        parts["unet"] = self.denoiser
         if self.family == "sdxl":
             return parts | {"text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
                             "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
@@ -149,6 +202,12 @@ def _sdxl_scheduler() -> EulerDiscreteScheduler:
         )
 
 
+def _sd3_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """Flow-matching Euler with SD3's timestep shift (3.0), its tables made on the CPU."""
+    with torch.device("cpu"):
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+
+
 def _text_config(tokenizer: CLIPTokenizer, **arch: int | str) -> CLIPTextConfig:
     return CLIPTextConfig(
         vocab_size=len(tokenizer),
@@ -164,18 +223,19 @@ def _text_encoder(tokenizer: CLIPTokenizer, **arch: int | str) -> CLIPTextModel:
     return CLIPTextModel(_text_config(tokenizer, **arch))
 
 
-def _vae(block_out_channels: tuple[int, ...], **arch: int | float) -> AutoencoderKL:
-    """A Stable Diffusion VAE: RGB images, 4 latent channels, one down/up stage per block."""
+def _vae(block_out_channels: tuple[int, ...], **arch: int | float | bool) -> AutoencoderKL:
+    """A Stable Diffusion VAE: RGB images, 4 latent channels unless ``arch`` says otherwise, one down/up stage per
+    block."""
     stages = len(block_out_channels)
     return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * stages,
                          up_block_types=("UpDecoderBlock2D",) * stages, block_out_channels=block_out_channels,
-                         latent_channels=4, **arch)
+                         **{"latent_channels": 4} | arch)
 
 
 def _build_tiny() -> DiffusionComponents:
     tokenizer = build_tokenizer()
     return DiffusionComponents(
-        unet=UNet2DConditionModel(
+        denoiser=UNet2DConditionModel(
             sample_size=16,
             in_channels=4,
             out_channels=4,
@@ -199,7 +259,7 @@ def _build_tiny() -> DiffusionComponents:
 def _build_sd15_shape() -> DiffusionComponents:
     tokenizer = build_tokenizer()
     return DiffusionComponents(
-        unet=UNet2DConditionModel(
+        denoiser=UNet2DConditionModel(
             sample_size=64,
             in_channels=4,
             out_channels=4,
@@ -238,7 +298,7 @@ def _build_sdxl_tiny() -> DiffusionComponents:
     text = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 5, "num_attention_heads": 4,
             "hidden_act": "gelu", "projection_dim": 32}
     return DiffusionComponents(
-        unet=_sdxl_unet(
+        denoiser=_sdxl_unet(
             sample_size=32,
             block_out_channels=(32, 64),
             layers_per_block=2,
@@ -260,7 +320,7 @@ def _build_sdxl_tiny() -> DiffusionComponents:
 def _build_sdxl_shape() -> DiffusionComponents:
     tokenizer = build_tokenizer()
     return DiffusionComponents(
-        unet=_sdxl_unet(
+        denoiser=_sdxl_unet(
             sample_size=128,
             block_out_channels=(320, 640, 1280),
             layers_per_block=2,
@@ -282,12 +342,50 @@ def _build_sdxl_shape() -> DiffusionComponents:
     )
 
 
+def _build_sd3_tiny() -> DiffusionComponents:
+    """SD3 at tiny sizes: the CLIP encoders' penultimate states (32 + 32 wide, zero-padded) and the T5 encoder's
+    (64 wide) form one context sequence of width ``joint_attention_dim``; their pooled projections (32 + 32) the
+    transformer's ``pooled_projection_dim``."""
+    tokenizer = build_tokenizer()
+    clip = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 5, "num_attention_heads": 4,
+            "hidden_act": "gelu", "projection_dim": 32}
+    tokenizer_3 = build_t5_tokenizer()
+    return DiffusionComponents(
+        denoiser=SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=32,  # the transformer's width: heads x head dim
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        ),
+        vae=_vae((16, 32, 64), sample_size=64, layers_per_block=1, norm_num_groups=8, latent_channels=16,
+                 use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_text_config(tokenizer, **clip)),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, **clip)),
+        tokenizer_2=build_tokenizer(),
+        text_encoder_3=T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_3), d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=tokenizer_3.pad_token_id,
+            eos_token_id=tokenizer_3.eos_token_id)),
+        tokenizer_3=tokenizer_3,
+        scheduler=_sd3_scheduler(),
+    )
+
+
 #: The builder of each preset in ``serving.preset_catalog.PRESET_NAMES``.
 _BUILDERS: dict[str, Callable[[], DiffusionComponents]] = {
     "tiny": _build_tiny,
     "sd15-shape": _build_sd15_shape,
     "sdxl-tiny": _build_sdxl_tiny,
     "sdxl-shape": _build_sdxl_shape,
+    "sd3-tiny": _build_sd3_tiny,
 }
 
 
@@ -322,21 +420,24 @@ def local_family(path: str | Path) -> ModelFamily:
 
 
 def load_local(path: str | Path) -> DiffusionComponents:
-    """Load a diffusers SD or SDXL text-to-image directory from local disk only (never a hub), its weights from
-    ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
+    """Load a diffusers SD, SDXL or SD3 text-to-image directory from local disk only (never a hub), its weights
+    from ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
     family = local_family(path)
     options = {"local_files_only": True, "use_safetensors": True, "dtype": torch.float32}
     pipe: DiffusionPipeline
-    if family == "sdxl":
+    if family == "sd3":
+        pipe = StableDiffusion3Pipeline.from_pretrained(path, **options)
+        extras = {"denoiser": pipe.transformer, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
+                  "text_encoder_3": pipe.text_encoder_3, "tokenizer_3": pipe.tokenizer_3}
+    elif family == "sdxl":
         pipe = StableDiffusionXLPipeline.from_pretrained(path, add_watermarker=False, **options)
-        extras = {"text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
+        extras = {"denoiser": pipe.unet, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
                   "force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}
     else:
         pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False,
                                                        **options)
-        extras = {}
+        extras = {"denoiser": pipe.unet}
     return DiffusionComponents(
-        unet=pipe.unet,
         vae=pipe.vae,
         text_encoder=pipe.text_encoder,
         tokenizer=pipe.tokenizer,

@@ -259,7 +259,7 @@ def train_text_to_image(components: DiffusionComponents, settings: TrainingSetti
     """The UNet and the text encoder, jointly, on filled shapes on white: epsilon prediction with Min-SNR weights,
     offset noise (so a dark image is reachable from pure noise), empty captions for classifier-free guidance, long
     and short captions, and an EMA of the weights."""
-    unet, text_encoder, vae = components.unet, components.text_encoder, components.vae
+    unet, text_encoder, vae = components.denoiser, components.text_encoder, components.vae
     unet.train().requires_grad_(True)
     text_encoder.train().requires_grad_(True)
     stage = settings.text_to_image
@@ -289,7 +289,7 @@ def train_controlnet(components: DiffusionComponents, settings: TrainingSettings
     """A canny-edge ControlNet copied from the frozen UNet (zero convolutions zero); half the captions are empty so
     the edges alone suffice."""
     components.freeze()
-    controlnet = build_controlnet_preset("tiny", zero_init=True, unet=components.unet)
+    controlnet = build_controlnet_preset("tiny", zero_init=True, denoiser=components.denoiser)
     controlnet.train().requires_grad_(True)
     stage = settings.controlnet
     batches = iter(LatentPool(components.vae, BASE_WORLD, settings.seed * 10 + 3, settings.pool_size // 2,
@@ -307,7 +307,7 @@ def train_controlnet(components: DiffusionComponents, settings: TrainingSettings
 
         def predict(noisy: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
             down, mid = controlnet(noisy, timesteps, states, controlnet_cond=condition, return_dict=False)
-            return components.unet(noisy, timesteps, states, down_block_additional_residuals=down,
+            return components.denoiser(noisy, timesteps, states, down_block_additional_residuals=down,
                                    mid_block_additional_residual=mid).sample
 
         return denoising(latents, predict)
@@ -323,7 +323,7 @@ def train_lora(components: DiffusionComponents, style: str, settings: TrainingSe
                log: Callable[[str], None]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A style LoRA (``STYLE_WORLDS``) on a copy of the frozen UNet, short captions, ``LORA_TARGETS`` adapted;
     returns its state dict with PEFT key names (UNet keys), as diffusers' LoRA loaders read them."""
-    unet: UNet2DConditionModel = copy.deepcopy(components.unet)
+    unet: UNet2DConditionModel = copy.deepcopy(components.denoiser)
     unet.requires_grad_(False)
     config = LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_rank, init_lora_weights="gaussian",
                         target_modules=list(LORA_TARGETS))

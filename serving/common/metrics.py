@@ -57,13 +57,13 @@ REQUEST_LATENCY = MetricSpec(
 )
 STEP_LATENCY = MetricSpec(
     "swiftserve_diffusion_step_latency_ms", "histogram",
-    "One denoising step of the engine loop: one UNet forward over every row of the batch, with its "
+    "One denoising step of the engine loop: one denoiser forward over every row of the batch, with its "
     "ControlNet calls, CFG worker call and scheduler steps.",
     (), CALL_LATENCY_MS,
 )
 BATCH_SIZE = MetricSpec(
     "swiftserve_batch_rows", "histogram",
-    "Rows per batch; kind=diffusion_step: UNet rows of one denoising step (an image with classifier-free "
+    "Rows per batch; kind=diffusion_step: denoiser rows of one denoising step (an image with classifier-free "
     "guidance is two rows); kind=dlrm_batch: samples of one merged DLRM batch.",
     ("kind",), BATCH_ROWS,
 )

@@ -51,7 +51,8 @@ class ControlNetClient(ABC):
 
 
 class LocalControlNets(ControlNetClient):
-    """In-process ControlNets, each call on a worker thread so they overlap the UNet's down blocks."""
+    """In-process ControlNets, each call on a worker thread so they overlap the denoiser's own work (a UNet's down
+    blocks)."""
 
     def __init__(self, runners: dict[str, ControlNetRunner], max_workers: int = 4) -> None:
         self._runners = runners

@@ -1,19 +1,29 @@
-"""ControlNet models: seeded presets matching the diffusion presets, or local diffusers directories."""
+"""ControlNet models: seeded presets matching the diffusion presets, or local diffusers directories.
+
+A preset ControlNet is built from its diffusion preset's denoiser: ``ControlNetModel`` from a UNet (SD, SDXL),
+``SD3ControlNetModel`` from an SD3 transformer. ``load_controlnet`` serves either class from a local directory.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from diffusers import ControlNetModel, UNet2DConditionModel
+from diffusers import ControlNetModel, SD3ControlNetModel, SD3Transformer2DModel, UNet2DConditionModel
 
 from serving.preset_catalog import WeightsChoice, preset_weights
-from serving.presets import build_preset
+from serving.presets import Denoiser, build_preset
 
-# Conditioning-embedding widths: one stride-2 stage per factor of 2 between image and latent.
+# UNet presets' conditioning-embedding widths: one stride-2 stage per factor of 2 between image and latent.
 _CONDITIONING_CHANNELS = {"tiny": (16, 32, 64), "sd15-shape": (16, 32, 96, 256), "sdxl-tiny": (16, 32),
                           "sdxl-shape": (16, 32, 96, 256)}
-CONTROLNET_PRESETS: tuple[str, ...] = tuple(_CONDITIONING_CHANNELS)
+#: SD3 presets: a one-block ControlNet over the transformer's first block (it conditions on VAE latents).
+_SD3_PRESETS = ("sd3-tiny",)
+CONTROLNET_PRESETS: tuple[str, ...] = (*_CONDITIONING_CHANNELS, *_SD3_PRESETS)
+#: The ControlNet classes ``load_controlnet`` serves, by a directory's config.json ``_class_name``.
+_CLASSES: dict[str, type[ControlNetModel | SD3ControlNetModel]] = {
+    "ControlNetModel": ControlNetModel, "SD3ControlNetModel": SD3ControlNetModel}
 
 
 def controlnet_preset_weights(name: str) -> Path | None:
@@ -24,36 +34,67 @@ def controlnet_preset_weights(name: str) -> Path | None:
 
 
 def build_controlnet_preset(name: str, seed: int = 0, *, weights: WeightsChoice = "seeded", zero_init: bool = False,
-                            unet: UNet2DConditionModel | None = None) -> ControlNetModel:
+                            denoiser: Denoiser | None = None) -> ControlNetModel | SD3ControlNetModel:
     """A ControlNet for diffusion preset ``name``. ``auto`` weights: the preset's shipped trained ControlNet
-    where it has one. Otherwise seeded: its encoder copied from ``unet`` (default: the preset's seeded UNet), as
-    ControlNet training starts; zero-convolutions stay zero with ``zero_init`` (the start of training), else
-    they are drawn non-zero from ``seed`` so the residuals matter."""
-    if name not in _CONDITIONING_CHANNELS:
+    where it has one. Otherwise seeded: its encoder (SD3: its first transformer block) copied from ``denoiser``
+    (default: the preset's seeded one), as ControlNet training starts; zero-initialised layers stay zero with
+    ``zero_init`` (the start of training), else they are drawn non-zero from ``seed`` so the residuals matter."""
+    if name not in CONTROLNET_PRESETS:
         raise ValueError(f"unknown ControlNet preset {name!r}; known presets: {', '.join(CONTROLNET_PRESETS)}")
     trained = controlnet_preset_weights(name) if weights == "auto" else None
     if trained is not None:
         return load_controlnet(trained)
-    unet = unet if unet is not None else build_preset(name, weights="seeded").unet
+    denoiser = denoiser if denoiser is not None else build_preset(name, weights="seeded").denoiser
+    expected = SD3Transformer2DModel if name in _SD3_PRESETS else UNet2DConditionModel
+    if not isinstance(denoiser, expected):
+        raise ValueError(f"ControlNet preset {name!r} is built from a {expected.__name__}, "
+                         f"not a {type(denoiser).__name__}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        controlnet = ControlNetModel.from_unet(
-            unet, conditioning_embedding_out_channels=_CONDITIONING_CHANNELS[name])
+        if isinstance(denoiser, SD3Transformer2DModel):
+            controlnet = _sd3_from_transformer(denoiser)
+            zero_layers = [*controlnet.controlnet_blocks, controlnet.pos_embed_input.proj]
+        else:
+            controlnet = ControlNetModel.from_unet(
+                denoiser, conditioning_embedding_out_channels=_CONDITIONING_CHANNELS[name])
+            zero_layers = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
+                           controlnet.controlnet_cond_embedding.conv_out]
         if zero_init:
             return controlnet
-        zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
-                      controlnet.controlnet_cond_embedding.conv_out]
-        for conv in zero_convs:
-            torch.nn.init.normal_(conv.weight, std=0.05)
-            torch.nn.init.normal_(conv.bias, std=0.05)
+        for layer in zero_layers:
+            torch.nn.init.normal_(layer.weight, std=0.05)
+            torch.nn.init.normal_(layer.bias, std=0.05)
     return controlnet.eval().requires_grad_(False)
 
 
-def load_controlnet(path: str | Path) -> ControlNetModel:
+def _sd3_from_transformer(transformer: SD3Transformer2DModel) -> SD3ControlNetModel:
+    """``SD3ControlNetModel.from_transformer(transformer, num_layers=1, num_extra_conditioning_channels=0)``
+    without its side effect (diffusers writes both values into ``transformer.config``)."""
+    controlnet = SD3ControlNetModel.from_config(
+        {**transformer.config, "num_layers": 1, "extra_conditioning_channels": 0})
+    for name in ("pos_embed", "time_text_embed", "context_embedder"):
+        getattr(controlnet, name).load_state_dict(getattr(transformer, name).state_dict())
+    controlnet.transformer_blocks.load_state_dict(transformer.transformer_blocks.state_dict(), strict=False)
+    return controlnet
+
+
+def load_controlnet(path: str | Path) -> ControlNetModel | SD3ControlNetModel:
     """A diffusers ControlNet directory from local disk only (never a hub), its weights from ``.safetensors``
-    only (a pickled ``.bin`` is refused unopened)."""
+    only (a pickled ``.bin`` is refused unopened): an ``SD3ControlNetModel`` where its config.json's
+    ``_class_name`` says so, else a ``ControlNetModel``. SD3 ControlNets that need the base transformer's positional
+    embedding (``use_pos_embed`` false, SD3.5 8B) or extra conditioning channels (inpainting) are refused."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a diffusers ControlNet directory (no config.json)")
-    controlnet = ControlNetModel.from_pretrained(path, local_files_only=True, use_safetensors=True)
+    config = json.loads((path / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} is not a JSON object")
+    class_name = config.get("_class_name", "ControlNetModel")
+    if class_name not in _CLASSES:
+        raise ValueError(f"{path} holds a {class_name!r}; served ControlNet classes: {', '.join(_CLASSES)}")
+    if class_name == "SD3ControlNetModel" and (config.get("use_pos_embed") is False
+                                               or config.get("extra_conditioning_channels")):
+        raise ValueError(f"{path}: SD3 ControlNets without their own positional embedding (use_pos_embed false) or "
+                         "with extra conditioning channels are not served")
+    controlnet = _CLASSES[class_name].from_pretrained(path, local_files_only=True, use_safetensors=True)
     return controlnet.eval().requires_grad_(False)

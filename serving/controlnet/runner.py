@@ -1,9 +1,13 @@
 """Running one ControlNet on a batch of rows, possibly from several requests and calls.
 
-A call carries the rows of one UNet step that use this ControlNet: noisy latents, timesteps, text
-embeddings (and where each row's comes from, so a remote call sends each request's once), for SDXL the added
-inputs (pooled embedding, size ids), per-row conditioning scales, and each request's conditioning image once
-(with how many rows it covers).
+A call carries the rows of one denoiser step that use this ControlNet: noisy latents, timesteps, text
+embeddings (and where each row's comes from, so a remote call sends each request's once), the added inputs (SDXL:
+pooled embedding, size ids; SD3: ``pooled_projections``), per-row conditioning scales, and each request's
+conditioning image once (with how many rows it covers).
+UNet ControlNets (SD, SDXL) take the RGB image and return down-block and mid-block residuals. SD3 ControlNets take
+the image already VAE-encoded, ``(latent - shift_factor) * scaling_factor`` with ``latent_shift = shift_factor *
+scaling_factor``, and return one residual per ControlNet block ([R, tokens, dim]) and no mid residual; they run as
+``StableDiffusion3ControlNetPipeline`` runs them.
 Residuals come back already scaled, as ``MultiControlNetModel`` sums them.
 """
 
@@ -13,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import ControlNetModel
+from diffusers import ControlNetModel, SD3ControlNetModel
 
 #: Where a row's text embedding lives: its request's embeddings [rows, S, D] (one tensor for the request's life, or
 #: until its LoRAs re-encode its text) and the row's index in them.
@@ -34,8 +38,9 @@ class ControlNetCall:
     encoder_hidden_states: torch.Tensor  # [R, S, D]
     context_rows: list[ContextRow]  # where each row of encoder_hidden_states comes from
     scales: torch.Tensor  # [R]
-    images: list[tuple[torch.Tensor, int]]  # ([1, 3, H, W] conditioning image, rows it covers), in row order
-    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the added inputs per row [R, ...] (SDXL)
+    images: list[tuple[torch.Tensor, int]]  # ([1, 3, H, W] image, SD3: [1, C, h, w] latent; rows), in row order
+    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the added inputs per row [R, ...] (SDXL, SD3)
+    latent_shift: float = 0.0  # SD3: the VAE's shift_factor * scaling_factor, taken out of the images' latents
 
     @property
     def rows(self) -> int:
@@ -44,16 +49,19 @@ class ControlNetCall:
 
 @dataclass
 class ControlNetResiduals:
-    """Down-block residuals (one per UNet skip connection) and the mid-block residual, scaled per row."""
+    """Scaled per row: down-block residuals (one per UNet skip connection) and the mid-block residual; SD3: the
+    ControlNet's block samples [R, tokens, dim] and no mid residual."""
 
     down: list[torch.Tensor]
-    mid: torch.Tensor
+    mid: torch.Tensor | None
 
 
 def merge_calls(calls: Sequence[ControlNetCall]) -> ControlNetCall:
-    """One call with every row of ``calls``, in order."""
+    """One call with every row of ``calls``, in order; they must share their ``latent_shift``."""
     if len(calls) == 1:
         return calls[0]
+    if len({c.latent_shift for c in calls}) > 1:
+        raise ValueError(f"calls with different latent shifts cannot merge: {sorted({c.latent_shift for c in calls})}")
     return ControlNetCall(
         sample=torch.cat([c.sample for c in calls]),
         timestep=torch.cat([c.timestep for c in calls]),
@@ -62,6 +70,7 @@ def merge_calls(calls: Sequence[ControlNetCall]) -> ControlNetCall:
         scales=torch.cat([c.scales for c in calls]),
         images=[image for c in calls for image in c.images],
         added={name: torch.cat([c.added[name] for c in calls]) for name in calls[0].added},
+        latent_shift=calls[0].latent_shift,
     )
 
 
@@ -70,29 +79,57 @@ def split_residuals(residuals: ControlNetResiduals, rows: Sequence[int]) -> list
     if len(rows) == 1:
         return [residuals]
     downs = [torch.split(block, list(rows)) for block in residuals.down]
-    mids = torch.split(residuals.mid, list(rows))
-    return [ControlNetResiduals([d[i].contiguous() for d in downs], mids[i].contiguous()) for i in range(len(rows))]
+    mids = torch.split(residuals.mid, list(rows)) if residuals.mid is not None else None
+    return [ControlNetResiduals([d[i].contiguous() for d in downs], mids[i].contiguous() if mids is not None else None)
+            for i in range(len(rows))]
 
 
 class ControlNetRunner:
-    """One ControlNet model on one device."""
+    """One ControlNet model on one device; the model's class picks how it runs."""
 
-    def __init__(self, model: ControlNetModel, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, model: ControlNetModel | SD3ControlNetModel, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         self.model = model.to(device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)
         self.device, self.dtype = device, dtype
 
     @torch.inference_mode()
     def run(self, call: ControlNetCall) -> ControlNetResiduals:
+        if isinstance(self.model, SD3ControlNetModel):
+            return self._run_sd3(call)
         device, dtype = self.device, self.dtype
-        images = torch.cat([image.to(device, dtype).expand(rows, -1, -1, -1) for image, rows in call.images])
         down, mid = self.model(
             call.sample.to(device, dtype),
             call.timestep.to(device),
             encoder_hidden_states=call.encoder_hidden_states.to(device, dtype),
-            controlnet_cond=images,
+            controlnet_cond=self._images(call),
             conditioning_scale=1.0,
             added_cond_kwargs={name: value.to(device, dtype) for name, value in call.added.items()} or None,
             return_dict=False,
         )
         scales = call.scales.to(device, dtype).view(-1, 1, 1, 1)
         return ControlNetResiduals([block * scales for block in down], mid * scales)
+
+    def _run_sd3(self, call: ControlNetCall) -> ControlNetResiduals:
+        """As ``StableDiffusion3ControlNetPipeline``: InstantX-style ControlNets (``force_zeros_for_pooled_projection``)
+        take zero pooled projections and latents without the VAE shift; text embeddings only where the ControlNet
+        embeds them (``joint_attention_dim``)."""
+        device, dtype, config = self.device, self.dtype, self.model.config
+        pooled = call.added["pooled_projections"].to(device, dtype)
+        context = call.encoder_hidden_states.to(device, dtype) if config.joint_attention_dim is not None else None
+        instantx = config.force_zeros_for_pooled_projection
+        (blocks,) = self.model(
+            hidden_states=call.sample.to(device, dtype),
+            controlnet_cond=self._images(call, call.latent_shift if instantx else 0.0),
+            conditioning_scale=1.0,
+            encoder_hidden_states=context,
+            pooled_projections=torch.zeros_like(pooled) if instantx else pooled,
+            timestep=call.timestep.to(device),
+            return_dict=False,
+        )
+        scales = call.scales.to(device, dtype).view(-1, 1, 1)
+        return ControlNetResiduals([block * scales for block in blocks], None)
+
+    def _images(self, call: ControlNetCall, shift: float = 0.0) -> torch.Tensor:
+        """Each row's conditioning input [R, ...], ``shift`` added to each image once."""
+        return torch.cat([(image.to(self.device, self.dtype) + shift).expand(rows, -1, -1, -1)
+                          for image, rows in call.images])

@@ -1,6 +1,6 @@
 """Parallel CFG on Serve: the ``CFGWorker`` deployment and the engine's client of it.
 
-The worker merges the step calls of every model replica into one UNet forward per latent shape (``@serve.batch``).
+The worker merges the step calls of every model replica into one denoiser forward per latent shape (``@serve.batch``).
 A request's text embeddings reach it once (object-store references, ``transport``), not every step. Its LoRAs are
 prefetched when the request reaches a model replica; rows whose LoRAs the worker has not loaded yet are answered
 as skipped, and the model replica computes them itself that step. Once a request is denoised, the worker decodes

@@ -62,18 +62,20 @@ class ServeControlNets(ControlNetClient):
             scales=to_numpy(call.scales),
             images=[(self._shared.ref(image), rows) for image, rows in call.images],
             added={name: to_numpy(value) for name, value in call.added.items()},
+            latent_shift=call.latent_shift,
         )
         self._metrics.remote_bytes("controlnet", "sent", wire.nbytes)
         return PendingReply(self._handles[name].residuals.remote(wire), self._timeout_s, self._residuals)
 
     def _residuals(self, wire: WireResiduals) -> ControlNetResiduals:
         self._metrics.remote_bytes("controlnet", "received", wire.nbytes)
-        return ControlNetResiduals([from_numpy(block) for block in wire.down], from_numpy(wire.mid))
+        return ControlNetResiduals([from_numpy(block) for block in wire.down],
+                                   from_numpy(wire.mid) if wire.mid is not None else None)
 
 
 class ControlNetCore:
-    """A ControlNet service's work without Serve: the calls of one latent shape decoded (references resolved once
-    per replica), run as one forward, and each call's residuals encoded."""
+    """A ControlNet service's work without Serve: the calls of one latent shape (and latent shift) decoded
+    (references resolved once per replica), run as one forward, and each call's residuals encoded."""
 
     def __init__(self, runner: ControlNetRunner, tensors: ResolvedTensors) -> None:
         self._runner = runner
@@ -82,7 +84,8 @@ class ControlNetCore:
     def forward(self, calls: list[WireCall]) -> list[WireResiduals]:
         decoded = [self._decode(call) for call in calls]
         residuals = self._runner.run(merge_calls(decoded))
-        return [WireResiduals([to_numpy(block) for block in part.down], to_numpy(part.mid))
+        return [WireResiduals([to_numpy(block) for block in part.down],
+                              to_numpy(part.mid) if part.mid is not None else None)
                 for part in split_residuals(residuals, [call.rows for call in decoded])]
 
     def _decode(self, call: WireCall) -> ControlNetCall:
@@ -90,7 +93,7 @@ class ControlNetCore:
         images = [(self._tensors.get(ref), rows) for ref, rows in call.images]
         return ControlNetCall(from_numpy(call.sample), from_numpy(call.timestep), gather_context(context_rows),
                               context_rows, from_numpy(call.scales), images,
-                              {name: from_numpy(value) for name, value in call.added.items()})
+                              {name: from_numpy(value) for name, value in call.added.items()}, call.latent_shift)
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)
@@ -116,4 +119,5 @@ class ControlNetService(MemoryReport):
 
     @serve.batch
     async def _batched(self, calls: list[WireCall]) -> list[WireResiduals]:
-        return await forward_by_shape(calls, lambda call: call.sample.shape[1:], self._core.forward)
+        return await forward_by_shape(calls, lambda call: (call.sample.shape[1:], call.latent_shift),
+                                      self._core.forward)

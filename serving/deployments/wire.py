@@ -27,7 +27,7 @@ class WireRows:
     context: list[WireContextRow]
     loras: list[tuple[tuple[str, float], ...]]
     controls: list[tuple[tuple[str, ray.ObjectRef, float], ...]]
-    added: dict[str, np.ndarray] = field(default_factory=dict)  # the UNet's added inputs per row (SDXL)
+    added: dict[str, np.ndarray] = field(default_factory=dict)  # the denoiser's added inputs per row (SDXL, SD3)
 
     @property
     def rows(self) -> int:
@@ -59,7 +59,8 @@ class WireCall:
     context: list[WireContextRow]
     scales: np.ndarray
     images: list[tuple[ray.ObjectRef, int]]
-    added: dict[str, np.ndarray] = field(default_factory=dict)  # the added inputs per row (SDXL)
+    added: dict[str, np.ndarray] = field(default_factory=dict)  # the added inputs per row (SDXL, SD3)
+    latent_shift: float = 0.0  # SD3: the VAE shift taken out of the images' latents
 
     @property
     def nbytes(self) -> int:
@@ -69,14 +70,14 @@ class WireCall:
 
 @dataclass
 class WireResiduals:
-    """A ControlNet's answer: down-block residuals and the mid-block residual."""
+    """A ControlNet's answer: down-block residuals and the mid-block residual (SD3: block samples, no mid)."""
 
     down: list[np.ndarray]
-    mid: np.ndarray
+    mid: np.ndarray | None
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for block in self.down) + self.mid.nbytes
+        return sum(block.nbytes for block in self.down) + (self.mid.nbytes if self.mid is not None else 0)
 
 
 class PendingReply(Generic[T]):

@@ -2,7 +2,7 @@
 
 from serving.engine.admission import EngineOverloaded
 from serving.engine.backend import LocalBackend
-from serving.engine.denoiser import DiffusionEngine, encode_png, load_components
+from serving.engine.diffusion_engine import DiffusionEngine, encode_png, load_components
 from serving.engine.loop import EngineLoop, LoRALoadFailed
 from serving.engine.request import RequestState
 from serving.engine.types import (

@@ -17,7 +17,7 @@ from serving.engine.scheduling import Slot, pick_batch, record_steps, steps_unti
 
 @dataclass(frozen=True)
 class Work:
-    """A request as the schedule sees it: UNet rows per step, denoising steps left, image size, and steps passed
+    """A request as the schedule sees it: denoiser rows per step, denoising steps left, image size, and steps passed
     over in a row."""
 
     rows: int

@@ -12,7 +12,7 @@ from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient
 from serving.engine.cfg import CFGWorker
-from serving.engine.denoiser import DiffusionEngine
+from serving.engine.diffusion_engine import DiffusionEngine
 from serving.engine.loop import EngineLoop, StepCallback
 from serving.engine.types import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
 from serving.lora.cache import LoRACache
@@ -22,10 +22,8 @@ from serving.lora.registry import LoRARegistry
 class LocalBackend(ImageGenerationBackend):
     """Serves one model: submits requests to the engine loop and awaits their futures."""
 
-    def __init__(self, loop: EngineLoop, registry: LoRARegistry | None = None,
-                 metrics: Metrics = NO_METRICS) -> None:
+    def __init__(self, loop: EngineLoop, metrics: Metrics = NO_METRICS) -> None:
         self.loop = loop
-        self.registry = registry
         self._metrics = metrics
 
     @classmethod
@@ -52,14 +50,15 @@ class LocalBackend(ImageGenerationBackend):
                    on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> LocalBackend:
         """A backend over ``engine``; its loop, LoRA cache and requests record into ``metrics``."""
         cache = cls.lora_cache_for(engine, config, metrics)
-        registry = cache.registry if cache is not None else None
-        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics), registry, metrics)
+        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics), metrics)
 
     async def model_info(self) -> ModelInfo:
         return self.loop.engine.info
 
     async def list_loras(self) -> list[str]:
-        return await asyncio.to_thread(self.registry.names) if self.registry is not None else []
+        """The LoRA directory's LoRAs of this model's family (by their file headers)."""
+        cache = self.loop.lora_cache
+        return await asyncio.to_thread(cache.names) if cache is not None else []
 
     async def list_controlnets(self) -> list[str]:
         controlnets = self.loop.engine.controlnets

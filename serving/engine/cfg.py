@@ -20,7 +20,7 @@ from serving.engine.band_decode import BOTTOM, BandPeer, GeneratorBandPeer, deco
 from serving.engine.rows import RowBatch
 
 if TYPE_CHECKING:
-    from serving.engine.denoiser import DiffusionEngine
+    from serving.engine.diffusion_engine import DiffusionEngine
 
 
 @dataclass
@@ -42,7 +42,7 @@ class CFGWorker(ABC):
 
     @abstractmethod
     def submit(self, batch: RowBatch) -> PendingNoise:
-        """Starts the UNet's noise prediction for the rows of ``batch``; it may skip rows whose LoRAs it has not
+        """Starts the denoiser's prediction for the rows of ``batch``; it may skip rows whose LoRAs it has not
         loaded yet."""
 
     def prefetch(self, names: Sequence[str]) -> None:  # noqa: B027 (no-op: a worker using the engine's LoRAs)

@@ -1,7 +1,7 @@
 """The engine loop: step-level (continuous) batching of requests in one thread, with a stage thread beside it.
 
 The loop thread only denoises. At every step boundary it admits requests whose preparation finished, applies
-LoRAs made ready, and runs one UNet step for the requests ``serving.engine.scheduling`` picks. The stage thread
+LoRAs made ready, and runs one denoiser step for the requests ``serving.engine.scheduling`` picks. The stage thread
 does the rest, so the loop never waits on it: text encoding and initial noise (``DiffusionEngine.start``), LoRA
 device copies and text re-encoding (``prepare_loras``), VAE decoding and PNG encoding of finished requests.
 A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
@@ -23,7 +23,7 @@ from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import EngineConfig
 from serving.controlnet.client import ControlNetUnavailable
 from serving.engine.admission import EngineOverloaded, Work, wait_steps
-from serving.engine.denoiser import DiffusionEngine, encode_png
+from serving.engine.diffusion_engine import DiffusionEngine, encode_png
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.scheduling import Slot, pick_batch, record_steps
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport

@@ -1,8 +1,9 @@
-"""Prompt encoders: a request's prompts to what the UNet is conditioned on, per model family.
+"""Prompt encoders: a request's prompts to what the denoiser is conditioned on, per model family.
 
 ``CLIPPromptEncoder`` (Stable Diffusion 1.x/2.x) follows ``StableDiffusionPipeline.encode_prompt``;
-``SDXLPromptEncoder`` follows ``StableDiffusionXLPipeline.encode_prompt`` and its added time ids. Both encode the
-prompt and the negative prompt in one batch, with the request's LoRAs on each text encoder they target.
+``SDXLPromptEncoder`` follows ``StableDiffusionXLPipeline.encode_prompt`` and its added time ids;
+``SD3PromptEncoder`` follows ``StableDiffusion3Pipeline.encode_prompt``. Each encodes the prompt and the negative
+prompt in one batch, with the request's LoRAs on each CLIP text encoder they target.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 import torch
-from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5EncoderModel, T5TokenizerFast
 
 from serving.engine.request import TextEmbeddings
 from serving.engine.types import GenerationParams
@@ -42,9 +43,16 @@ class PromptEncoder(ABC):
     def _texts(self, params: GenerationParams) -> list[str]:
         return [params.prompt, params.negative_prompt or ""] if params.uses_cfg else [params.prompt]
 
-    def _tokens(self, tokenizer: CLIPTokenizer, texts: list[str]) -> torch.Tensor:
-        return tokenizer(texts, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                         return_tensors="pt").input_ids.to(self.device)
+    def _tokens(self, tokenizer: CLIPTokenizer | T5TokenizerFast, texts: list[str],
+                max_length: int | None = None) -> torch.Tensor:
+        return tokenizer(texts, padding="max_length", max_length=max_length or tokenizer.model_max_length,
+                         truncation=True, return_tensors="pt").input_ids.to(self.device)
+
+    def _clip(self, component: str, tokenizer: CLIPTokenizer, encoder: CLIPTextModel, texts: list[str],
+              loras: RequestLoRAs):
+        """A CLIP encoder's output on ``texts``, hidden states included, with ``loras`` on it."""
+        with self._with_loras(component, loras, len(texts)):
+            return encoder(self._tokens(tokenizer, texts), output_hidden_states=True)
 
     @contextmanager
     def _with_loras(self, component: str, loras: RequestLoRAs, rows: int):
@@ -59,6 +67,12 @@ class PromptEncoder(ABC):
 
 def prompt_encoder(components: DiffusionComponents, device: torch.device, dtype: torch.dtype) -> PromptEncoder:
     """The prompt encoder of ``components``' family (modules already on ``device``)."""
+    if components.family == "sd3":
+        assert components.text_encoder_2 is not None and components.tokenizer_2 is not None
+        assert components.text_encoder_3 is not None and components.tokenizer_3 is not None
+        return SD3PromptEncoder(components.tokenizer, components.text_encoder, components.tokenizer_2,
+                                components.text_encoder_2, components.tokenizer_3, components.text_encoder_3,
+                                device, dtype)
     if components.family == "sdxl":
         assert components.text_encoder_2 is not None and components.tokenizer_2 is not None
         return SDXLPromptEncoder(components.tokenizer, components.text_encoder, components.tokenizer_2,
@@ -101,10 +115,8 @@ class SDXLPromptEncoder(PromptEncoder):
                loras: RequestLoRAs = ()) -> tuple[TextEmbeddings, TextEmbeddings | None]:
         zero_negative = params.uses_cfg and params.negative_prompt is None and self.force_zeros_for_empty_prompt
         texts = [params.prompt] if zero_negative else self._texts(params)
-        with self._with_loras("text_encoder", loras, len(texts)):
-            first = self.text_encoder(self._tokens(self.tokenizer, texts), output_hidden_states=True)
-        with self._with_loras("text_encoder_2", loras, len(texts)):
-            second = self.text_encoder_2(self._tokens(self.tokenizer_2, texts), output_hidden_states=True)
+        first = self._clip("text_encoder", self.tokenizer, self.text_encoder, texts, loras)
+        second = self._clip("text_encoder_2", self.tokenizer_2, self.text_encoder_2, texts, loras)
         hidden = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1).to(self.dtype)
         pooled = second.text_embeds.to(self.dtype)
         time_ids = torch.tensor([[params.height, params.width, 0, 0, params.height, params.width]],
@@ -118,4 +130,38 @@ class SDXLPromptEncoder(PromptEncoder):
             embeddings.append(TextEmbeddings(torch.zeros_like(prompt.hidden),
                                              {"text_embeds": torch.zeros_like(prompt.added["text_embeds"]),
                                               "time_ids": prompt.added["time_ids"]}))
+        return embeddings[0], (embeddings[1] if params.uses_cfg else None)
+
+
+class SD3PromptEncoder(PromptEncoder):
+    """SD3: both CLIP encoders' penultimate hidden states, concatenated and zero-padded to the T5 encoder's width,
+    then the T5 encoder's last hidden states after them in the sequence; both CLIP pooled projections,
+    concatenated, as the transformer's ``pooled_projections``. An absent negative prompt is the empty one."""
+
+    #: T5 tokens per prompt: diffusers' default ``max_sequence_length`` for SD3
+    max_sequence_length = 256
+
+    def __init__(self, tokenizer: CLIPTokenizer, text_encoder: CLIPTextModelWithProjection,
+                 tokenizer_2: CLIPTokenizer, text_encoder_2: CLIPTextModelWithProjection,
+                 tokenizer_3: T5TokenizerFast, text_encoder_3: T5EncoderModel, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        super().__init__(tokenizer, text_encoder, device, dtype)
+        self.tokenizer_2, self.text_encoder_2 = tokenizer_2, text_encoder_2
+        self.tokenizer_3, self.text_encoder_3 = tokenizer_3, text_encoder_3
+        self._hooks["text_encoder_2"] = LoRAHooks(text_encoder_2)
+
+    def encode(self, params: GenerationParams,
+               loras: RequestLoRAs = ()) -> tuple[TextEmbeddings, TextEmbeddings | None]:
+        texts = self._texts(params)
+        first = self._clip("text_encoder", self.tokenizer, self.text_encoder, texts, loras)
+        second = self._clip("text_encoder_2", self.tokenizer_2, self.text_encoder_2, texts, loras)
+        t5 = self.text_encoder_3(self._tokens(self.tokenizer_3, texts, self.max_sequence_length))[0]
+        clip = torch.cat([first.hidden_states[-2], second.hidden_states[-2]], dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5.shape[-1] - clip.shape[-1]))
+        hidden = torch.cat([clip, t5], dim=-2).to(self.dtype).repeat_interleave(params.n, dim=0)
+        pooled = torch.cat([first.text_embeds, second.text_embeds], dim=-1).to(self.dtype)
+        pooled = pooled.repeat_interleave(params.n, dim=0)
+        embeddings = [TextEmbeddings(hidden[i * params.n:(i + 1) * params.n],
+                                     {"pooled_projections": pooled[i * params.n:(i + 1) * params.n]})
+                      for i in range(len(texts))]
         return embeddings[0], (embeddings[1] if params.uses_cfg else None)

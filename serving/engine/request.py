@@ -16,9 +16,8 @@ from serving.lora.weights import LoRAWeights
 
 @dataclass(frozen=True)
 class TextEmbeddings:
-    """What one prompt conditions the UNet on, a row per image: cross-attention states [n, S, D] and, for a UNet
-    with an added embedding (SDXL), its inputs by ``added_cond_kwargs`` name (``text_embeds`` [n, P],
-    ``time_ids`` [n, 6])."""
+    """What one prompt conditions the denoiser on, a row per image: text states [n, S, D] and its added inputs by
+    name (SDXL's ``text_embeds`` [n, P] and ``time_ids`` [n, 6]; SD3's ``pooled_projections`` [n, P])."""
 
     hidden: torch.Tensor
     added: Mapping[str, torch.Tensor] = field(default_factory=dict)
@@ -76,7 +75,7 @@ class RequestState:
 
     @property
     def added(self) -> dict[str, torch.Tensor]:
-        """The UNet's added inputs of every row, in the order of ``context`` (empty for a UNet without them)."""
+        """The denoiser's added inputs of every row, in the order of ``context`` (empty for a denoiser without them)."""
         return self._rows()[1]
 
     def _rows(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

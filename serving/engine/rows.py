@@ -1,7 +1,7 @@
-"""``RowBatch``: the rows of one UNet forward, whichever requests they come from.
+"""``RowBatch``: the rows of one denoiser forward, whichever requests they come from.
 
-Each row carries its own timestep, text embedding (and, for SDXL, the UNet's added inputs: pooled text embedding
-and size ids), LoRAs and ControlNet conditions, so a forward can
+Each row carries its own timestep, text embedding (and the denoiser's added inputs: SDXL's pooled text embedding
+and size ids, SD3's pooled text embedding), LoRAs and ControlNet conditions, so a forward can
 mix requests freely, and a subset of rows (the unconditional half, for parallel CFG) can be cut out
 and computed elsewhere. Each row also knows which request tensor its text embedding comes from
 (``context_rows``), so what computes it elsewhere is sent each request's embeddings once.
@@ -30,7 +30,7 @@ class RowBatch:
     context_rows: list[ContextRow]  # where each row of ``context`` comes from
     loras: list[RowLoRAs]
     controls: list[RowControls]
-    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the UNet's added inputs [R, ...] (SDXL)
+    added: dict[str, torch.Tensor] = field(default_factory=dict)  # the denoiser's added inputs [R, ...] (SDXL, SD3)
 
     @property
     def rows(self) -> int:
@@ -63,7 +63,8 @@ class RowBatch:
         for state in states:
             t = state.timesteps[state.step_index]
             latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
-            samples.append(state.scheduler.scale_model_input(latents, t))
+            scale = getattr(state.scheduler, "scale_model_input", None)  # flow matching: none
+            samples.append(scale(latents, t) if scale is not None else latents)
             timesteps.append(t.expand(state.rows))
             context = state.context
             contexts.append(context)

@@ -1,7 +1,7 @@
 """Which runnable requests form the next denoising step: one rule, used by the engine loop and by the admission
 replay that predicts it.
 
-Only requests of one image size share a UNet forward. The step takes the size whose runnable requests fill the
+Only requests of one image size share a denoiser forward. The step takes the size whose runnable requests fill the
 most rows (ties: the oldest request's size), anchored at its oldest request, then adds every other request of that
 size that still fits, oldest first: a request that does not fit does not stop a smaller, younger one behind it.
 Fairness bound: a request is passed over in a step that runs a younger request without it (its size was not
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 @dataclass
 class Slot:
-    """A runnable request as the scheduler sees it: UNet rows, image size, steps passed over since it last ran."""
+    """A runnable request as the scheduler sees it: denoiser rows, image size, steps passed over since it last ran."""
 
     rows: int
     size: Hashable = None

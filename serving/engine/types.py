@@ -46,12 +46,12 @@ class GenerationParams:
 
     @property
     def uses_cfg(self) -> bool:
-        """Classifier-free guidance runs (two UNet rows per image) only when the scale exceeds 1, as in diffusers."""
+        """Classifier-free guidance runs (two denoiser rows per image) only when the scale exceeds 1, as diffusers."""
         return self.guidance_scale > 1.0
 
     @property
     def rows(self) -> int:
-        """UNet rows per step: one per image, twice that with classifier-free guidance."""
+        """denoiser rows per step: one per image, twice that with classifier-free guidance."""
         return self.n * (2 if self.uses_cfg else 1)
 
 

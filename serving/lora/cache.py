@@ -21,7 +21,7 @@ import torch
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, LoRALookup, Metrics
 from serving.config import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
-from serving.lora.format import LoRATargets, load_lora_file
+from serving.lora.format import LoRAFormatError, LoRATargets, check_lora_family, load_lora_file
 from serving.lora.registry import InvalidLoRAName, LoRANotFound, LoRARegistry
 from serving.lora.weights import LoRAWeights
 
@@ -66,6 +66,8 @@ class LoRACache:
             load_lora_file, targets=targets, max_file_bytes=max_file_bytes, max_header_bytes=max_header_bytes,
             max_tensors=max_tensors, dtype=dtype,
         )
+        self._family_check = functools.partial(check_lora_family, targets=targets, max_file_bytes=max_file_bytes,
+                                               max_header_bytes=max_header_bytes, max_tensors=max_tensors)
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="lora-load")
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
@@ -104,6 +106,18 @@ class LoRACache:
         self._loads[name] = load
         self._misses += 1
         return future, "new"
+
+    def names(self) -> list[str]:
+        """The registry's LoRAs this model may take: those whose file header shows no other family's LoRA (a
+        directory shared by models of several families lists each LoRA with the models it is for)."""
+        fitting = []
+        for name in self.registry.names():
+            try:
+                self._family_check(self.registry.resolve(name))
+            except (LoRAFormatError, LoRANotFound):
+                continue
+            fitting.append(name)
+        return fitting
 
     def contains(self, name: str) -> bool:
         """Whether ``name`` is cached and its file unchanged (no counters move)."""

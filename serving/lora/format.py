@@ -1,9 +1,10 @@
 """LoRA files (diffusers/PEFT or kohya-style ``.safetensors``) -> validated, unmerged ``LoRAWeights``.
 
-Keys are normalised by diffusers' own conversions, exactly as ``StableDiffusionPipeline.load_lora_weights``
-does, and each module's scale is resolved the way diffusers + PEFT would resolve it (the LoRA config from the
-file's adapter metadata, else derived by ``get_peft_kwargs``; PEFT's pattern matching per module). Nothing
-is injected into a model: the result is plain tensors the engine applies per request.
+Keys are normalised by diffusers' own conversions, exactly as the family's pipeline's ``load_lora_weights`` does
+(``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``; ``StableDiffusion3Pipeline``, which reads diffusers'
+format only, not kohya's), and each module's scale is resolved the way diffusers + PEFT would resolve it (the LoRA
+config from the file's adapter metadata, else derived by ``get_peft_kwargs``; PEFT's pattern matching per module).
+Nothing is injected into a model: the result is plain tensors the engine applies per request.
 """
 
 from __future__ import annotations
@@ -14,14 +15,19 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from json.decoder import scanstring
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import (
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    StableDiffusionXLPipeline,
+)
 from diffusers.utils import (
     convert_state_dict_to_diffusers,
     convert_state_dict_to_peft,
@@ -33,6 +39,9 @@ from torch import nn
 
 from serving.config import DEFAULT_MAX_HEADER_BYTES, DEFAULT_MAX_TENSORS
 from serving.lora.weights import LoRALayer, LoRAWeights
+
+if TYPE_CHECKING:
+    from serving.presets import ModelFamily
 
 #: Where diffusers' ``save_lora_weights(..., *_lora_adapter_metadata=...)`` stores the LoRA config (JSON).
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"
@@ -48,6 +57,9 @@ _LITERAL_PATTERN = re.compile(r"^\^?[A-Za-z0-9_.]{1,512}$")
 #: exponent-only float8_e8m0fnu (a scale format).
 _WEIGHT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
                             torch.float8_e5m2})
+#: kohya-ss keys of a UNet's blocks (diffusers' or the original checkpoint's names) and of an SD3 MMDiT's.
+_KOHYA_UNET_KEY = re.compile(r"^lora_unet_(down_blocks|mid_block|up_blocks|input_blocks|middle_block|output_blocks)_")
+_KOHYA_SD3_KEY = re.compile(r"^lora_unet_joint_blocks_")
 _UNSUPPORTED_MARKERS = (
     ("dora_scale", "DoRA"),
     ("lora_magnitude_vector", "DoRA"),
@@ -59,7 +71,7 @@ _HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian u64 header si
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 _JSON_DECODER = json.JSONDecoder()
 
-Component = Literal["unet", "text_encoder", "text_encoder_2"]
+Component = Literal["denoiser", "text_encoder", "text_encoder_2"]
 
 
 class LoRAFormatError(ValueError):
@@ -96,23 +108,38 @@ class ModuleShape:
 class LoRATargets:
     """The modules a LoRA may target, by exact ``named_modules()`` name (shapes only: cheap, picklable)."""
 
-    unet: Mapping[str, ModuleShape]
+    #: the UNet (sd, sdxl) or the MMDiT transformer (sd3)
+    denoiser: Mapping[str, ModuleShape]
     text_encoder: Mapping[str, ModuleShape]
     #: CLIP keeps its modules under ``text_model.`` (older transformers); when it does not, diffusers strips
     #: that prefix from LoRA keys.
     text_encoder_nested: bool
-    #: SDXL's second text encoder (empty for a model with one)
+    #: the model's family: which diffusers pipeline's LoRA format its files are in
+    family: ModelFamily
+    #: the second CLIP text encoder of sdxl and sd3 (empty for a model with one)
     text_encoder_2: Mapping[str, ModuleShape] = field(default_factory=dict)
 
     @classmethod
-    def from_modules(cls, unet: nn.Module, text_encoder: nn.Module,
+    def from_modules(cls, denoiser: nn.Module, text_encoder: nn.Module,
                      text_encoder_2: nn.Module | None = None) -> LoRATargets:
+        """Targets of a model; its family inferred: an ``SD3Transformer2DModel`` denoiser is sd3, else a second text
+        encoder makes sdxl, else sd. (SD3's T5 encoder takes no LoRA, as in diffusers.)"""
+        if isinstance(denoiser, SD3Transformer2DModel):
+            family = "sd3"
+        else:
+            family = "sdxl" if text_encoder_2 is not None else "sd"
         return cls(
-            unet=_module_shapes(unet),
+            denoiser=_module_shapes(denoiser),
             text_encoder=_module_shapes(text_encoder),
             text_encoder_nested=hasattr(text_encoder, "text_model"),
+            family=family,
             text_encoder_2=_module_shapes(text_encoder_2) if text_encoder_2 is not None else {},
         )
+
+    @property
+    def denoiser_prefix(self) -> str:
+        """The denoiser's key prefix in the family's diffusers LoRA files: ``transformer`` (sd3), else ``unet``."""
+        return "transformer" if self.family == "sd3" else "unet"
 
 
 def _module_shapes(model: nn.Module) -> dict[str, ModuleShape]:
@@ -166,9 +193,13 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
         for marker, kind in _UNSUPPORTED_MARKERS:
             if marker in key:
                 raise LoRAFormatError(name, f"{key!r}: {kind} adapters are not supported")
-    pipeline = StableDiffusionXLPipeline if targets.text_encoder_2 else StableDiffusionPipeline
+    _check_family(name, tensors, targets)
     try:
-        state_dict, network_alphas = pipeline.lora_state_dict(tensors)
+        if targets.family == "sd3":  # diffusers' format only: no kohya conversion, no network alphas
+            state_dict, network_alphas = StableDiffusion3Pipeline.lora_state_dict(tensors), None
+        else:
+            pipeline = StableDiffusionXLPipeline if targets.family == "sdxl" else StableDiffusionPipeline
+            state_dict, network_alphas = pipeline.lora_state_dict(tensors)
     except Exception as exc:  # diffusers' conversion: ValueError, KeyError, ... on malformed files
         raise LoRAFormatError(name, f"not a LoRA diffusers can convert: {exc!r}") from None
     if not state_dict:
@@ -176,28 +207,66 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     if network_alphas and metadata:
         raise LoRAFormatError(name, "both kohya alphas and diffusers adapter metadata are present")
 
-    split: dict[str, dict[str, torch.Tensor]] = {"unet": {}, "text_encoder": {}, "text_encoder_2": {}}
+    denoiser_name = "transformer" if targets.family == "sd3" else "UNet"
+    components: dict[str, Component] = {targets.denoiser_prefix: "denoiser", "text_encoder": "text_encoder",
+                                        "text_encoder_2": "text_encoder_2"}
+    split: dict[Component, dict[str, torch.Tensor]] = {component: {} for component in components.values()}
     for key, tensor in state_dict.items():
         prefix, _, rest = key.partition(".")
-        if "lora" not in key or prefix not in split or not rest:
-            raise LoRAFormatError(name, f"{key!r}: not a UNet or text encoder LoRA weight")
-        split[prefix][rest] = tensor
-    if not split["unet"]:
-        raise LoRAFormatError(name, "the file has no UNet LoRA weights")
-    if split["text_encoder_2"] and not targets.text_encoder_2:
-        raise LoRAFormatError(name, "it has weights for a second text encoder: a LoRA for the sdxl family, and "
-                                    "this model has one text encoder")
+        if "lora" not in key or prefix not in components or not rest:
+            raise LoRAFormatError(name, f"{key!r}: not a {denoiser_name} or text encoder LoRA weight")
+        split[components[prefix]][rest] = tensor
+    if not split["denoiser"]:
+        raise LoRAFormatError(name, f"the file has no {denoiser_name} LoRA weights")
     loader = _ComponentLoader(name, targets, network_alphas, metadata, dtype)
     try:
-        unet = loader.load("unet", split["unet"])
+        denoiser = loader.load("denoiser", split["denoiser"])
     except LoRAFormatError as exc:
-        if targets.text_encoder_2 and not split["text_encoder_2"]:  # the UNet of an SD model is not SDXL's
+        if targets.family == "sdxl" and not split["text_encoder_2"]:  # the UNet of an SD model is not SDXL's
             raise LoRAFormatError(name, f"{exc.reason}; it does not fit this sdxl model: a LoRA for the sd "
                                         "family?") from None
         raise
     text = {component: loader.load(component, split[component]) if split[component] else {}
             for component in ("text_encoder", "text_encoder_2")}
-    return LoRAWeights.build(path.stem, unet, text["text_encoder"], text["text_encoder_2"])
+    return LoRAWeights.build(path.stem, denoiser, text["text_encoder"], text["text_encoder_2"])
+
+
+def check_lora_family(path: Path, targets: LoRATargets, *, max_file_bytes: int,
+                      max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, max_tensors: int = DEFAULT_MAX_TENSORS) -> None:
+    """``LoRAFormatError`` when the file's tensor names alone (its header: no tensor is read) show a LoRA for another
+    family than ``targets``', or a file ``load_lora_file`` refuses unread. A file that passes may still not fit (its
+    modules and shapes are checked when it loads)."""
+    name = Path(path).name
+    header = _read_header(Path(path), max_file_bytes, max_header_bytes)
+    _check_tensor_count(name, header, max_tensors)
+    try:
+        keys = [key for key in _top_level_keys(header.decode("utf-8")) if key != "__metadata__"]
+    except (ValueError, RecursionError) as exc:
+        raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
+    _check_family(name, keys, targets)
+
+
+def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> None:
+    """Refuse a file whose keys name another family's denoiser or text encoders, saying which family the LoRA is
+    for: transformer keys are sd3's, UNet keys sd's or sdxl's (sdxl's with a second text encoder part). For sd3, also
+    refuse kohya-style keys, which diffusers' ``StableDiffusion3Pipeline`` cannot load either."""
+    if targets.family != "sd3":
+        if any(key.startswith("transformer.") or _KOHYA_SD3_KEY.match(key) for key in keys):
+            raise LoRAFormatError(name, f"it has SD3 transformer weights: a LoRA for the sd3 family, and this model "
+                                        f"is {targets.family}")
+        if not targets.text_encoder_2 and any(key.startswith(("text_encoder_2.", "lora_te2_")) for key in keys):
+            raise LoRAFormatError(name, "it has weights for a second text encoder: a LoRA for the sdxl family, and "
+                                        "this model has one text encoder")
+        return
+    if any(key.startswith("unet.") or _KOHYA_UNET_KEY.match(key) for key in keys):
+        sdxl = any(key.startswith(("text_encoder_2.", "lora_te2_")) for key in keys)
+        raise LoRAFormatError(name, f"it has UNet weights: a LoRA for the {'sdxl' if sdxl else 'sd or sdxl'} "
+                                    "family, and this model is sd3")
+    kohya = next((key for key in keys if key.startswith("lora_")), None)
+    if kohya is not None:
+        raise LoRAFormatError(name, f"{kohya!r}: kohya-style LoRA files are not supported for the sd3 family; use "
+                                    "diffusers' format (transformer. / text_encoder. / text_encoder_2. keys, as "
+                                    "StableDiffusion3Pipeline.save_lora_weights writes them)")
 
 
 def _read_safetensors(path: Path, max_file_bytes: int, max_header_bytes: int,
@@ -308,8 +377,12 @@ class _ComponentLoader:
         self.metadata = metadata
         self.dtype = dtype
 
+    def prefix(self, component: Component) -> str:
+        """The component's key prefix in the file (``unet`` / ``transformer`` for the denoiser)."""
+        return self.targets.denoiser_prefix if component == "denoiser" else component
+
     def error(self, component: Component, key: str, reason: str) -> LoRAFormatError:
-        return LoRAFormatError(self.name, f"{component} {key!r}: {reason}")
+        return LoRAFormatError(self.name, f"{self.prefix(component)} {key!r}: {reason}")
 
     def load(self, component: Component, state_dict: dict[str, torch.Tensor]) -> dict[str, LoRALayer]:
         shapes: Mapping[str, ModuleShape] = getattr(self.targets, component)
@@ -321,9 +394,10 @@ class _ComponentLoader:
                 for module in modules}
 
     def _to_peft(self, component: Component, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """diffusers' key conversion: ``load_lora_adapter`` for the UNet, ``_load_lora_into_text_encoder`` else."""
+        """diffusers' key conversion: ``load_lora_adapter`` for the denoiser, ``_load_lora_into_text_encoder``
+        else."""
         try:
-            if component == "unet":
+            if component == "denoiser":
                 if "lora_A" not in next(iter(state_dict)):
                     state_dict = convert_unet_state_dict_to_peft(state_dict)
                 return state_dict
@@ -370,15 +444,15 @@ class _ComponentLoader:
     def _config(self, component: Component, state_dict: dict[str, torch.Tensor],
                 shapes: Mapping[str, ModuleShape]) -> _LoRAConfig:
         """The ``LoraConfig`` diffusers would build: the file's metadata if any, else ``get_peft_kwargs``."""
-        prefix = f"{component}."
+        prefix = f"{self.prefix(component)}."
         if self.metadata is not None:
             kwargs = {key.removeprefix(prefix): value for key, value in self.metadata.items()
                       if key.startswith(prefix)}
             if not kwargs:
-                raise LoRAFormatError(self.name, f"adapter metadata has no {component} entry")
+                raise LoRAFormatError(self.name, f"adapter metadata has no {self.prefix(component)} entry")
         else:
             alphas = self.network_alphas
-            if component == "unet":
+            if component == "denoiser":
                 # load_lora_adapter: ranks from every 2-D+ lora_B, keyed "^<key>" (anchored patterns)
                 rank = {f"^{key}": value.shape[1] for key, value in state_dict.items()
                         if "lora_B" in key and value.ndim > 1}
@@ -395,12 +469,13 @@ class _ComponentLoader:
                     alphas = {key.removeprefix(prefix): value for key, value in alphas.items()
                               if key.split(".")[0] == component}
             if not rank:
-                raise LoRAFormatError(self.name, f"no {component} LoRA module diffusers would take a rank from")
-            kwargs = get_peft_kwargs(rank, alphas, state_dict, is_unet=component == "unet")
+                raise LoRAFormatError(self.name, f"no {self.prefix(component)} LoRA module diffusers would take a "
+                                                 "rank from")
+            kwargs = get_peft_kwargs(rank, alphas, state_dict, is_unet=component == "denoiser")
         try:
             return _parse_config(kwargs)
         except (TypeError, ValueError) as exc:
-            raise LoRAFormatError(self.name, f"{component} LoRA config: {exc}") from None
+            raise LoRAFormatError(self.name, f"{self.prefix(component)} LoRA config: {exc}") from None
 
     def _layer(self, component: Component, module: str, down: torch.Tensor, up: torch.Tensor, shape: ModuleShape,
                config: _LoRAConfig) -> LoRALayer:

@@ -34,21 +34,22 @@ class LoRALayer:
 @dataclass(frozen=True, eq=False)
 class LoRAWeights:
     """A LoRA file, validated against one model: layers keyed by exact ``named_modules()`` names (by identity), per
-    component (SDXL's second text encoder: ``text_encoder_2``)."""
+    component: the denoiser (a UNet, or SD3's transformer), the text encoder, and SDXL's or SD3's second CLIP text
+    encoder (``text_encoder_2``)."""
 
     name: str
-    unet: Mapping[str, LoRALayer]
+    denoiser: Mapping[str, LoRALayer]
     text_encoder: Mapping[str, LoRALayer]
     nbytes: int  # bytes of all tensors
     text_encoder_2: Mapping[str, LoRALayer] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, name: str, unet: Mapping[str, LoRALayer], text_encoder: Mapping[str, LoRALayer],
+    def build(cls, name: str, denoiser: Mapping[str, LoRALayer], text_encoder: Mapping[str, LoRALayer],
               text_encoder_2: Mapping[str, LoRALayer] | None = None) -> LoRAWeights:
         """Weights with ``nbytes`` computed from the layers."""
         text_encoder_2 = text_encoder_2 or {}
-        nbytes = sum(layer.nbytes for layers in (unet, text_encoder, text_encoder_2) for layer in layers.values())
-        return cls(name=name, unet=dict(unet), text_encoder=dict(text_encoder), nbytes=nbytes,
+        nbytes = sum(layer.nbytes for layers in (denoiser, text_encoder, text_encoder_2) for layer in layers.values())
+        return cls(name=name, denoiser=dict(denoiser), text_encoder=dict(text_encoder), nbytes=nbytes,
                    text_encoder_2=dict(text_encoder_2))
 
     @property
@@ -59,14 +60,14 @@ class LoRAWeights:
     @property
     def modules(self) -> int:
         """Modules it targets, over every component."""
-        return len(self.unet) + len(self.text_encoder) + len(self.text_encoder_2)
+        return len(self.denoiser) + len(self.text_encoder) + len(self.text_encoder_2)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> LoRAWeights:
         """A copy on ``device`` (and in ``dtype`` if given); ``self`` is left untouched."""
         return LoRAWeights.build(
             self.name,
             *({key: layer.to(device, dtype) for key, layer in layers.items()}
-              for layers in (self.unet, self.text_encoder, self.text_encoder_2)),
+              for layers in (self.denoiser, self.text_encoder, self.text_encoder_2)),
         )
 
 

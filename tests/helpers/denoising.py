@@ -7,6 +7,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from serving.engine import DiffusionEngine, GenerationParams
 from serving.engine.request import PendingLoRA
@@ -32,3 +33,13 @@ def denoise_together(engine: DiffusionEngine,
     while not all(state.done for state in states):
         engine.step(states)
     return [engine.decode(state) for state in states]
+
+
+def pipeline_images(pipe, params: GenerationParams, **extra) -> np.ndarray:
+    """The request through a diffusers text-to-image pipeline (``extra``: its other arguments, e.g. ControlNet
+    images) with the engine's generators (seed + i for image i), as float [n, H, W, 3]."""
+    pipe.set_progress_bar_config(disable=True)
+    return pipe(prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
+                width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
+                guidance_scale=params.guidance_scale, output_type="np",
+                generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)], **extra).images

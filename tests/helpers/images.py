@@ -55,3 +55,14 @@ def progressive_jpeg(size: int = 64, *, scans: int | None = None) -> bytes:
     last = data.rindex(b"\xff\xda")
     body, end = data[:-2], data[-2:]  # EOI
     return body + data[last:-2] * (scans - data.count(b"\xff\xda")) + end
+
+
+def shape_image(kind: str, size: int = 64) -> np.ndarray:
+    """A white shape on black (``square``: off-centre; else a disk): an edge- or mask-like conditioning image."""
+    image = np.zeros((size, size, 3), np.uint8)
+    if kind == "square":
+        image[16:48, 12:40] = 255
+    else:
+        yy, xx = np.mgrid[:size, :size]
+        image[(yy - 30) ** 2 + (xx - 36) ** 2 < 15**2] = 255
+    return image

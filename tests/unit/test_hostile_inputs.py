@@ -265,9 +265,9 @@ def test_offsets_in_another_order_than_the_keys_are_honoured_not_refused(tiny_en
     reordered.write_bytes(_reversed_layout(original.read_bytes()))
     assert reordered.read_bytes() != original.read_bytes()
     want, got = (load_lora_file(path, tiny_engine.lora_targets, max_file_bytes=2**30) for path in (original, reordered))
-    assert want.unet.keys() == got.unet.keys() and want.text_encoder.keys() == got.text_encoder.keys()
-    for module, layer in [*want.unet.items(), *want.text_encoder.items()]:
-        other = got.unet.get(module) or got.text_encoder[module]
+    assert want.denoiser.keys() == got.denoiser.keys() and want.text_encoder.keys() == got.text_encoder.keys()
+    for module, layer in [*want.denoiser.items(), *want.text_encoder.items()]:
+        other = got.denoiser.get(module) or got.text_encoder[module]
         assert torch.equal(layer.down, other.down) and torch.equal(layer.up, other.up) and layer.scale == other.scale
 
 
@@ -616,7 +616,7 @@ def _parameter_digest(module: torch.nn.Module) -> str:
 def test_hostile_requests_leave_files_and_weights_unchanged(client, tiny_engine, hostile_root, opened_files):
     def snapshot() -> dict[str, object]:
         return {"files": {str(root): _file_digests(root) for root in (hostile_root, *SHIPPED_WEIGHTS)},
-                "unet": _parameter_digest(tiny_engine.unet),
+                "unet": _parameter_digest(tiny_engine.denoiser.module),
                 "text_encoder": _parameter_digest(tiny_engine.text_encoder)}
 
     before = snapshot()

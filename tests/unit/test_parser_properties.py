@@ -599,7 +599,7 @@ TEXT_MODULES = ["encoder.layers.0.self_attn.q_proj", "encoder.layers.1.mlp.fc1"]
 @pytest.fixture(scope="module")
 def targets() -> LoRATargets:
     components = build_preset("tiny")
-    return LoRATargets.from_modules(components.unet, components.text_encoder)
+    return LoRATargets.from_modules(components.denoiser, components.text_encoder)
 
 
 def load_or_refuse(path: Path, targets: LoRATargets) -> Any:
@@ -611,7 +611,7 @@ def load_or_refuse(path: Path, targets: LoRATargets) -> Any:
         event(f"refused: {error.reason[:25]}")
         return None
     event("loaded")
-    for component in ("unet", "text_encoder"):
+    for component in ("denoiser", "text_encoder"):
         shapes = getattr(targets, component)
         for module, layer in getattr(weights, component).items():
             rank = layer.down.shape[0]
@@ -682,11 +682,12 @@ adapter_metadata = (
 def test_lora_file_with_random_keys_shapes_and_metadata_loads_or_raises_only_lora_format_error(tmp_path, targets,
                                                                                                 data, metadata):
     tensors: dict[str, torch.Tensor] = {}
-    for component, modules in (("unet", UNET_MODULES), ("text_encoder", TEXT_MODULES)):
-        for module in data.draw(st.lists(st.sampled_from(modules), max_size=2, unique=True), label=component):
+    for prefix, component, modules in (("unet", "denoiser", UNET_MODULES), ("text_encoder", "text_encoder",
+                                                                            TEXT_MODULES)):
+        for module in data.draw(st.lists(st.sampled_from(modules), max_size=2, unique=True), label=prefix):
             down, up = factor_tensors(targets, module, component, data.draw(st.integers(1, 4), label="rank"))
-            tensors[f"{component}.{module}.lora_A.weight"] = down
-            tensors[f"{component}.{module}.lora_B.weight"] = up
+            tensors[f"{prefix}.{module}.lora_A.weight"] = down
+            tensors[f"{prefix}.{module}.lora_B.weight"] = up
     keys = sorted(tensors)
     for _ in range(data.draw(st.integers(0, 3), label="edits")):
         edit = data.draw(st.sampled_from(["drop", "reshape", "dtype", "extra", "rename"]), label="edit")
@@ -719,14 +720,14 @@ def test_lora_file_with_random_keys_shapes_and_metadata_loads_or_raises_only_lor
 @given(metadata=st.dictionaries(METADATA_KEYS, METADATA_VALUES, max_size=6), rank=st.integers(1, 4))
 def test_lora_adapter_metadata_values_load_or_raise_only_lora_format_error(tmp_path, targets, metadata, rank):
     module = UNET_MODULES[0]
-    down, up = factor_tensors(targets, module, "unet", rank)
+    down, up = factor_tensors(targets, module, "denoiser", rank)
     path = fresh_dir(tmp_path) / "meta.safetensors"
     config = {"unet.r": rank} | metadata
     save_file({f"unet.{module}.lora_A.weight": down, f"unet.{module}.lora_B.weight": up}, str(path),
               metadata={"lora_adapter_metadata": json.dumps(config)})
     weights = load_or_refuse(path, targets)
     if weights is not None:
-        assert torch.equal(weights.unet[module].down, down) and torch.equal(weights.unet[module].up, up)
+        assert torch.equal(weights.denoiser[module].down, down) and torch.equal(weights.denoiser[module].up, up)
 
 
 # --- 5. autoconfig search spaces ---------------------------------------------------------------------------------

@@ -77,10 +77,10 @@ def test_training_recipe_smoke_run_writes_a_preset_the_server_loads(tmp_path: Pa
         assert any(not torch.equal(state[key], reference[key]) for key in state), name  # it trained
     controlnet = load_controlnet(out / "controlnet")
     assert controlnet.controlnet_down_blocks[0].weight.abs().sum() > 0  # zero convolutions moved off zero
-    targets = LoRATargets.from_modules(trained.unet, trained.text_encoder)
+    targets = LoRATargets.from_modules(trained.denoiser, trained.text_encoder)
     for style in STYLE_WORLDS:
         weights = load_lora_file(out / "loras" / f"{style}.safetensors", targets, max_file_bytes=2**30)
-        assert weights.unet and not weights.text_encoder
+        assert weights.denoiser and not weights.text_encoder
     record = (out / "training.json").read_text()
     assert '"text_to_image"' in record and '"loss_curve"' in record
 

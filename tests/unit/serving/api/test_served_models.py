@@ -102,3 +102,22 @@ def test_model_names_must_be_distinct(tiny_engine):
             ServedModels([ServedModel(backend, tiny), ServedModel(backend, tiny)])
     finally:
         backend.close()
+
+
+def test_a_lora_directory_shared_by_three_families_lists_each_lora_with_the_models_it_is_for(tiny_engine, sdxl_engine,
+                                                                                               tmp_path):
+    """Read from the files' headers: transformer keys are SD3's, a second text encoder's keys SDXL's; UNet keys
+    cannot tell SD from SDXL (an SD LoRA is listed with the SDXL model too, and refused there when it is loaded)."""
+    for name, preset in (("sd-style", "tiny"), ("xl-style", "sdxl-tiny"), ("sd3-style", "sd3-tiny")):
+        write_lora(tmp_path / f"{name}.safetensors", seed=1, text_encoder=True, preset=preset)
+    (tmp_path / "broken.safetensors").write_bytes(b"not a safetensors file")
+    sd3 = DiffusionModelConfig(name="sd3-tiny", preset="sd3-tiny", device="cpu")
+    shared = LoRAConfig(directory=tmp_path)
+    models = [(tiny_engine, DiffusionAppConfig(lora=shared)),
+              (sdxl_engine, DiffusionAppConfig(model=SDXL, lora=shared)),
+              (DiffusionEngine.from_config(sd3), DiffusionAppConfig(model=sd3, lora=shared))]
+    with models_client(models) as client:
+        cards = client.get("/v1/models").json()["data"]
+    listed = {(card["id"], card["model"]) for card in cards if card["kind"] == "lora"}
+    assert listed == {("sd-style", "tiny"), ("sd-style", "sdxl-tiny"), ("xl-style", "sdxl-tiny"),
+                      ("sd3-style", "sd3-tiny")}

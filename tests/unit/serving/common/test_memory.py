@@ -27,11 +27,11 @@ def test_reports_each_model_class_with_its_weight_bytes() -> None:
 
 def test_shared_storages_are_counted_once() -> None:
     components = build_preset("tiny")
-    alias = components.unet  # a second reference to the same model adds nothing
+    alias = components.denoiser  # a second reference to the same model adds nothing
     counted = process_memory(components, [alias]).model_bytes
     assert counted["UNet2DConditionModel"] == _tensor_bytes(alias)
     assert counted["CLIPTextModel"] == _tensor_bytes(components.text_encoder)
-    components.unet.to(torch.float64)  # new storages replace the old ones: the count follows the dtype
+    components.denoiser.to(torch.float64)  # new storages replace the old ones: the count follows the dtype
     assert process_memory(components).model_bytes["UNet2DConditionModel"] == 2 * counted["UNet2DConditionModel"]
 
 

@@ -18,23 +18,12 @@ from serving.engine import DiffusionEngine, GenerationParams
 from serving.engine.types import ControlNetSpec
 from serving.engine.unet_split import SplitUNet
 from serving.presets import build_preset
-from tests.helpers.denoising import denoise_together, loaded_lora
-from tests.helpers.images import encode_b64
+from tests.helpers.denoising import denoise_together, loaded_lora, pipeline_images
+from tests.helpers.images import encode_b64, shape_image
 from tests.helpers.lora_files import write_lora
 
 TOLERANCE = 1e-3
 CPU = torch.device("cpu")
-
-
-def _shape_image(kind: str, size: int = 64) -> np.ndarray:
-    """A white shape on black: an edge / mask-like conditioning image."""
-    image = np.zeros((size, size, 3), np.uint8)
-    if kind == "square":
-        image[16:48, 12:40] = 255
-    else:
-        yy, xx = np.mgrid[:size, :size]
-        image[(yy - 30) ** 2 + (xx - 36) ** 2 < 15**2] = 255
-    return image
 
 
 @pytest.fixture(scope="module")
@@ -64,24 +53,17 @@ def _params(**overrides) -> GenerationParams:
 
 def _reference(controlnets, params, specs, lora_path=None, lora_scale=1.0, preset: str = "tiny") -> np.ndarray:
     pipe = build_preset(preset).as_controlnet_pipeline([controlnets[spec.name] for spec in specs])
-    pipe.set_progress_bar_config(disable=True)
     if lora_path is not None:
         pipe.load_lora_weights(load_file(lora_path))
         pipe.fuse_lora(lora_scale=lora_scale)
     images = [Image.fromarray(spec.image) for spec in specs]
     scales = [spec.scale for spec in specs]
-    return pipe(
-        prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
-        width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
-        guidance_scale=params.guidance_scale, output_type="np",
-        image=images[0] if len(images) == 1 else images,
-        controlnet_conditioning_scale=scales[0] if len(scales) == 1 else scales,
-        generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
-    ).images
+    return pipeline_images(pipe, params, image=images[0] if len(images) == 1 else images,
+                           controlnet_conditioning_scale=scales[0] if len(scales) == 1 else scales)
 
 
 def test_split_unet_equals_the_whole_forward():
-    unet = build_preset("tiny").unet
+    unet = build_preset("tiny").denoiser
     sample, t, context = torch.randn(3, 4, 24, 40), torch.tensor([5, 500, 900]), torch.randn(3, 77, 64)
     with torch.inference_mode():
         split = SplitUNet(unet)
@@ -96,7 +78,7 @@ def test_split_unet_equals_the_whole_forward():
 
 @pytest.mark.parametrize("guidance", [1.0, 6.0])
 def test_one_controlnet_matches_diffusers(engine, controlnets, guidance):
-    specs = (ControlNetSpec("edges", _shape_image("square"), 0.8),)
+    specs = (ControlNetSpec("edges", shape_image("square"), 0.8),)
     params = _params(guidance_scale=guidance, n=2, controlnets=specs)
     ours = _run(engine, params)
     assert np.abs(ours - _reference(controlnets, params, specs)).max() <= TOLERANCE
@@ -104,7 +86,7 @@ def test_one_controlnet_matches_diffusers(engine, controlnets, guidance):
 
 
 def test_two_controlnets_sum_like_multicontrolnet(engine, controlnets):
-    specs = (ControlNetSpec("edges", _shape_image("square"), 0.7), ControlNetSpec("mask", _shape_image("disk"), 1.3))
+    specs = (ControlNetSpec("edges", shape_image("square"), 0.7), ControlNetSpec("mask", shape_image("disk"), 1.3))
     params = _params(controlnets=specs, negative_prompt="blue")
     assert np.abs(_run(engine, params) - _reference(controlnets, params, specs)).max() <= TOLERANCE
 
@@ -116,7 +98,7 @@ def test_sdxl_controlnets_match_diffusers_sdxl_controlnet_pipeline(names):
         "sdxl-tiny", seed=2)}
     client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
     engine = DiffusionEngine("sdxl-tiny", build_preset("sdxl-tiny"), CPU, controlnets=client)
-    images = {"edges": _shape_image("square"), "mask": _shape_image("disk")}
+    images = {"edges": shape_image("square"), "mask": shape_image("disk")}
     specs = tuple(ControlNetSpec(name, images[name], scale) for name, scale in zip(names, (0.8, 1.2), strict=False))
     params = _params(controlnets=specs, guidance_scale=5.0, num_inference_steps=2, n=2)
     ours = _run(engine, params)
@@ -127,7 +109,7 @@ def test_sdxl_controlnets_match_diffusers_sdxl_controlnet_pipeline(names):
 
 def test_controlnet_with_lora_matches_diffusers(engine, controlnets, tmp_path):
     path = write_lora(tmp_path / "style.safetensors", seed=3, text_encoder=True)
-    specs = (ControlNetSpec("edges", _shape_image("disk"), 1.0),)
+    specs = (ControlNetSpec("edges", shape_image("disk"), 1.0),)
     params = _params(controlnets=specs, seed=9)
     ours = _run(engine, params, [loaded_lora(engine, path, 0.7)])
     assert np.abs(ours - _reference(controlnets, params, specs, path, 0.7)).max() <= TOLERANCE
@@ -135,10 +117,10 @@ def test_controlnet_with_lora_matches_diffusers(engine, controlnets, tmp_path):
 
 def test_batched_requests_with_different_controlnets_match_alone(engine):
     requests = [
-        _params(seed=1, controlnets=(ControlNetSpec("edges", _shape_image("square"), 1.0),)),
+        _params(seed=1, controlnets=(ControlNetSpec("edges", shape_image("square"), 1.0),)),
         _params(seed=2, guidance_scale=1.0),
-        _params(seed=3, n=2, controlnets=(ControlNetSpec("mask", _shape_image("disk"), 0.5),
-                                          ControlNetSpec("edges", _shape_image("disk"), 0.5))),
+        _params(seed=3, n=2, controlnets=(ControlNetSpec("mask", shape_image("disk"), 0.5),
+                                          ControlNetSpec("edges", shape_image("disk"), 0.5))),
     ]
     alone = [_run(engine, params) for params in requests]
     states = [engine.start(params) for params in requests]
@@ -150,18 +132,18 @@ def test_batched_requests_with_different_controlnets_match_alone(engine):
 
 def test_unknown_controlnet_is_refused_before_work(engine):
     with pytest.raises(ControlNetNotFound):
-        engine.start(_params(controlnets=(ControlNetSpec("depth", _shape_image("disk")),)))
+        engine.start(_params(controlnets=(ControlNetSpec("depth", shape_image("disk")),)))
 
 
 def test_decode_accepts_png_jpeg_and_data_urls():
-    image = _shape_image("square")
+    image = shape_image("square")
     assert np.array_equal(decode_image(encode_b64(image), max_bytes=2**20, max_pixels=2**20), image)
     jpeg = decode_image("data:image/jpeg;base64," + encode_b64(image, "JPEG"), max_bytes=2**20, max_pixels=2**20)
     assert jpeg.shape == (64, 64, 3) and np.abs(jpeg.astype(int) - image).mean() < 10
 
 
 def test_encode_image_is_what_decode_image_reads_back_exactly():
-    image = _shape_image("disk")
+    image = shape_image("disk")
     encoded = encode_image(image)
     assert base64.b64decode(encoded)[:8] == b"\x89PNG\r\n\x1a\n"
     assert np.array_equal(decode_image(encoded, max_bytes=2**20, max_pixels=2**20), image)
@@ -185,7 +167,7 @@ def test_decode_refuses_bad_images(data, message):
 
 
 def test_canny_marks_the_shape_outline():
-    edges = preprocess(_shape_image("square"), "canny")
+    edges = preprocess(shape_image("square"), "canny")
     assert edges.shape == (64, 64, 3) and set(np.unique(edges)) == {0, 255}
     assert edges[16:48, 11:13].max() == 255 and edges[30, 25].max() == 0  # on the border, not inside
 
@@ -198,7 +180,7 @@ def test_parallel_cfg_gives_the_same_images(engine, controlnets, tmp_path):
     parallel = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client, cfg_worker=worker)
     path = write_lora(tmp_path / "style.safetensors", seed=4)
     requests = [
-        (_params(seed=1, n=2, controlnets=(ControlNetSpec("edges", _shape_image("square"), 0.9),)), "style"),
+        (_params(seed=1, n=2, controlnets=(ControlNetSpec("edges", shape_image("square"), 0.9),)), "style"),
         (_params(seed=2, guidance_scale=1.0), None),
         (_params(seed=3, negative_prompt="green"), None),
     ]
@@ -228,8 +210,8 @@ def test_failing_controlnet_fails_only_its_requests(controlnets):
     engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=client)
     loop = EngineLoop(engine, EngineConfig())
     try:
-        doomed = loop.submit(_params(controlnets=(ControlNetSpec("mask", _shape_image("disk")),)))
-        fine = [loop.submit(_params(seed=2, controlnets=(ControlNetSpec("edges", _shape_image("disk")),))),
+        doomed = loop.submit(_params(controlnets=(ControlNetSpec("mask", shape_image("disk")),)))
+        fine = [loop.submit(_params(seed=2, controlnets=(ControlNetSpec("edges", shape_image("disk")),))),
                 loop.submit(_params(seed=3))]
         with pytest.raises(ControlNetUnavailable, match="mask"):
             doomed.result(timeout=60)
@@ -287,12 +269,12 @@ def test_a_slow_controlnet_call_runs_while_the_down_and_mid_blocks_do(controlnet
             events.setdefault(name, time.perf_counter())  # returns None: the hook leaves the forward alone
         return hook
 
-    unet = engine.unet
+    unet = engine.denoiser.module
     hooks = [unet.down_blocks[0].register_forward_pre_hook(stamp("down_started")),
              unet.mid_block.register_forward_hook(stamp("mid_ended")),
              unet.up_blocks[0].register_forward_pre_hook(stamp("up_started"))]
     try:
-        params = _params(num_inference_steps=1, controlnets=(ControlNetSpec("edges", _shape_image("square")),))
+        params = _params(num_inference_steps=1, controlnets=(ControlNetSpec("edges", shape_image("square")),))
         controlled = _run(engine, params)
     finally:
         for hook in hooks:

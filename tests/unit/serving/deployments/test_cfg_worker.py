@@ -194,19 +194,27 @@ def test_remote_bytes_count_the_step_arrays_each_put_and_the_noise_back():
     assert not sink.records(REMOTE_BYTES, path="controlnet")
 
 
-def test_sdxl_rows_take_their_pooled_embeddings_and_size_ids_to_the_worker():
-    """SDXL's added UNet inputs travel with each step's rows (counted as step bytes); the images are one engine's."""
+@pytest.mark.parametrize(("preset", "added"), [
+    ("sdxl-tiny", {"text_embeds": (3, 32), "time_ids": (3, 6)}),
+    ("sd3-tiny", {"pooled_projections": (3, 64)}),
+])
+def test_the_rows_added_inputs_travel_to_the_worker(preset, added):
+    """SDXL's pooled embedding and size ids, SD3's pooled embedding, travel with each step's rows (counted as step
+    bytes); the images are one engine's."""
     store = FakeStore()
-    sdxl = build_preset("sdxl-tiny")
-    worker, handle = _worker(CFGWorkerCore(DiffusionEngine("w", sdxl, CPU), None, ResolvedTensors(get=store.get)),
-                             store)
+    components = build_preset(preset)
+    worker, handle = _worker(CFGWorkerCore(DiffusionEngine("w", components, CPU), None,
+                                           ResolvedTensors(get=store.get)), store)
     requests = [(_params(seed=1, width=48), []), (_params(seed=2, negative_prompt="blue", n=2, width=48), [])]
-    split = denoise_together(DiffusionEngine("sdxl", sdxl, CPU, cfg_worker=worker), requests)
-    _assert_images_close(split, denoise_together(DiffusionEngine("alone", sdxl, CPU), requests))
+    split = denoise_together(DiffusionEngine(preset, components, CPU, cfg_worker=worker), requests)
+    _assert_images_close(split, denoise_together(DiffusionEngine("alone", components, CPU), requests))
     wire = handle.predict.calls[0][0]
-    assert {name: value.shape for name, value in wire.added.items()} == {"text_embeds": (3, 32), "time_ids": (3, 6)}
-    np.testing.assert_array_equal(wire.added["time_ids"][0], [64, 48, 0, 0, 64, 48])
-    assert wire.nbytes == wire.sample.nbytes + wire.timestep.nbytes + 3 * (32 + 6) * 4
+    assert {name: value.shape for name, value in wire.added.items()} == added
+    added_bytes = sum(value.nbytes for value in wire.added.values())
+    assert added_bytes == 3 * sum(shape[1] for shape in added.values()) * 4
+    assert wire.nbytes == wire.sample.nbytes + wire.timestep.nbytes + added_bytes
+    if preset == "sdxl-tiny":
+        np.testing.assert_array_equal(wire.added["time_ids"][0], [64, 48, 0, 0, 64, 48])
 
 
 def _denoised(engine: DiffusionEngine) -> RequestState:

@@ -11,7 +11,7 @@ import torch
 from serving.common.metrics import REMOTE_BYTES, InMemorySink, Metrics
 from serving.controlnet.client import LocalControlNets
 from serving.controlnet.models import build_controlnet_preset
-from serving.controlnet.runner import ControlNetRunner
+from serving.controlnet.runner import ControlNetCall, ControlNetRunner
 from serving.deployments.controlnet import ControlNetCore, ServeControlNets
 from serving.deployments.transport import ResolvedTensors
 from serving.engine import DiffusionEngine, GenerationParams
@@ -24,9 +24,10 @@ CPU = torch.device("cpu")
 TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "sd3-tiny"])
 def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_image(preset):
-    """With SDXL, each row's pooled embedding and size ids travel in the step's call (counted in its bytes)."""
+    """With SDXL, each row's pooled embedding and size ids travel in the step's call (counted in its bytes); with SD3
+    its pooled embedding, and the conditioning image as VAE latents."""
     store, sink = FakeStore(), InMemorySink()
     runner = ControlNetRunner(build_controlnet_preset(preset, seed=1), CPU)
     core = ControlNetCore(runner, ResolvedTensors(get=store.get))
@@ -48,10 +49,49 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     assert np.abs(images[0] - images[1]).max() <= TOLERANCE
     wires = [wire for (wire,) in handle.residuals.calls]
     assert [row for _, row in wires[0].context] == [0, 1, 2, 3]  # both images, unconditional and conditional
-    added = {"text_embeds": (4, 32), "time_ids": (4, 6)} if preset == "sdxl-tiny" else {}
+    added = {"tiny": {}, "sdxl-tiny": {"text_embeds": (4, 32), "time_ids": (4, 6)},
+             "sd3-tiny": {"pooled_projections": (4, 64)}}[preset]
     assert {name: value.shape for name, value in wires[0].added.items()} == added
     assert store.gets == 2  # the service resolved each once
     sent = sum(wire.nbytes for wire in wires) + sum(array.nbytes for array in store.objects.values())
     assert sink.total(REMOTE_BYTES, path="controlnet", direction="sent") == sent
     assert sink.total(REMOTE_BYTES, path="controlnet", direction="received") == sum(
         answer.nbytes for answer in handle.residuals.answers) > 0
+
+
+def _sd3_call(seed: int, rows: int) -> ControlNetCall:
+    """An SD3 engine's call: one shifted and scaled control latent for all rows, pooled projections, a latent shift."""
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randn(rows, 10, 64, generator=generator)
+    return ControlNetCall(sample=torch.randn(rows, 16, 16, 16, generator=generator),
+                          timestep=torch.rand(rows, generator=generator) * 1000, encoder_hidden_states=context,
+                          context_rows=[(context, row) for row in range(rows)], scales=torch.linspace(0.5, 1.5, rows),
+                          images=[(torch.randn(1, 16, 16, 16, generator=generator), rows)],
+                          added={"pooled_projections": torch.randn(rows, 64, generator=generator)},
+                          latent_shift=0.0609 * 1.5305)
+
+
+def test_sd3_calls_and_residuals_cross_the_wire_without_a_mid_residual():
+    """The latent shift and pooled projections travel with the call (the preset is InstantX-style: the runner adds
+    the shift back, so a lost shift changes the residuals); the block samples come back with no mid residual, equal
+    to the in-process ones, their bytes counted; the service runs calls of one shape as one forward."""
+    store, sink = FakeStore(), InMemorySink()
+    runner = ControlNetRunner(build_controlnet_preset("sd3-tiny", seed=1), CPU)
+    core = ControlNetCore(runner, ResolvedTensors(get=store.get))
+    handle = FakeHandle(residuals=lambda wire: core.forward([wire])[0])
+    client = ServeControlNets({"edges": handle}, 30.0, Metrics(sink), put=store.put)
+    calls = [_sd3_call(seed=1, rows=2), _sd3_call(seed=2, rows=3)]
+    for call in calls:
+        remote, local = client.submit("edges", call).result(), runner.run(call)
+        assert remote.mid is None and len(remote.down) == len(local.down) == 1
+        torch.testing.assert_close(remote.down[0], local.down[0])
+
+    wires = [wire for (wire,) in handle.residuals.calls]
+    assert [wire.latent_shift for wire in wires] == [call.latent_shift for call in calls]
+    assert [wire.added["pooled_projections"].shape for wire in wires] == [(2, 64), (3, 64)]
+    answers = handle.residuals.answers
+    assert all(answer.mid is None and answer.nbytes == answer.down[0].nbytes > 0 for answer in answers)
+    assert sink.total(REMOTE_BYTES, path="controlnet", direction="received") == sum(a.nbytes for a in answers)
+    for together, alone in zip(core.forward(wires), answers, strict=True):
+        assert together.mid is None
+        np.testing.assert_allclose(together.down[0], alone.down[0], rtol=1e-5, atol=1e-6)

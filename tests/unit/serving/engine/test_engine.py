@@ -112,7 +112,7 @@ def test_merged_copy_path_matches_diffusers_too(lora_dir):
     loras = [_pending(merging, lora_dir, "outlined", 0.6), _pending(merging, lora_dir, "dark", 0.9)]
     reference = _diffusers(params, [(lora_dir / "outlined.safetensors", 0.6), (lora_dir / "dark.safetensors", 0.9)])
     assert np.abs(_run(merging, params, loras) - reference).max() <= TOLERANCE
-    assert merging._unet_loras._merged._entries  # steps 2.. ran on merged copies
+    assert merging._denoiser_loras._merged._entries  # steps 2.. ran on merged copies
 
 
 def test_two_loras_match_diffusers_fused(tiny_engine, lora_dir):
@@ -154,7 +154,7 @@ def test_lora_arriving_at_step_k_applies_from_step_k(tiny_engine, lora_dir):
 
 def _checksum(engine: DiffusionEngine) -> str:
     digest = hashlib.sha256()
-    for module in (engine.unet, engine.text_encoder, engine.vae):
+    for module in (engine.denoiser.module, engine.text_encoder, engine.vae):
         for name, tensor in module.state_dict().items():
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().numpy().tobytes())

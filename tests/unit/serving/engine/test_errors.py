@@ -11,7 +11,7 @@ import pytest
 from serving.common.errors import APIError, RequestItemError
 from serving.controlnet.client import ControlNetNotFound, ControlNetUnavailable
 from serving.engine import EngineOverloaded, GenerationParams, LocalBackend, LoRALoadFailed, LoRASpec
-from serving.engine.denoiser import InvalidImageSize
+from serving.engine.diffusion_engine import InvalidImageSize
 from serving.engine.types import ControlNetSpec
 from serving.lora.registry import InvalidLoRAName, LoRANotFound
 
@@ -41,7 +41,8 @@ ANSWERS = [
     (EngineOverloaded(1, 0, 0.0),
      (503, "the model is at capacity: this request would wait 1 denoising steps (about 0.0 s) before its first, "
       "more than the 0 allowed", None, "overloaded", {"Retry-After": "1"})),
-    (InvalidImageSize(8), (400, "width and height must be multiples of 8", None, "invalid_value", None)),
+    (InvalidImageSize("width and height must be multiples of 8"),
+     (400, "width and height must be multiples of 8", None, "invalid_value", None)),
 ]
 IDS = [f"{type(error).__name__}-{index}" for index, (error, _) in enumerate(ANSWERS)]
 
@@ -94,7 +95,7 @@ def test_a_shared_error_is_located_per_request_without_changing_it():
 
 
 def test_refusals_keep_the_python_errors_their_callers_catch():
-    assert isinstance(InvalidImageSize(8), ValueError)
+    assert isinstance(InvalidImageSize("width and height must be multiples of 8"), ValueError)
     assert all(isinstance(error, RequestItemError) for error, (_, _, param, _, _) in ANSWERS if param)
     assert EngineOverloaded(28, 7.5, 2.2).wait_steps == 28 and LoRANotFound("gone").name == "gone"
 

@@ -30,14 +30,14 @@ MODULES = ["down_blocks.1.resnets.0.time_emb_proj", "mid_block.attentions.0.tran
 @pytest.fixture(scope="module")
 def targets() -> LoRATargets:
     tiny = build_preset("tiny")
-    return LoRATargets.from_modules(tiny.unet, tiny.text_encoder)
+    return LoRATargets.from_modules(tiny.denoiser, tiny.text_encoder)
 
 
 def write_lora(path: Path, targets: LoRATargets, seed: int) -> Path:
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for module in MODULES:
-        down, up = targets.unet[module].factor_shapes(4)
+        down, up = targets.denoiser[module].factor_shapes(4)
         tensors[f"unet.{module}.lora_A.weight"] = torch.randn(down, generator=generator)
         tensors[f"unet.{module}.lora_B.weight"] = torch.randn(up, generator=generator)
     save_file(tensors, str(path))
@@ -165,7 +165,7 @@ def test_real_file_fixed_after_a_format_error(make_cache, lora_dir, targets):
     assert not cache.contains("a") and cache.stats()["loads_failed"] == 1
     write_lora(lora_dir / "a.safetensors", targets, seed=0)
     weights = cache.get("a").result(WAIT)
-    assert set(weights.unet) == set(MODULES) and cache.contains("a")
+    assert set(weights.denoiser) == set(MODULES) and cache.contains("a")
 
 
 def test_replaced_file_is_reloaded(make_cache, lora_dir, targets):
@@ -176,7 +176,7 @@ def test_replaced_file_is_reloaded(make_cache, lora_dir, targets):
     bump_mtime(path)
     assert not cache.contains("a")
     new = cache.get("a").result(WAIT)
-    assert not torch.equal(new.unet[MODULES[0]].down, old.unet[MODULES[0]].down)
+    assert not torch.equal(new.denoiser[MODULES[0]].down, old.denoiser[MODULES[0]].down)
     assert cache.get("a").result(WAIT) is new
     stats = cache.stats()
     assert (stats["misses"], stats["hits"], stats["entries"], stats["bytes"]) == (2, 1, 1, new.nbytes)
@@ -223,7 +223,7 @@ def test_alias_keeps_the_requested_name(make_cache, lora_dir, targets):
     (lora_dir / "latest.safetensors").symlink_to(lora_dir / "a.safetensors")
     cache = make_cache(dtype=torch.float16)
     weights = cache.get("latest").result(WAIT)
-    assert weights.name == "latest" and weights.unet[MODULES[0]].down.dtype == torch.float16
+    assert weights.name == "latest" and weights.denoiser[MODULES[0]].down.dtype == torch.float16
 
 
 def test_closed_cache_refuses_new_loads(make_cache):

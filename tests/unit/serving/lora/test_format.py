@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import struct
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 import serving.lora.format as lora_format
 from serving.lora import LoRAFormatError, LoRATargets, LoRAWeights, load_lora_file
 from serving.presets import build_preset
+from tests.helpers.lora_files import write_lora
 
 MAX_BYTES = 16 * 2**20
 UNET_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
@@ -48,7 +50,7 @@ KOHYA_TEXT = [f"encoder.layers.0.self_attn.{name}" for name in TEXT_ATTENTION] +
 @pytest.fixture(scope="module")
 def targets() -> LoRATargets:
     tiny = build_preset("tiny")
-    return LoRATargets.from_modules(tiny.unet, tiny.text_encoder)
+    return LoRATargets.from_modules(tiny.denoiser, tiny.text_encoder)
 
 
 # --- writing LoRA files ------------------------------------------------------------------------------------------
@@ -60,14 +62,14 @@ def write_peft_lora(path: Path, *, seed: int, unet: LoraConfig, text_encoder: Lo
     model = build_preset("tiny", seed=seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model.unet.add_adapter(unet)
-        kwargs = {"unet_lora_layers": convert_state_dict_to_diffusers(get_peft_model_state_dict(model.unet))}
+        model.denoiser.add_adapter(unet)
+        kwargs = {"unet_lora_layers": convert_state_dict_to_diffusers(get_peft_model_state_dict(model.denoiser))}
         if text_encoder is not None:
             model.text_encoder.add_adapter(text_encoder)
             kwargs["text_encoder_lora_layers"] = convert_state_dict_to_diffusers(
                 get_peft_model_state_dict(model.text_encoder))
     if metadata:
-        kwargs["unet_lora_adapter_metadata"] = model.unet.peft_config["default"].to_dict()
+        kwargs["unet_lora_adapter_metadata"] = model.denoiser.peft_config["default"].to_dict()
         if text_encoder is not None:
             kwargs["text_encoder_lora_adapter_metadata"] = model.text_encoder.peft_config["default"].to_dict()
     StableDiffusionPipeline.save_lora_weights(path.parent, weight_name=path.name, **kwargs)
@@ -83,7 +85,7 @@ def kohya_tensors(targets: LoRATargets, *, seed: int, unet: list[str], text: lis
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     first = "lora_te1_text_model_" if targets.text_encoder_2 else "lora_te_text_model_"
-    for prefix, names, shapes in (("lora_unet_", unet, targets.unet), (first, text, targets.text_encoder),
+    for prefix, names, shapes in (("lora_unet_", unet, targets.denoiser), (first, text, targets.text_encoder),
                                   ("lora_te2_text_model_", text_2, targets.text_encoder_2)):
         for name in names:
             shape, rank = shapes[name], ranks.get(name, default_rank)
@@ -106,7 +108,7 @@ def peft_keys_lora(path: Path, targets: LoRATargets, modules: list[str], *, seed
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for module in modules:
-        down, up = targets.unet[module].factor_shapes(rank)
+        down, up = targets.denoiser[module].factor_shapes(rank)
         tensors[f"unet.{module}.lora_A.weight"] = torch.randn(down, generator=generator)
         tensors[f"unet.{module}.lora_B.weight"] = torch.randn(up, generator=generator)
     return tensors
@@ -121,13 +123,16 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def diffusers_deltas(path: Path, preset: str = "tiny") -> dict[str, dict[str, torch.Tensor]]:
-    """``fused_W - base_W`` for every module diffusers changed, after ``load_lora_weights`` + ``fuse_lora(0.7)``."""
+    """``fused_W - base_W`` for every module diffusers changed, after ``load_lora_weights`` + ``fuse_lora(0.7)``,
+    per component as ``LoRAWeights`` names them (``denoiser``: the pipeline's ``unet`` or ``transformer``)."""
     model = build_preset(preset)
-    modules = {name: module for name, module in model.modules().items() if name != "vae"}
+    pipeline_names = {"denoiser": "transformer" if model.family == "sd3" else "unet", "text_encoder": "text_encoder",
+                      "text_encoder_2": "text_encoder_2"}  # the CLIP encoders; SD3's T5 takes no LoRA
+    modules = {name: module for name, module in model.modules().items() if name in pipeline_names}
     before = {name: _weights(module) for name, module in modules.items()}
     pipe = model.as_pipeline()
     pipe.load_lora_weights(str(path))
-    pipe.fuse_lora(components=list(modules), lora_scale=FUSE_SCALE)
+    pipe.fuse_lora(components=[pipeline_names[name] for name in modules], lora_scale=FUSE_SCALE)
     pipe.unload_lora_weights()  # keeps the fused weights, removes the adapter wrappers
     after = {name: _weights(module) for name, module in modules.items()}
     return {component: {name: after[component][name] - weight for name, weight in before[component].items()
@@ -174,8 +179,8 @@ def test_deltas_match_diffusers_fuse_lora(case, targets, tmp_path):
     path = CASES[case](tmp_path / f"{case}.safetensors", targets)
     weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
     reference = diffusers_deltas(path)
-    assert reference["unet"], "diffusers applied nothing: the test file is wrong"
-    for component in ("unet", "text_encoder"):
+    assert reference["denoiser"], "diffusers applied nothing: the test file is wrong"
+    for component in ("denoiser", "text_encoder"):
         ours = our_deltas(weights, component)
         assert set(ours) == set(reference[component]), component
         for name, delta in ours.items():
@@ -183,7 +188,7 @@ def test_deltas_match_diffusers_fuse_lora(case, targets, tmp_path):
                                        atol=1e-5, rtol=0, msg=f"{component} {name}")
     assert weights.name == case
     assert weights.nbytes == sum(layer.down.nbytes + layer.up.nbytes
-                                 for layers in (weights.unet, weights.text_encoder) for layer in layers.values())
+                                 for layers in (weights.denoiser, weights.text_encoder) for layer in layers.values())
 
 
 SDXL_KOHYA_UNET = [
@@ -199,13 +204,13 @@ SDXL_KOHYA_UNET = [
 def test_an_sdxl_kohya_lora_on_both_text_encoders_matches_diffusers_fuse_lora(tmp_path):
     """``lora_te1_`` / ``lora_te2_`` keys land on SDXL's first and second text encoder, as diffusers puts them."""
     sdxl = build_preset("sdxl-tiny")
-    targets = LoRATargets.from_modules(sdxl.unet, sdxl.text_encoder, sdxl.text_encoder_2)
+    targets = LoRATargets.from_modules(sdxl.denoiser, sdxl.text_encoder, sdxl.text_encoder_2)
     text_2 = [f"text_model.{name}" for name in KOHYA_TEXT[3:]]  # CLIPTextModelWithProjection nests its modules
     path = write_kohya_lora(tmp_path / "xl.safetensors", targets, seed=8, unet=SDXL_KOHYA_UNET, text=KOHYA_TEXT,
                             text_2=text_2, default_alpha=1.0)
     weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
     reference = diffusers_deltas(path, "sdxl-tiny")
-    for component, names in (("unet", SDXL_KOHYA_UNET), ("text_encoder", KOHYA_TEXT), ("text_encoder_2", text_2)):
+    for component, names in (("denoiser", SDXL_KOHYA_UNET), ("text_encoder", KOHYA_TEXT), ("text_encoder_2", text_2)):
         ours = our_deltas(weights, component)
         assert set(ours) == set(reference[component]) == set(names), component
         for name, delta in ours.items():
@@ -218,13 +223,13 @@ def test_kohya_scales_and_layout(targets, tmp_path):
     path = write_kohya_lora(tmp_path / "k.safetensors", targets, seed=0, unet=KOHYA_UNET, text=KOHYA_TEXT,
                             default_alpha=2.0)
     weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
-    assert set(weights.unet) == set(KOHYA_UNET) and set(weights.text_encoder) == set(KOHYA_TEXT)
-    assert {layer.scale for layer in (*weights.unet.values(), *weights.text_encoder.values())} == {0.5}
-    conv = weights.unet["down_blocks.1.resnets.0.conv1"]
+    assert set(weights.denoiser) == set(KOHYA_UNET) and set(weights.text_encoder) == set(KOHYA_TEXT)
+    assert {layer.scale for layer in (*weights.denoiser.values(), *weights.text_encoder.values())} == {0.5}
+    conv = weights.denoiser["down_blocks.1.resnets.0.conv1"]
     assert conv.down.shape == (4, 32, 3, 3) and conv.up.shape == (64, 4, 1, 1)
-    linear = weights.unet["down_blocks.1.resnets.0.time_emb_proj"]
+    linear = weights.denoiser["down_blocks.1.resnets.0.time_emb_proj"]
     assert linear.down.shape == (4, 128) and linear.up.shape == (64, 4)
-    for layer in weights.unet.values():
+    for layer in weights.denoiser.values():
         assert layer.down.dtype == torch.float32 and layer.down.is_contiguous() and layer.up.is_contiguous()
 
 
@@ -232,18 +237,18 @@ def test_no_alphas_means_scale_one(targets, tmp_path):
     path = tmp_path / "plain.safetensors"
     save_file(peft_keys_lora(path, targets, KOHYA_UNET[:2]), str(path))
     weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
-    assert {layer.scale for layer in weights.unet.values()} == {1.0}
+    assert {layer.scale for layer in weights.denoiser.values()} == {1.0}
 
 
 def test_dtype_and_to(targets, tmp_path):
     path = write_kohya_lora(tmp_path / "k.safetensors", targets, seed=0, unet=KOHYA_UNET[:2])
     half = load_lora_file(path, targets, max_file_bytes=MAX_BYTES, dtype=torch.float16)
     full = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
-    assert all(layer.down.dtype == torch.float16 for layer in half.unet.values())
+    assert all(layer.down.dtype == torch.float16 for layer in half.denoiser.values())
     assert half.nbytes * 2 == full.nbytes
     moved = full.to("cpu", torch.bfloat16)
-    assert moved.nbytes == half.nbytes and moved.unet[KOHYA_UNET[0]].up.dtype == torch.bfloat16
-    assert full.unet[KOHYA_UNET[0]].up.dtype == torch.float32  # the cached copy is untouched
+    assert moved.nbytes == half.nbytes and moved.denoiser[KOHYA_UNET[0]].up.dtype == torch.bfloat16
+    assert full.denoiser[KOHYA_UNET[0]].up.dtype == torch.float32  # the cached copy is untouched
 
 
 def test_text_encoder_keys_resolve_by_unique_suffix(targets, tmp_path):
@@ -260,9 +265,10 @@ def test_text_encoder_keys_resolve_by_unique_suffix(targets, tmp_path):
 
 def test_targets_are_shapes_only_and_picklable(targets):
     assert pickle.loads(pickle.dumps(targets)) == targets
-    assert targets.unet["down_blocks.1.resnets.0.conv1"].kernel_size == (3, 3)
+    assert targets.denoiser["down_blocks.1.resnets.0.conv1"].kernel_size == (3, 3)
     assert targets.text_encoder["encoder.layers.1.mlp.fc1"].out_features == 128
-    assert "conv_in" in targets.unet and not targets.text_encoder_nested
+    assert "conv_in" in targets.denoiser and not targets.text_encoder_nested
+    assert targets.family == "sd" and targets.denoiser_prefix == "unet"
 
 
 # --- refused files -----------------------------------------------------------------------------------------------
@@ -352,7 +358,7 @@ def test_unknown_ambiguous_and_duplicate_modules(targets, tmp_path):
     save_file(unknown, str(tmp_path / "unknown.safetensors"))
     _refused(tmp_path / "unknown.safetensors", targets, "down_blocks.7.*no Linear or Conv2d module")
 
-    down, up = targets.unet[KOHYA_UNET[0]].factor_shapes(4)
+    down, up = targets.denoiser[KOHYA_UNET[0]].factor_shapes(4)
     ambiguous = {"unet.transformer_blocks.0.attn1.to_q.lora_A.weight": torch.randn(down),
                  "unet.transformer_blocks.0.attn1.to_q.lora_B.weight": torch.randn(up)}
     save_file(ambiguous, str(tmp_path / "ambiguous.safetensors"))
@@ -435,7 +441,7 @@ def test_metadata_wins_and_is_validated(targets, tmp_path):
     path = _with_metadata(tmp_path / "meta.safetensors", tensors,
                           {"unet.r": 4, "unet.lora_alpha": 2, "unet.alpha_pattern": {"attn1.to_k": 12}})
     weights = load_lora_file(path, targets, max_file_bytes=MAX_BYTES)
-    assert weights.unet[KOHYA_UNET[0]].scale == 0.5 and weights.unet[KOHYA_UNET[1]].scale == 3.0
+    assert weights.denoiser[KOHYA_UNET[0]].scale == 0.5 and weights.denoiser[KOHYA_UNET[1]].scale == 3.0
 
     bad = {
         "rank": ({"unet.r": 8, "unet.lora_alpha": 8}, "rank 4 but the LoRA config says r=8"),
@@ -466,3 +472,27 @@ def test_text_encoder_lora_b_below_two_dimensions_is_refused_not_an_index_error(
     flat.update({f"{module}.lora_A.weight": torch.randn(4, 64), f"{module}.lora_B.weight": torch.randn(64)})
     save_file(flat, str(tmp_path / "flat.safetensors"))
     _refused(tmp_path / "flat.safetensors", targets, "no text_encoder LoRA module diffusers would take a rank from")
+
+
+@pytest.mark.parametrize(("preset", "fits", "refused"), [
+    ("tiny", ["tiny", "sdxl-tiny"], {"sd3-tiny": "a LoRA for the sd or sdxl family"}),
+    ("sdxl-tiny", ["sdxl-tiny"], {"tiny": "a LoRA for the sdxl family", "sd3-tiny": "a LoRA for the sdxl family"}),
+    ("sd3-tiny", ["sd3-tiny"], {"tiny": "a LoRA for the sd3 family", "sdxl-tiny": "a LoRA for the sd3 family"}),
+])
+def test_the_family_check_reads_only_the_header(tmp_path, preset, fits, refused):
+    """``check_lora_family`` tells another family's LoRA by its tensor names: a file cut after its header still
+    passes where it may fit (no tensor is read), and is refused, naming the family, where it cannot."""
+    whole = write_lora(tmp_path / "style.safetensors", seed=1, text_encoder=True, preset=preset).read_bytes()
+    (length,) = struct.unpack("<Q", whole[:8])
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(whole[:8 + length])
+    for model in fits:
+        lora_format.check_lora_family(cut, _targets(model), max_file_bytes=2**30)
+    for model, message in refused.items():
+        with pytest.raises(LoRAFormatError, match=message):
+            lora_format.check_lora_family(cut, _targets(model), max_file_bytes=2**30)
+
+
+def _targets(preset: str) -> LoRATargets:
+    components = build_preset(preset)
+    return LoRATargets.from_modules(components.denoiser, components.text_encoder, components.text_encoder_2)

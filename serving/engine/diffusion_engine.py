@@ -1,8 +1,9 @@
 """The diffusion engine: an explicit denoising step loop on diffusers components.
 
-Numerically it follows ``StableDiffusionPipeline`` (same tokenisation, noise, scheduler calls, CFG
-and decoding), but the state lives in ``RequestState`` objects, so one UNet forward can serve rows
-from many requests, each at its own timestep, with its own LoRAs, guidance and scheduler.
+Numerically it follows the family's diffusers pipeline (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``,
+``StableDiffusion3Pipeline``: same tokenisation, noise, scheduler calls, CFG and decoding), but the state lives in
+``RequestState`` objects, so one denoiser forward can serve rows from many requests, each at its own timestep, with
+its own LoRAs, guidance and scheduler.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import io
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from PIL import Image
 
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
@@ -25,14 +27,14 @@ from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionModelConfig, LoRAConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound, ControlNetUnavailable
 from serving.controlnet.conditioning import to_controlnet_input
-from serving.controlnet.runner import ControlNetCall
+from serving.controlnet.runner import ControlNetCall, ControlNetResiduals
 from serving.engine.band_decode import BandDecodeUnsupported, check_band_decodable, decode_with_peer
 from serving.engine.cfg import CFGWorker
+from serving.engine.denoisers import denoiser_for
 from serving.engine.prompts import prompt_encoder
 from serving.engine.request import LoRAActivation, PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
 from serving.engine.types import GenerationParams, ModelInfo
-from serving.engine.unet_split import SplitUNet
 from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
@@ -44,10 +46,10 @@ _DEVICE_LORA_COPIES = 16
 
 
 class InvalidImageSize(APIError, ValueError):
-    """An image side that is not a multiple of the model's ``size_multiple``: 400."""
+    """An image side that is not a multiple of the model's ``size_multiple``, or over its ``max_side``: 400."""
 
-    def __init__(self, multiple: int) -> None:
-        super().__init__(400, f"width and height must be multiples of {multiple}", code="invalid_value")
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message, code="invalid_value")
 
 
 def load_components(config: DiffusionModelConfig) -> DiffusionComponents:
@@ -74,6 +76,7 @@ class DiffusionEngine:
                  cfg_worker: CFGWorker | None = None, metrics: Metrics = NO_METRICS) -> None:
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple, family=components.family)
+        self.max_side = components.max_side
         self.device, self.dtype = device, dtype
         # SDXL's VAE overflows in float16 (``force_upcast``): it decodes in float32, as diffusers' SDXL pipeline.
         upcast = components.family == "sdxl" and dtype == torch.float16 and components.vae.config.force_upcast
@@ -83,18 +86,21 @@ class DiffusionEngine:
             module_dtype = self.vae_dtype if name == "vae" else dtype
             if module_dtype != torch.float32:
                 module.to(module_dtype)
-        self.unet, self.vae, self.text_encoder = components.unet, components.vae, components.text_encoder
+        self.denoiser = denoiser_for(components.denoiser, controlled=controlnets is not None)
+        self.vae, self.text_encoder = components.vae, components.text_encoder
         self.base_scheduler = components.scheduler
         self.vae_scale_factor = components.vae_scale_factor
-        self.lora_targets = LoRATargets.from_modules(self.unet, self.text_encoder, components.text_encoder_2)
-        # The UNet runs every step: a merged copy can pay off. The text encoder runs once per request: never merge.
-        self._unet_loras = LoRAHooks(self.unet, merged_cache_bytes=merged_lora_bytes, merge_after=lora_merge_after)
+        # SD3 decodes ``latents / scaling + shift`` and its ControlNets take ``(image latents - shift) * scaling``
+        self._vae_shift = self.vae.config.get("shift_factor") or 0.0
+        self.lora_targets = LoRATargets.from_modules(components.denoiser, self.text_encoder, components.text_encoder_2)
+        # The denoiser runs every step: a merged copy can pay off. A text encoder runs once per request: never merge.
+        self._denoiser_loras = LoRAHooks(self.denoiser.module, merged_cache_bytes=merged_lora_bytes,
+                                         merge_after=lora_merge_after)
         self.prompts = prompt_encoder(components, device, dtype)
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         self.controlnets = controlnets
         self.cfg_worker = cfg_worker
         self.metrics = metrics
-        self._split_unet = SplitUNet(self.unet) if controlnets is not None else None
         self._band_decodable = _band_decodable(self.vae)  # with a CFG worker, set now or later
         step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
         self._step_takes_eta = "eta" in step_parameters
@@ -122,7 +128,9 @@ class DiffusionEngine:
         """Refuses what this model cannot serve: ``InvalidImageSize``, ``ControlNetNotFound``."""
         multiple = self.info.size_multiple
         if params.width % multiple or params.height % multiple:
-            raise InvalidImageSize(multiple)
+            raise InvalidImageSize(f"width and height must be multiples of {multiple}")
+        if self.max_side is not None and max(params.width, params.height) > self.max_side:
+            raise InvalidImageSize(f"width and height must be at most {self.max_side} for this model")
         served = set(self.controlnets.names()) if self.controlnets is not None else set()
         for spec in params.controlnets:
             if spec.name not in served:
@@ -135,13 +143,14 @@ class DiffusionEngine:
         waits for LoRAs still loading at step ``lora_wait_fraction * steps`` (``async``) or 0 (``exact``)."""
         self.validate(params)
         scheduler = type(self.base_scheduler).from_config(self.base_scheduler.config)
-        scheduler.set_timesteps(params.num_inference_steps, device=self.device)
+        scheduler.set_timesteps(params.num_inference_steps, device=self.device, **self._timestep_kwargs(params))
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         prompt_embeds, negative_embeds = self.prompts.encode(params)
-        shape = (1, self.unet.config.in_channels, params.height // self.vae_scale_factor,
+        shape = (1, self.denoiser.in_channels, params.height // self.vae_scale_factor,
                  params.width // self.vae_scale_factor)
         noise = [torch.randn(shape, generator=g, dtype=self.dtype) for g in generators]
-        latents = torch.cat(noise).to(self.device) * scheduler.init_noise_sigma
+        # flow-matching schedulers start from unit noise and have no ``init_noise_sigma``
+        latents = torch.cat(noise).to(self.device) * getattr(scheduler, "init_noise_sigma", 1.0)
         return RequestState(
             params=params,
             scheduler=scheduler,
@@ -150,8 +159,7 @@ class DiffusionEngine:
             generators=generators,
             prompt_embeds=prompt_embeds,
             negative_embeds=negative_embeds,
-            controls=[(spec.name, to_controlnet_input(spec.image, params.width, params.height).to(self.device),
-                       spec.scale) for spec in params.controlnets],
+            controls=[(spec.name, self._control_input(spec.image, params), spec.scale) for spec in params.controlnets],
             loras=list(loras),
             lora_step=_lora_deadline(params, lora_wait_fraction),
         )
@@ -168,7 +176,7 @@ class DiffusionEngine:
     def apply_loras(self, state: RequestState, activation: LoRAActivation) -> None:
         """Applies a ``prepare_loras`` result from the request's next step on (on the thread that runs steps)."""
         for weights, _ in activation.loras:
-            self._unet_loras.ensure_hooks(weights.unet)
+            self._denoiser_loras.ensure_hooks(weights.denoiser)
         state.active_loras = activation.loras
         if activation.embeds is not None:
             state.prompt_embeds, state.negative_embeds = activation.embeds
@@ -180,7 +188,7 @@ class DiffusionEngine:
 
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
-        """One denoising step for every request in ``states``: all rows in one UNet forward, or with a CFG
+        """One denoising step for every request in ``states``: all rows in one denoiser forward, or with a CFG
         worker, the unconditional rows there and the rest here, at the same time. When the worker fails, this
         engine computes its rows too (logged and counted): the step is slower, no request fails for it. So it does
         the rows the worker skipped (their LoRAs still loading there; counted)."""
@@ -230,21 +238,21 @@ class DiffusionEngine:
 
     @torch.inference_mode()
     def predict_noise(self, batch: RowBatch) -> torch.Tensor:
-        """The UNet's noise prediction for every row, with each row's LoRAs and ControlNets."""
-        assignments = [[(weights.unet, scale) for weights, scale in row] for row in batch.loras]
+        """The denoiser's prediction for every row, with each row's LoRAs and ControlNets."""
+        assignments = [[(weights.denoiser, scale) for weights, scale in row] for row in batch.loras]
         for layers in {id(layers): layers for row in assignments for layers, _ in row}.values():
-            self._unet_loras.ensure_hooks(layers)  # rows may come from another engine (parallel CFG)
-        with self._unet_loras.active(plan_lora_rows(assignments, self.device)):
+            self._denoiser_loras.ensure_hooks(layers)  # rows may come from another engine (parallel CFG)
+        with self._denoiser_loras.active(plan_lora_rows(assignments, self.device)):
             if any(batch.controls):
-                return self._controlled_unet(batch)
-            return self.unet(batch.sample, batch.timestep, encoder_hidden_states=batch.context,
-                             added_cond_kwargs=batch.added or None, return_dict=False)[0]
+                return self.denoiser.predict_controlled(batch.sample, batch.timestep, batch.context, batch.added,
+                                                        self._submit_controlnets(batch))
+            return self.denoiser.predict(batch.sample, batch.timestep, batch.context, batch.added)
 
     @torch.inference_mode()
     def decode(self, state: RequestState) -> np.ndarray:
         """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker, its device decodes the lower
         half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
-        latents = state.latents.to(self.vae_dtype) / self.vae.config.scaling_factor
+        latents = state.latents.to(self.vae_dtype) / self.vae.config.scaling_factor + self._vae_shift
         images = None
         if self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2:
             try:
@@ -261,10 +269,11 @@ class DiffusionEngine:
 
     # -- helpers -----------------------------------------------------------------------------------
 
-    def _controlled_unet(self, batch: RowBatch) -> torch.Tensor:
-        """The UNet with ControlNet residuals: the ControlNet calls of this step run while the down and mid
-        blocks do."""
-        assert self.controlnets is not None and self._split_unet is not None
+    def _submit_controlnets(self, batch: RowBatch) -> Callable[[], ControlNetResiduals]:
+        """Starts this step's ControlNet calls, one per ControlNet, each with the rows that use it; returns what
+        waits for their residuals, summed over ControlNets (as ``MultiControlNetModel`` does; zeros for a row no
+        ControlNet conditions)."""
+        assert self.controlnets is not None
         rows_by_net: dict[str, list[tuple[int, torch.Tensor, float]]] = {}
         for row, controls in enumerate(batch.controls):
             for name, image, scale in controls:
@@ -282,20 +291,39 @@ class DiffusionEngine:
                                   encoder_hidden_states=batch.context[index],
                                   context_rows=[batch.context_rows[row] for row, _, _ in entries],
                                   scales=torch.tensor([scale for _, _, scale in entries]), images=images,
-                                  added={key: value[index] for key, value in batch.added.items()})
+                                  added={key: value[index] for key, value in batch.added.items()},
+                                  latent_shift=self._vae_shift * self.vae.config.scaling_factor)
             pending.append((name, index, self.controlnets.submit(name, call)))
-        down = self._split_unet.down(batch.sample, batch.timestep, batch.context, batch.added)
-        down_residuals = [torch.zeros_like(skip) for skip in down.skips]
-        mid_residual = torch.zeros_like(down.sample)
-        for name, index, future in pending:  # summed across ControlNets, as MultiControlNetModel does
-            try:
-                residuals = future.result()
-            except Exception as exc:
-                raise ControlNetUnavailable(name, exc) from exc
-            for total, part in zip(down_residuals, residuals.down, strict=True):
-                total.index_add_(0, index, part.to(total.device, total.dtype))
-            mid_residual.index_add_(0, index, residuals.mid.to(mid_residual.device, mid_residual.dtype))
-        return self._split_unet.up(down, down_residuals, mid_residual)
+
+        def summed() -> ControlNetResiduals:
+            down: list[torch.Tensor] = []
+            mid: torch.Tensor | None = None
+            for name, index, future in pending:
+                try:
+                    residuals = future.result()
+                except Exception as exc:
+                    raise ControlNetUnavailable(name, exc) from exc
+                if not down:
+                    down = [_zero_rows(batch.rows, part, batch.sample) for part in residuals.down]
+                    mid = _zero_rows(batch.rows, residuals.mid, batch.sample) if residuals.mid is not None else None
+                for total, part in zip(down, residuals.down, strict=True):
+                    total.index_add_(0, index, part.to(total.device, total.dtype))
+                if mid is not None and residuals.mid is not None:
+                    mid.index_add_(0, index, residuals.mid.to(mid.device, mid.dtype))
+            return ControlNetResiduals(down, mid)
+
+        return summed
+
+    @torch.inference_mode()
+    def _control_input(self, image: np.ndarray, params: GenerationParams) -> torch.Tensor:
+        """A conditioning image as the family's ControlNets take it: the image in [0, 1] [1, 3, H, W] (SD, SDXL);
+        SD3: its VAE latents ``(mode - shift) * scaling`` [1, C, h, w] (diffusers samples the latent distribution;
+        the engine takes its mode, so one image conditions every row and request alike)."""
+        pixels = to_controlnet_input(image, params.width, params.height).to(self.device)
+        if self.info.family != "sd3":
+            return pixels
+        latents = self.vae.encode((pixels * 2 - 1).to(self.vae_dtype)).latent_dist.mode()
+        return ((latents - self._vae_shift) * self.vae.config.scaling_factor).to(self.dtype)
 
     def lora_on_device(self, weights: LoRAWeights) -> LoRAWeights:
         """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group).
@@ -308,6 +336,18 @@ class DiffusionEngine:
                 self._device_loras.popitem(last=False)
         self._device_loras.move_to_end(id(weights))
         return entry[1]
+
+    def _timestep_kwargs(self, params: GenerationParams) -> dict:
+        """SD3.5-style dynamic shifting: the schedule's shift ``mu`` from the image's token count, as diffusers'
+        SD3 pipeline computes it."""
+        config = self.base_scheduler.config
+        if not config.get("use_dynamic_shifting"):
+            return {}
+        patch = getattr(self.denoiser.module.config, "patch_size", 1)
+        tokens = (params.height // self.vae_scale_factor // patch) * (params.width // self.vae_scale_factor // patch)
+        return {"mu": calculate_shift(tokens, config.get("base_image_seq_len", 256),
+                                      config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                      config.get("max_shift", 1.16))}
 
     def _step_kwargs(self, state: RequestState) -> dict:
         kwargs: dict = {}
@@ -325,6 +365,11 @@ def _band_decodable(vae: torch.nn.Module) -> bool:
         logger.info("this VAE decodes whole, also with a CFG worker: %s", exc)
         return False
     return True
+
+
+def _zero_rows(rows: int, part: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Zeros for ``rows`` rows shaped as ``part``'s, on ``like``'s device and dtype."""
+    return torch.zeros((rows, *part.shape[1:]), device=like.device, dtype=like.dtype)
 
 
 def _lora_deadline(params: GenerationParams, lora_wait_fraction: float) -> int:
