@@ -24,7 +24,8 @@ SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-averag
                   "pareto")
 BANK_SEARCHERS = frozenset({"meta", "rgpe", "best-on-average", "prior-only", "tpe-warm"})
 #: Applications with shortcut knobs, a shipped space and a built-in workload: import path -> space name.
-BUILT_IN_KINDS = {"disagg.app:build_app": "dlrm", "serving.app:build_app": "diffusion"}
+BUILT_IN_KINDS = {"disagg.app:build_app": "dlrm", "serving.app:build_app": "diffusion",
+                  "serving.app:build_multi_app": "diffusion"}
 
 
 def _is_workload_file(value: str) -> bool:

@@ -52,13 +52,35 @@ class AppKnobs:
 
     ``target`` names the deployment holding the model (from the app's ``args``); ``user_config`` is the live
     batching configuration of that deployment; ``max_ongoing`` maps deployment names to their
-    ``max_ongoing_requests`` (the target's name is passed in); ``threads`` is a key path under ``args``.
+    ``max_ongoing_requests`` (the target's name is passed in); ``threads`` is a key path under ``args`` (an int
+    indexes a list).
     """
 
     target: Callable[[Mapping[str, Any]], str]
     user_config: Callable[[Knobs], dict[str, Any]]
     max_ongoing: Callable[[Knobs, str], dict[str, int]]
-    threads: tuple[str, ...]
+    threads: tuple[str | int, ...]
+
+
+def default_model_name(args: Mapping[str, Any]) -> str:
+    """The first model of a ``serving.app:build_multi_app`` app (``args.models[0]``): the one requests that name
+    no ``model`` reach, and the one its shortcuts tune."""
+    from serving.config import DiffusionModelConfig  # a leaf module (pydantic only): no diffusion code
+
+    models = args.get("models") or [{}]
+    return (models[0].get("model") or {}).get("name") or DiffusionModelConfig.model_fields["name"].default
+
+
+def _images_knobs(target: Callable[[Mapping[str, Any]], str], threads: tuple[str | int, ...]) -> AppKnobs:
+    return AppKnobs(
+        target=target,
+        user_config=lambda knobs: {"max_batch_rows": knobs.max_batch_size},
+        max_ongoing=lambda knobs, target: {
+            target: 2 * knobs.max_batch_size,
+            "ImagesIngress": 2 * knobs.max_batch_size * knobs.num_replicas,
+        },
+        threads=threads,
+    )
 
 
 APP_KNOBS: Mapping[str, AppKnobs] = {
@@ -69,22 +91,27 @@ APP_KNOBS: Mapping[str, AppKnobs] = {
         max_ongoing=lambda knobs, target: {target: 2 * knobs.max_batch_size},
         threads=("model", "torch_threads"),
     ),
-    "serving.app:build_app": AppKnobs(
-        target=lambda args: "DiffusionModel",
-        user_config=lambda knobs: {"max_batch_rows": knobs.max_batch_size},
-        max_ongoing=lambda knobs, target: {
-            target: 2 * knobs.max_batch_size,
-            "ImagesIngress": 2 * knobs.max_batch_size * knobs.num_replicas,
-        },
-        threads=("model", "torch_threads"),
-    ),
+    "serving.app:build_app": _images_knobs(lambda args: "DiffusionModel", ("model", "torch_threads")),
+    # Several models: the shortcuts tune the first (the default) model's deployment; the others keep the template's.
+    "serving.app:build_multi_app": _images_knobs(lambda args: f"DiffusionModel_{default_model_name(args)}",
+                                                 ("models", 0, "model", "torch_threads")),
 }
 
 
-def _set(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    for key in path[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[path[-1]] = value
+def _set(tree: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Set ``value`` at ``path`` in ``tree``, creating missing mappings; in a list a key is an index (the dotted
+    path ``args.models.0.engine.max_batch_rows``)."""
+    for depth, key in enumerate(path):
+        if isinstance(tree, list):
+            index = int(key) if str(key).isdigit() else None
+            if index is None or index >= len(tree):
+                where = ".".join(map(str, path[:depth + 1]))
+                raise ValueError(f"{where}: a list of {len(tree)} item(s), no item {key!r}")
+            key = index
+        if depth == len(path) - 1:
+            tree[key] = value
+        else:
+            tree = tree[key] if isinstance(tree, list) else tree.setdefault(key, {})
 
 
 def _deployment(app: dict[str, Any], name: str) -> dict[str, Any]:
@@ -130,7 +157,10 @@ def _apply_path(app: dict[str, Any], knob: str, value: Any, accelerator: Acceler
     if not option:
         raise ValueError(f"knob {knob}: not a knob; use the shortcuts or a dotted path Deployment.option[.key]")
     if head == "args":  # the builder's model (built-in apps) or Serve checks the key
-        _set(app.setdefault("args", {}), tuple(option), value)
+        try:
+            _set(app.setdefault("args", {}), tuple(option), value)
+        except ValueError as exc:
+            raise ValueError(f"knob {knob}: args.{exc}") from None
         return
     entries = app.get("deployments") or []
     matches = [entry for entry in entries if fnmatch.fnmatchcase(str(entry.get("name", "")), head)]

@@ -256,9 +256,13 @@ def workload_for_app(
         defaults: dict[str, Any] = {"preset": model.get("preset", "tiny"), "model_name": args.get("model_name", "dlrm")}
     elif import_path == "serving.app:build_app":
         factory, defaults = diffusion_workload, {"model": model.get("name")}
+    elif import_path == "serving.app:build_multi_app":  # the default (first) model, which the shortcuts tune
+        from autoconfig.knobs import default_model_name
+
+        factory, defaults = diffusion_workload, {"model": default_model_name(args)}
     else:
         raise ValueError(f"no workload for import_path {import_path!r}; known: disagg.app:build_app, "
-                         "serving.app:build_app")
+                         "serving.app:build_app, serving.app:build_multi_app")
     known = [name for name in inspect.signature(factory).parameters]
     for name in options or {}:
         if name not in known:

@@ -88,9 +88,11 @@ class RSSSampler:
 
 
 def batch_requests(config, app: str) -> int:
-    """Guided one-image requests (two UNet rows each) in one denoising step of ``app``'s engine."""
+    """Guided one-image requests (two UNet rows each) in one denoising step of ``app``'s engine (of its default
+    model, the first, where it serves several: the workload names no model)."""
     application = next(entry for entry in config.applications if entry.name == app)
-    return EngineConfig.model_validate(application.args.get("engine", {})).max_batch_rows // 2
+    args = application.args["models"][0] if "models" in application.args else application.args
+    return EngineConfig.model_validate(args.get("engine", {})).max_batch_rows // 2
 
 
 def dlrm_ingress_requests(config) -> int:

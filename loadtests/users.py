@@ -136,7 +136,8 @@ class DiffusionUser(SwiftUser):
             self.loras = served["lora"] if self.loras == ("*",) else self.loras
 
     def _served_addons(self) -> dict[str, tuple[str, ...]]:
-        """ControlNet and LoRA names that ``GET /v1/models`` lists, alphabetical (their popularity ranks)."""
+        """ControlNet and LoRA names that ``GET /v1/models`` lists for the model the requests go to (``--diffusion-
+        model``, else the first base model listed: the default), alphabetical (their popularity ranks)."""
         path = f"{self.settings.diffusion_prefix.rstrip('/')}/v1/models"
         served: dict[str, list[str]] = {"controlnet": [], "lora": []}
         with self.client.get(path, headers=self.headers, name=path, catch_response=True,
@@ -144,8 +145,12 @@ class DiffusionUser(SwiftUser):
             if response.status_code != 200:
                 response.failure(error_text(response))
             else:
-                for card in response.json().get("data", []):
-                    served.get(card.get("kind"), []).append(card["id"])
+                cards = response.json().get("data", [])
+                bases = [card["id"] for card in cards if card.get("kind") == "base-model"]
+                model = self.settings.diffusion_model or next(iter(bases), None)
+                for card in cards:
+                    if card.get("model") in (None, model):
+                        served.get(card.get("kind"), []).append(card["id"])
         return {kind: tuple(sorted(items)) for kind, items in served.items()}
 
     def request_body(self) -> dict[str, Any]:

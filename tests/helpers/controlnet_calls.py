@@ -26,8 +26,11 @@ def preset_controlnet_call(preset: str, rows: int, latent: int) -> ControlNetCal
     )
 
 
-def call_controlnet(app: str, name: str, call: ControlNetCall, timeout_s: float) -> ControlNetResiduals:
-    """``call`` answered by ``app``'s ControlNet ``name`` (its ``ControlNet_<name>`` deployment) through the
-    engine's own client; waits at most ``timeout_s``."""
-    handle = serve.get_deployment_handle(f"ControlNet_{name}", app_name=app)
+def call_controlnet(app: str, name: str, call: ControlNetCall, timeout_s: float,
+                    model: str | None = None) -> ControlNetResiduals:
+    """``call`` answered by ``app``'s ControlNet ``name`` (its ``ControlNet_<name>`` deployment, or
+    ``ControlNet_<name>_<model>`` in an app of several models) through the engine's own client; waits at most
+    ``timeout_s``."""
+    deployment = f"ControlNet_{name}" if model is None else f"ControlNet_{name}_{model}"
+    handle = serve.get_deployment_handle(deployment, app_name=app)
     return ServeControlNets({name: handle}, timeout_s).submit(name, call).result()

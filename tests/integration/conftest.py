@@ -4,10 +4,11 @@ The config is the one `make serve` uses, deployed through the same Serve control
 `serve run`; the HTTP port is swapped for a free one. The cluster is `ray.cluster_utils.Cluster`: the head
 (2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the custom resource
 `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
-replicas are placed on them by those resources, as on a real cluster. Variants added for the tests:
-`diffusion-cfg` (/cfg), `dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure`
-(/secure/v2, the same DLRM with its shards on every interface behind mutual TLS and a shared token, and a
-hot-embedding cache).
+replicas are placed on them by those resources, as on a real cluster. The diffusion app serves `tiny` (the
+default model, `DEFAULT_MODEL`, which most tests use) and `sdxl-tiny`, whose deployments take a sliver of CPU here
+so autoconfig trials fit beside the session's apps. Variants added for the tests: `diffusion-cfg` (/cfg),
+`dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure` (/secure/v2, the same DLRM with its
+shards on every interface behind mutual TLS and a shared token, and a hot-embedding cache).
 """
 
 import copy
@@ -33,6 +34,9 @@ POOLS = {"embedding": "embedding_pool", "dense": "dense_pool"}  # custom resourc
 DLRM_LOOKUP_TIMEOUT_S = 2.0
 #: The shared token of `dlrm-secure`'s embedding service, fresh each session; only that app's processes get it.
 SECURE_TOKEN = f"it-{secrets.token_hex(16)}"
+#: The diffusion app's first model, where requests naming no `model` go, and the other one; each model's deployments
+#: carry its name: `DiffusionModel_<model>`, `ControlNet_<name>_<model>`, `CFGWorker_<model>`.
+DEFAULT_MODEL, SDXL_MODEL = "tiny", "sdxl-tiny"
 
 
 @pytest.fixture(scope="session")
@@ -80,9 +84,12 @@ def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[s
     config.http_options.host = "127.0.0.1"
     config.http_options.port = free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
-    diffusion.args.setdefault("lora", {})["directory"] = str(lora_dir)
-    diffusion.args.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
-    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(config))
+    models = {entry["model"]["name"]: entry for entry in diffusion.args["models"]}
+    assert list(models) == [DEFAULT_MODEL, SDXL_MODEL], list(models)
+    models[DEFAULT_MODEL].setdefault("lora", {})["directory"] = str(lora_dir)
+    for entry in models.values():
+        entry.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
+    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(_with_sdxl_slivers(config)))
     config = _with_secured_dlrm_variant(config, embedding_pki)
     try:
         deploy_serve_config(config, timeout_s=600)
@@ -91,18 +98,31 @@ def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[s
         serve.shutdown()
 
 
+def _with_sdxl_slivers(config: ServeDeploySchema) -> ServeDeploySchema:
+    """`sdxl-tiny`'s deployments in the diffusion app at 0.02 CPU each, so autoconfig trials fit beside."""
+    raw = config.model_dump(exclude_unset=True)
+    diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
+    for deployment in diffusion["deployments"]:
+        if deployment["name"].endswith(f"_{SDXL_MODEL}"):
+            deployment.setdefault("ray_actor_options", {})["num_cpus"] = 0.02
+    return ServeDeploySchema.model_validate(raw)
+
+
 def _with_parallel_cfg_variant(config: ServeDeploySchema) -> ServeDeploySchema:
-    """Adds `diffusion-cfg` at /cfg: the diffusion app with `engine.cfg_parallel` (a CFGWorker deployment),
-    two `DiffusionModel` replicas sharing one ControlNet deployment, each given a sliver of CPU so the 2-CPU
-    cluster can place them."""
+    """Adds `diffusion-cfg` at /cfg: the diffusion app's `tiny` model alone with `engine.cfg_parallel` (a
+    `CFGWorker_tiny` deployment), two `DiffusionModel_tiny` replicas sharing one ControlNet deployment, each given a
+    sliver of CPU so the 2-CPU cluster can place them."""
     raw = config.model_dump(exclude_unset=True)
     diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
     variant = copy.deepcopy(diffusion)
     variant.update(name="diffusion-cfg", route_prefix="/cfg")
-    variant["args"].setdefault("engine", {})["cfg_parallel"] = True
+    variant["args"]["models"] = [next(entry for entry in variant["args"]["models"]
+                                      if entry["model"]["name"] == DEFAULT_MODEL)]
+    variant["args"]["models"][0].setdefault("engine", {})["cfg_parallel"] = True
     variant["deployments"] = [
         {"name": name, "num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.02}}
-        for name, replicas in (("ImagesIngress", 1), ("DiffusionModel", 2), ("CFGWorker", 1), ("ControlNet_edges", 1))
+        for name, replicas in (("ImagesIngress", 1), (f"DiffusionModel_{DEFAULT_MODEL}", 2),
+                               (f"CFGWorker_{DEFAULT_MODEL}", 1), (f"ControlNet_edges_{DEFAULT_MODEL}", 1))
     ]
     raw["applications"].append(variant)
     return ServeDeploySchema.model_validate(raw)

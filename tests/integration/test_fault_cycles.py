@@ -31,6 +31,7 @@ from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
 from tests.helpers.images import encode_b64, square
 from tests.helpers.replicas import kill_replica, running_replicas
+from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = [pytest.mark.integration, pytest.mark.soak]
 
@@ -42,6 +43,7 @@ MAX_FD_GROWTH = 8
 MAX_RSS_GROWTH_MIB = 64.0
 SAMPLES = 10  # footprints over the run: after the warm-up, then every CYCLES / SAMPLES cycles
 ENDS = 3  # growth compares the medians of the first and the last ENDS samples
+MODEL, CONTROLNET = f"DiffusionModel_{DEFAULT_MODEL}", f"ControlNet_edges_{DEFAULT_MODEL}"  # what requests reach
 
 CONTROLNET_BODY = {"prompt": "a square", "size": "128x128", "num_inference_steps": 40, "seed": 1,
                    "controlnets": [{"name": "edges", "image": encode_b64(square())}]}
@@ -86,7 +88,7 @@ def _cycle(http: httpx.Client, number: int, dlrm_body: bytes) -> int:
     """One cycle of kills; returns how many base-model replicas it killed (0 or 1)."""
     headers = {"content-type": "application/json"}
     shard = f"EmbeddingShard_{number % 2}"
-    base_replicas = running_replicas("diffusion-cfg", "DiffusionModel")
+    base_replicas = running_replicas("diffusion-cfg", MODEL)
     kill_base = len(base_replicas) == 2
     dlrm_statuses: list[tuple[int, float]] = []
     streaming = threading.Event()
@@ -107,7 +109,7 @@ def _cycle(http: httpx.Client, number: int, dlrm_body: bytes) -> int:
                                                                  json=BASE_BODY)) for _ in range(2)]
             time.sleep(1.5)  # the generations are denoising
             killed_at = time.monotonic()
-            kill_replica(running_replicas("diffusion", "ControlNet_edges")[0])
+            kill_replica(running_replicas("diffusion", CONTROLNET)[0])
             shard_replicas = running_replicas("dlrm", shard)
             for replica in shard_replicas if number % 10 == 0 else shard_replicas[:1]:
                 kill_replica(replica)
@@ -127,7 +129,7 @@ def _cycle(http: httpx.Client, number: int, dlrm_body: bytes) -> int:
     _wait_until_ok(http, "/cfg/v1/images/generations", json=PROBE_BODY)
     _wait_until_ok(http, "/v2/models/dlrm/infer", content=dlrm_body, headers=headers)
     _wait_for_replicas("dlrm", shard, 2)
-    _wait_for_replicas("diffusion", "ControlNet_edges", 1)
+    _wait_for_replicas("diffusion", CONTROLNET, 1)
     return int(kill_base)
 
 
@@ -178,8 +180,8 @@ def test_fault_cycles_leak_no_memory_or_file_descriptors_in_surviving_processes(
         print(f"  {name}\n    fds {' '.join(str(fds) for fds, _ in curve)}\n"
               f"    RSS {' '.join(f'{mib:.0f}' for _, mib in curve)}")
     titles = {name.split("#")[0] for name in survivors}
-    assert {"ServeReplica:diffusion:ImagesIngress", "ServeReplica:diffusion:DiffusionModel",
-            "ServeReplica:diffusion-cfg:ImagesIngress", "ServeReplica:diffusion-cfg:CFGWorker",
+    assert {"ServeReplica:diffusion:ImagesIngress", f"ServeReplica:diffusion:{MODEL}",
+            "ServeReplica:diffusion-cfg:ImagesIngress", f"ServeReplica:diffusion-cfg:CFGWorker_{DEFAULT_MODEL}",
             "ServeReplica:dlrm:DisaggregatedDLRM", "ProxyActor"} <= titles, titles
     assert base_kills >= CYCLES // 4, f"only {base_kills} base-model replicas were killed"
     for name, curve in curves.items():

@@ -11,8 +11,11 @@ from ray.exceptions import RayActorError
 from tests.helpers.controlnet_calls import call_controlnet, preset_controlnet_call
 from tests.helpers.images import encode_b64, square
 from tests.helpers.replicas import kill_replica, named_replicas, ongoing_requests, running_replicas
+from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
+
+MODEL, CONTROLNET = f"DiffusionModel_{DEFAULT_MODEL}", f"ControlNet_edges_{DEFAULT_MODEL}"  # what requests reach
 
 
 def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_recovers(http):
@@ -22,11 +25,11 @@ def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_rec
     replacement, on which the same request then succeeds."""
     body = {"prompt": "a square", "size": "64x64", "num_inference_steps": 2, "seed": 1,
             "controlnets": [{"name": "edges", "image": encode_b64(square())}]}
-    (replica,) = named_replicas("diffusion", "ControlNet_edges")
+    (replica,) = named_replicas("diffusion", CONTROLNET)
     assert ongoing_requests(replica) == 0, "the replica is busy before the test"
     long_call = preset_controlnet_call("tiny", rows=64, latent=128)  # tens of seconds of forward on CPU
     with ThreadPoolExecutor(2) as pool:
-        held = pool.submit(call_controlnet, "diffusion", "edges", long_call, timeout_s=600)
+        held = pool.submit(call_controlnet, "diffusion", "edges", long_call, timeout_s=600, model=DEFAULT_MODEL)
         _wait_for(lambda: ongoing_requests(replica) == 1, "the long call never reached the replica", held)
         request = pool.submit(http.post, "/v1/images/generations", json=body)
         _wait_for(lambda: ongoing_requests(replica) == 2, "the request's call never queued on the replica",
@@ -46,7 +49,7 @@ def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_rec
         assert after.status_code == 503, after.text
         assert time.monotonic() < deadline, "no replacement replica answered"
         time.sleep(1.0)
-    (replacement,) = running_replicas("diffusion", "ControlNet_edges")
+    (replacement,) = running_replicas("diffusion", CONTROLNET)
     assert replacement["name"] != replica["name"]
 
 
@@ -60,7 +63,7 @@ def _wait_for(condition: Callable[[], bool], failure: str, *running: Future, tim
 
 
 def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(http):
-    """Every request running on the killed `DiffusionModel` replica gets 503 + Retry-After at once (not retried:
+    """Every request running on the killed `DiffusionModel_tiny` replica gets 503 + Retry-After at once (not retried:
     it may be what killed the replica); Serve starts a replacement and the same request then gives the same image."""
     probe = {"prompt": "a blue square", "size": "64x64", "num_inference_steps": 2, "seed": 7}
     before = http.post("/v1/images/generations", json=probe)
@@ -69,7 +72,7 @@ def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(htt
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(_timed_post, http, long) for _ in range(4)]
         time.sleep(2.0)  # all four are denoising together: minutes of work at this size
-        (replica,) = named_replicas("diffusion", "DiffusionModel")
+        (replica,) = named_replicas("diffusion", MODEL)
         assert not any(future.done() for future in running), "requests finished before the kill"
         killed_at = time.monotonic()
         kill_replica(replica)
@@ -85,7 +88,7 @@ def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(htt
         assert after.status_code == 503, after.text
         assert time.monotonic() < deadline, "no replacement replica answered"
         time.sleep(1.0)
-    assert named_replicas("diffusion", "DiffusionModel") != [replica]
+    assert named_replicas("diffusion", MODEL) != [replica]
     assert after.json()["data"] == before.json()["data"]  # same seed, same image: nothing shared was damaged
 
 

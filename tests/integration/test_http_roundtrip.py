@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.helpers.images import encode_b64, square
+
 pytestmark = pytest.mark.integration
 
 TINY_DLRM_TABLES = 26
@@ -53,9 +55,34 @@ def test_lora_errors_cross_the_replica_boundary_intact(http, name, status):
 
 
 def test_models_and_health(http):
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["tiny", "edges", "corrupt", "dark", "outlined"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [
+        "tiny", "sdxl-tiny", "edges", "corrupt", "dark", "outlined", "edges-xl"]  # base models, then each one's
     assert http.get("/health").json() == {"status": "ok"}
     assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
+
+
+def test_the_sdxl_model_served_beside_tiny_answers_requests_that_name_it(http):
+    """`make serve` serves `tiny` (SD, the default) and `sdxl-tiny` (SDXL): a request's `model` picks one, each with
+    its own ControlNet service."""
+    bases = {card["id"]: card for card in http.get("/v1/models").json()["data"] if card["kind"] == "base-model"}
+    assert {name: (card["family"], card["size"]) for name, card in bases.items()} == {
+        "tiny": ("sd", "64x64"), "sdxl-tiny": ("sdxl", "64x64")}
+    body = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 4}  # no size: the model's native one
+    images = {}
+    for model in ("sdxl-tiny", "tiny"):
+        response = http.post("/v1/images/generations", json=body | {"model": model})
+        assert response.status_code == 200, response.text
+        images[model] = Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
+    assert (images["sdxl-tiny"].format, images["sdxl-tiny"].size) == ("PNG", (64, 64))
+    assert np.asarray(images["sdxl-tiny"]).tobytes() != np.asarray(images["tiny"]).tobytes()  # another model drew it
+
+    control = {"controlnets": [{"name": "edges-xl", "image": encode_b64(square())}]}
+    response = http.post("/v1/images/generations", json=body | control | {"model": "sdxl-tiny"})
+    assert response.status_code == 200, response.text
+    response = http.post("/v1/images/generations", json=body | control)  # no model: tiny, which lacks edges-xl
+    assert response.status_code == 422, response.text
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (
+        "model_mismatch", "controlnets[0].name")
 
 
 def test_dlrm_returns_one_probability_per_row(http):

@@ -48,6 +48,7 @@ from serving.common.metrics import (
 from tests.helpers.images import encode_b64, square
 from tests.helpers.lora_files import write_lora
 from tests.helpers.replicas import kill_replica, named_replicas
+from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
 
@@ -59,7 +60,7 @@ PROBE_LORA = "metrics-probe"  # used by no other test: its first request is a ca
 EXPECTED: list[tuple[MetricSpec, dict[str, str]]] = [
     (REQUEST_LATENCY, {"application": "diffusion", "kind": "diffusion_generation", "status": "200"}),
     (REQUEST_LATENCY, {"application": "dlrm", "kind": "dlrm_infer", "status": "200"}),
-    (STEP_LATENCY, {"application": "diffusion", "deployment": "DiffusionModel"}),
+    (STEP_LATENCY, {"application": "diffusion", "deployment": f"DiffusionModel_{DEFAULT_MODEL}"}),
     (BATCH_SIZE, {"application": "diffusion", "kind": "diffusion_step"}),
     (BATCH_SIZE, {"application": "dlrm", "kind": "dlrm_batch"}),
     (LORA_CACHE_HITS, {"application": "diffusion"}),
@@ -216,7 +217,7 @@ def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
         thread.start()
     try:
         time.sleep(2.0)  # both base replicas are stepping guided requests with the worker
-        kill_replica(named_replicas("diffusion-cfg", "CFGWorker")[0])
+        kill_replica(named_replicas("diffusion-cfg", f"CFGWorker_{DEFAULT_MODEL}")[0])
         time.sleep(3.0)
     finally:
         stop.set()

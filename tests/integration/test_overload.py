@@ -16,7 +16,7 @@ from autoconfig.serve_config import load_serve_config
 from autoconfig.workloads import Workload, dlrm_workload
 from disagg.config import DLRMAppConfig
 from disagg.deployments.app import ingress_options
-from tests.integration.conftest import REPO
+from tests.integration.conftest import DEFAULT_MODEL, REPO
 
 pytestmark = pytest.mark.integration
 
@@ -24,12 +24,15 @@ FLOOD = 48
 
 
 def _batch_requests() -> int:
-    """Requests of the flood's kind (one image, CFG: two rows) that one denoising step of the model holds."""
+    """Requests of the flood's kind (one image, CFG: two rows) that one denoising step of the model they reach (the
+    default, `tiny`: they name no `model`) holds."""
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     diffusion = next(app for app in config.applications if app.name == "diffusion")
-    model = next(deployment for deployment in diffusion.deployments if deployment.name == "DiffusionModel")
+    model = next(deployment for deployment in diffusion.deployments
+                 if deployment.name == f"DiffusionModel_{DEFAULT_MODEL}")
     assert model.num_replicas == 1
-    engine = diffusion.args["engine"]
+    (entry,) = [entry for entry in diffusion.args["models"] if entry["model"]["name"] == DEFAULT_MODEL]
+    engine = entry["engine"]
     assert engine["admission_wait_fraction"] < 1  # a request that would wait a whole batch is refused
     return engine["max_batch_rows"] // 2
 

@@ -11,7 +11,7 @@ from autoconfig.cli import main as autoconfig_main
 from autoconfig.knobs import apply_knobs, configure_serve_config, write_serve_config
 from autoconfig.serve_config import load_serve_config, validate_app_args
 from disagg.config import BatchingConfig, DLRMAppConfig
-from serving.config import DiffusionAppConfig, EngineTuning
+from serving.config import DiffusionAppConfig, EngineTuning, ImagesAppConfig
 from tests.helpers import REPO
 
 SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
@@ -77,27 +77,57 @@ def test_monolithic_dlrm_targets_the_monolithic_deployment(template):
 
 
 def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_batches(template):
+    """The default config's diffusion app serves two models: the shortcuts tune the first, `tiny`, where requests
+    naming no model go; `sdxl-tiny` keeps the template's deployments and args."""
     configured = configure_serve_config(template, "diffusion", CONFIGURATION | {"torch_threads": 4})
     app = _app(configured, "diffusion")
     args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
-    assert isinstance(args, DiffusionAppConfig)
-    assert args.model.torch_threads == 4  # given explicitly, so not round(1.6)
+    assert isinstance(args, ImagesAppConfig)
+    tiny, sdxl = args.models
+    assert (tiny.model.name, sdxl.model.name) == ("tiny", "sdxl-tiny")
+    assert tiny.model.torch_threads == 4  # given explicitly, so not round(1.6)
+    assert sdxl.model.torch_threads is None
     deployments = _deployments(app)
-    model = deployments["DiffusionModel"]
+    model = deployments["DiffusionModel_tiny"]
     assert model["num_replicas"] == 3
     assert model["ray_actor_options"] == CPU_SHARE_1_6  # threads via args
     # Rows per step go to the replica's live user_config; the wait timeout has no diffusion counterpart.
     assert model["user_config"] == {"max_batch_rows": 32}
-    assert EngineTuning.model_validate(model["user_config"]).apply(args.engine).max_batch_rows == 32
+    assert EngineTuning.model_validate(model["user_config"]).apply(tiny.engine).max_batch_rows == 32
     assert model["max_ongoing_requests"] == 64
     assert deployments["ImagesIngress"]["max_ongoing_requests"] == 192
     assert "user_config" not in deployments["ImagesIngress"]
-    assert deployments["ControlNet_edges"] == _deployments(_app(template, "diffusion"))["ControlNet_edges"]
-    # args keep the template's engine (rows 16): only model.torch_threads changed there.
+    untouched = _deployments(_app(template, "diffusion"))
+    for name in ("ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny", "ControlNet_edges-xl_sdxl-tiny"):
+        assert deployments[name] == untouched[name]
+    # args keep the template's engine (rows 16): only models[0].model.torch_threads changed there.
     template_args = _app(template, "diffusion")["args"]
-    assert args.engine.max_batch_rows == template_args["engine"]["max_batch_rows"] == 16
-    assert app["args"] == template_args | {"model": template_args["model"] | {"torch_threads": 4}}
+    first = template_args["models"][0]
+    assert tiny.engine.max_batch_rows == first["engine"]["max_batch_rows"] == 16
+    assert app["args"] == {"models": [first | {"model": first["model"] | {"torch_threads": 4}},
+                                      *template_args["models"][1:]]}
     assert _app(configured, "dlrm") == _app(template, "dlrm")
+
+
+def test_the_one_model_diffusion_app_keeps_its_shortcuts(template):
+    """`serving.app:build_app` (one model, unsuffixed deployment names) takes the same shortcuts."""
+    raw = template.model_dump(exclude_unset=True)
+    diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
+    diffusion.update(import_path="serving.app:build_app", args=diffusion["args"]["models"][0], deployments=[])
+    configured = configure_serve_config(ServeDeploySchema.model_validate(raw), "diffusion",
+                                        CONFIGURATION | {"torch_threads": 4})
+    args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
+    assert isinstance(args, DiffusionAppConfig) and args.model.torch_threads == 4
+    model = _deployments(_app(configured, "diffusion"))["DiffusionModel"]
+    assert (model["num_replicas"], model["user_config"]) == (3, {"max_batch_rows": 32})
+
+
+def test_an_args_path_indexes_the_list_of_models(template):
+    app = _app(configure_serve_config(template, "diffusion", {"args.models.1.engine.max_batch_rows": 4}), "diffusion")
+    assert app["args"]["models"][1]["engine"] == {"max_batch_rows": 4}
+    with pytest.raises(ValueError, match=r"^knob args\.models\.2\.engine\.max_batch_rows: args\.models\.2: a list "
+                                         r"of 2 item\(s\), no item '2'$"):
+        configure_serve_config(template, "diffusion", {"args.models.2.engine.max_batch_rows": 4})
 
 
 @pytest.mark.parametrize(
@@ -239,14 +269,15 @@ def test_cluster_fit_counts_every_deployment_of_the_app(template):
     assert "DisaggregatedDLRM 1.86" in message
     assert "EmbeddingShard_0 0.1" in message and "EmbeddingShard_1 0.1" in message
     assert "ShardDirectory" not in message  # needs nothing
-    # Diffusion: ingress 0.1 + model 1 x 1.7 + ControlNet 0.2 = 2.0 fits; 2 replicas do not.
-    _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.7, "num_replicas": 1})
+    # Diffusion: ingress 0.1 + tiny 1 x 1.1 + its ControlNet 0.2 + sdxl-tiny's 0.5 and 0.1 = 2.0 fits; 2 replicas
+    # do not.
+    _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 1})
     with pytest.raises(
         ValueError,
-        match=r"needs 3\.7 CPU \(ImagesIngress 0\.1, DiffusionModel 3\.4, "
-        r"ControlNet_edges 0\.2\); the cluster has 2",
+        match=r"needs 3\.1 CPU \(ImagesIngress 0\.1, DiffusionModel_tiny 2\.2, ControlNet_edges_tiny 0\.2, "
+        r"DiffusionModel_sdxl-tiny 0\.5, ControlNet_edges-xl_sdxl-tiny 0\.1\); the cluster has 2",
     ):
-        _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.7, "num_replicas": 2})
+        _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 2})
 
 
 @pytest.mark.usefixtures("two_cpus")
@@ -323,9 +354,10 @@ def test_the_shipped_joint_spaces_fit_the_shipped_apps(template, space_name, app
         for shard in ("EmbeddingShard_0", "EmbeddingShard_1"):
             assert deployments[shard]["ray_actor_options"]["num_cpus"] == 0.5
             assert deployments[shard]["ray_actor_options"]["runtime_env"]["env_vars"]["SWIFTSERVE_CPU_SHARE"] == "0.5"
-    else:
-        assert deployments["ControlNet_edges"]["num_replicas"] == last["ControlNet_*.num_replicas"] == 2
-    assert deployments[{"dlrm": "DisaggregatedDLRM", "diffusion": "DiffusionModel"}[app_name]]["num_replicas"] == (
+    else:  # the pattern names every model's ControlNets
+        for name in ("ControlNet_edges_tiny", "ControlNet_edges-xl_sdxl-tiny"):
+            assert deployments[name]["num_replicas"] == last["ControlNet_*.num_replicas"] == 2
+    assert deployments[{"dlrm": "DisaggregatedDLRM", "diffusion": "DiffusionModel_tiny"}[app_name]]["num_replicas"] == (
         last["num_replicas"])
 
 

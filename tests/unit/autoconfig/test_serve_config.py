@@ -25,15 +25,15 @@ def test_default_config_is_valid_for_ray_and_our_builders():
 
 def test_typo_in_application_args_is_named(tmp_path):
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    raw["applications"][0]["args"]["model"]["presett"] = "tiny"
-    with pytest.raises(ServeConfigError, match=r"applications\[0\] \(diffusion\): args.model.presett"):
+    raw["applications"][0]["args"]["models"][0]["model"]["presett"] = "tiny"
+    with pytest.raises(ServeConfigError, match=r"applications\[0\] \(diffusion\): args\.models\[0\]\.model\.presett"):
         load_serve_config(_write(tmp_path, raw))
 
 
 def test_bad_value_in_application_args_is_named(tmp_path):
     raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    raw["applications"][0]["args"]["defaults"]["num_inference_steps"] = 0
-    with pytest.raises(ServeConfigError, match=r"args.defaults.num_inference_steps"):
+    raw["applications"][0]["args"]["models"][1]["defaults"]["num_inference_steps"] = 0  # sdxl-tiny's
+    with pytest.raises(ServeConfigError, match=r"args\.models\[1\]\.defaults\.num_inference_steps"):
         load_serve_config(_write(tmp_path, raw))
 
 

@@ -318,6 +318,11 @@ def test_workload_bodies_are_valid_requests_of_their_apps():
     assert images.path == "/v1/images/generations"
     request = ImageGenerationRequest.model_validate_json(images.body(3))
     assert (request.model, request.size, request.num_inference_steps, request.seed) == ("tiny", "32x32", 4, 3)
+    # Several models: the first (the default), which the shortcuts tune; one left unnamed is called `tiny`.
+    models = {"models": [{"model": {"name": "sdxl", "preset": "sdxl-tiny"}}, {"model": {"name": "tiny"}}]}
+    for args, model in ((models, "sdxl"), ({"models": [{}]}, "tiny")):
+        body = workload_for_app("serving.app:build_multi_app", args).body(0)
+        assert ImageGenerationRequest.model_validate_json(body).model == model
     with pytest.raises(ValueError, match="no workload"):
         workload_for_app("other.app:build", {})
 

@@ -337,9 +337,26 @@ def test_dockerignore_keeps_local_environments_out():
     assert not ignored & {"serving", "disagg", "autoconfig", "deploy", "pyproject.toml", "README.md"}
 
 
-def test_the_multi_model_example_gives_each_model_its_own_named_deployments():
-    app = load_serve_config(DEPLOY / "serve_config.multi.yaml").applications[0]
-    built = serve_build_app(import_builder(app.import_path)(app.args), name=app.name)
-    assert {deployment.name for deployment in built.deployments} == {
-        "ImagesIngress", "DiffusionModel_tiny", "ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny",
-        "ControlNet_edges-xl_sdxl-tiny"}
+def test_the_default_config_serves_both_base_models_each_with_its_own_named_deployments():
+    """`make serve`: `tiny` (the default: first) and `sdxl-tiny` behind one ingress, and the DLRM app."""
+    config = load_serve_config(DEPLOY / "serve_config.yaml")
+    apps = {app.name: app for app in config.applications}
+    assert [(entry["model"]["name"], entry["model"]["preset"]) for entry in apps["diffusion"].args["models"]] == [
+        ("tiny", "tiny"), ("sdxl-tiny", "sdxl-tiny")]
+    built = {name: {deployment.name for deployment in serve_build_app(
+        import_builder(app.import_path)(app.args), name=name).deployments} for name, app in apps.items()}
+    assert built == {
+        "diffusion": {"ImagesIngress", "DiffusionModel_tiny", "ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny",
+                      "ControlNet_edges-xl_sdxl-tiny"},
+        "dlrm": {"DisaggregatedDLRM", "EmbeddingShard_0", "EmbeddingShard_1", "ShardDirectory"},
+    }
+    # Every deployment is listed, so its CPUs are the config's, not the code's default.
+    assert {name: {d.name for d in app.deployments} for name, app in apps.items()} == built
+
+
+def test_the_default_config_fits_two_cpus():
+    """`make serve` and CI run on 2 cores: Ray must place every replica of both apps."""
+    demands = _replica_demands(load_serve_config(DEPLOY / "serve_config.yaml"))
+    cpus = sum(replicas * demand["CPU"] for replicas, demand in demands.values())
+    assert cpus <= 2.0 + 1e-9, demands
+    assert {resource for _, demand in demands.values() for resource, amount in demand.items() if amount} == {"CPU"}
