@@ -95,7 +95,7 @@ class DiffusionComponents:
             if not (has_second and has_third):
                 raise ValueError("an SD3 transformer needs text_encoder_2, tokenizer_2, text_encoder_3 and tokenizer_3")
             return
-        if has_third or self.text_encoder_3 is not None:
+        if self.text_encoder_3 is not None:
             raise ValueError("only an SD3 transformer takes text_encoder_3 and tokenizer_3")
         sdxl = self.denoiser.config.addition_embed_type == "text_time"
         if sdxl != has_second:

@@ -314,7 +314,6 @@ class DiffusionEngine:
 
         return summed
 
-    @torch.inference_mode()
     def _control_input(self, image: np.ndarray, params: GenerationParams) -> torch.Tensor:
         """A conditioning image as the family's ControlNets take it: the image in [0, 1] [1, 3, H, W] (SD, SDXL);
         SD3: its VAE latents ``(mode - shift) * scaling`` [1, C, h, w] (diffusers samples the latent distribution;

@@ -111,10 +111,10 @@ class LoRACache:
         """The registry's LoRAs this model may take: those whose file header shows no other family's LoRA (a
         directory shared by models of several families lists each LoRA with the models it is for)."""
         fitting = []
-        for name in self.registry.names():
+        for name, path in self.registry.paths().items():
             try:
-                self._family_check(self.registry.resolve(name))
-            except (LoRAFormatError, LoRANotFound):
+                self._family_check(path)
+            except LoRAFormatError:
                 continue
             fitting.append(name)
         return fitting

@@ -237,13 +237,8 @@ def check_lora_family(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     family than ``targets``', or a file ``load_lora_file`` refuses unread. A file that passes may still not fit (its
     modules and shapes are checked when it loads)."""
     name = Path(path).name
-    header = _read_header(Path(path), max_file_bytes, max_header_bytes)
-    _check_tensor_count(name, header, max_tensors)
-    try:
-        keys = [key for key in _top_level_keys(header.decode("utf-8")) if key != "__metadata__"]
-    except (ValueError, RecursionError) as exc:
-        raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
-    _check_family(name, keys, targets)
+    _check_family(name, _tensor_names(name, _read_header(Path(path), max_file_bytes, max_header_bytes), max_tensors),
+                  targets)
 
 
 def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> None:
@@ -254,13 +249,13 @@ def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> Non
         if any(key.startswith("transformer.") or _KOHYA_SD3_KEY.match(key) for key in keys):
             raise LoRAFormatError(name, f"it has SD3 transformer weights: a LoRA for the sd3 family, and this model "
                                         f"is {targets.family}")
-        if not targets.text_encoder_2 and any(key.startswith(("text_encoder_2.", "lora_te2_")) for key in keys):
+        if not targets.text_encoder_2 and _has_second_text_encoder(keys):
             raise LoRAFormatError(name, "it has weights for a second text encoder: a LoRA for the sdxl family, and "
                                         "this model has one text encoder")
         return
     if any(key.startswith("unet.") or _KOHYA_UNET_KEY.match(key) for key in keys):
-        sdxl = any(key.startswith(("text_encoder_2.", "lora_te2_")) for key in keys)
-        raise LoRAFormatError(name, f"it has UNet weights: a LoRA for the {'sdxl' if sdxl else 'sd or sdxl'} "
+        family = "sdxl" if _has_second_text_encoder(keys) else "sd or sdxl"
+        raise LoRAFormatError(name, f"it has UNet weights: a LoRA for the {family} "
                                     "family, and this model is sd3")
     kohya = next((key for key in keys if key.startswith("lora_")), None)
     if kohya is not None:
@@ -269,13 +264,18 @@ def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> Non
                                     "StableDiffusion3Pipeline.save_lora_weights writes them)")
 
 
+def _has_second_text_encoder(keys: Collection[str]) -> bool:
+    """Keys for a second CLIP text encoder, diffusers' (``text_encoder_2.``) or kohya's (``lora_te2_``)."""
+    return any(key.startswith(("text_encoder_2.", "lora_te2_")) for key in keys)
+
+
 def _read_safetensors(path: Path, max_file_bytes: int, max_header_bytes: int,
                       max_tensors: int) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The file's tensors and diffusers' adapter metadata (None when absent). Only ``.safetensors`` is opened."""
     name = path.name
     if path.suffix != ".safetensors":
         raise LoRAFormatError(name, "only .safetensors LoRA files are accepted (pickle formats can run code)")
-    _check_tensor_count(name, _read_header(path, max_file_bytes, max_header_bytes), max_tensors)
+    _tensor_names(name, _read_header(path, max_file_bytes, max_header_bytes), max_tensors)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             header = handle.metadata() or {}
@@ -320,19 +320,22 @@ def _read_header(path: Path, max_file_bytes: int, max_header_bytes: int) -> byte
         return file.read(length)
 
 
-def _check_tensor_count(name: str, header: bytes, max_tensors: int) -> None:
-    """Refuse a JSON header listing more than ``max_tensors`` tensors, counting no further than that: a header
-    of a million entries costs what ``max_tensors`` entries do. The rest of the header is safetensors' to check."""
-    count = 0
+def _tensor_names(name: str, header: bytes, max_tensors: int) -> list[str]:
+    """The tensor names a JSON header lists, refused when there are more than ``max_tensors`` (counting no further
+    than that: a header of a million entries costs what ``max_tensors`` entries do). The rest of the header is
+    safetensors' to check."""
+    names: list[str] = []
     try:
         for key in _top_level_keys(header.decode("utf-8")):
-            count += key != "__metadata__"
-            if count > max_tensors:
+            if key != "__metadata__":
+                names.append(key)
+            if len(names) > max_tensors:
                 break
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError; nested too deeply
         raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
-    if count > max_tensors:
+    if len(names) > max_tensors:
         raise LoRAFormatError(name, f"the header lists more than {max_tensors} tensors (the limit)")
+    return names
 
 
 def _top_level_keys(text: str) -> Iterator[str]:

@@ -58,20 +58,23 @@ class LoRARegistry:
 
     def names(self) -> list[str]:
         """Sorted names of the servable LoRA files; an absent directory is an empty registry."""
+        return list(self.paths())
+
+    def paths(self) -> dict[str, Path]:
+        """Each servable LoRA's real path (``resolve``), by name in sorted order."""
         try:
             entries = os.listdir(self.directory)
         except OSError:
-            return []
-        found = []
+            return {}
+        found = {}
         for entry in entries:
             name = entry.removesuffix(SUFFIX)
             if entry.endswith(SUFFIX) and is_valid_name(name):
                 try:
-                    self.resolve(name)
+                    found[name] = self.resolve(name)
                 except LoRANotFound:
                     continue
-                found.append(name)
-        return sorted(found)
+        return dict(sorted(found.items()))
 
     @staticmethod
     def fingerprint(path: Path) -> tuple[int, int]:
