@@ -34,10 +34,11 @@ def _is_workload_file(value: str) -> bool:
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
-    from autoconfig.serve_config import ServeConfigError, load_serve_config
+    from autoconfig.serve_config import ServeConfigError, check_models, load_serve_config
 
     try:
         config = load_serve_config(args.config)
+        reports = check_models(config, source=str(args.config))
     except ServeConfigError as exc:
         console.print(f"[red]invalid:[/red] {exc}", soft_wrap=True)
         return 1
@@ -50,6 +51,10 @@ def _check(args: argparse.Namespace, console: Console) -> int:
             table.add_row(app.name, app.route_prefix, app.import_path, deployment.name,
                           str(fields.get("num_replicas", "default")), str(fields.get("ray_actor_options", {})))
     console.print(table)
+    for name, report in reports.items():
+        console.print(f"{name}: model {report.label}, {len(report.tables)} embedding table(s)", soft_wrap=True)
+        for note in report.notes:
+            console.print(f"[yellow]note:[/yellow] {name}: {note}", soft_wrap=True)
     console.print(f"[green]ok:[/green] {len(config.applications)} application(s) valid")
     return 0
 
@@ -362,7 +367,8 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="Ray cluster address (default: start a local one)")
     parser.add_argument("--workload", default=None,
                         help="FILE.jsonl of request templates (any app; format: docs/AUTOCONFIG.md), or, for the "
-                             "built-in apps, request options KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed; "
+                             "built-in apps, request options KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed, "
+                             "variable_size (a DLRM app's own model, preset or factory, shapes the requests); "
                              "diffusion steps, size, n (default: one small request of the app's model)")
     parser.add_argument("--fresh-deploy", action="store_true",
                         help="delete and redeploy the app for every trial (default: update the kept trial app "
@@ -373,7 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoconfig", description="Configure swiftserve deployments.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    check = commands.add_parser("check", help="validate a Ray Serve config file and its application args")
+    check = commands.add_parser("check", help="validate a Ray Serve config file, its application args and the "
+                                "models of its DLRM apps")
     check.add_argument("config", help="path to a Serve config YAML (e.g. deploy/serve_config.yaml)")
     check.set_defaults(run=_check)
 

@@ -12,7 +12,7 @@ import inspect
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -20,6 +20,9 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from serving.common.http import field_path
 from serving.common.logging import get_logger
+
+if TYPE_CHECKING:
+    from disagg.model_check import ModelReport
 
 logger = get_logger("serve_config")
 
@@ -81,6 +84,25 @@ def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]
     if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
         return annotation.model_validate(app.args or {})
     return app.args or {}
+
+
+def check_models(config: ServeDeploySchema, *, source: str = "<serve config>") -> dict[str, ModelReport]:
+    """``check_model`` of every DLRM application (args validated as ``DLRMAppConfig``), its report by application
+    name: builds each model's structure as ``build_app`` would, before anything is deployed. A model no replica
+    could serve is a ServeConfigError naming ``source``, the application and the key."""
+    from disagg.config import DLRMAppConfig
+    from disagg.model_check import check_model
+    from disagg.model_source import ModelError
+
+    reports = {}
+    for index, app in enumerate(config.applications):
+        args = validate_app_args(app)
+        if isinstance(args, DLRMAppConfig):
+            try:
+                reports[app.name] = check_model(args)
+            except ModelError as exc:
+                raise ServeConfigError(f"{source}: applications[{index}] ({app.name}): args.{exc}") from exc
+    return reports
 
 
 def brings_code(app: ServeApplicationSchema) -> bool:

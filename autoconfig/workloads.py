@@ -14,17 +14,21 @@ import json
 import math
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 import yaml
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
+from disagg.config import DLRMAppConfig
+from disagg.model_check import check_model
+from disagg.signature import DENSE_INPUT, SPARSE_INPUT
 from disagg.spec import preset_spec
-from disagg.synthetic import SyntheticRequests
+from disagg.synthetic import SignatureRequests, SyntheticRequests
 
 JSON_HEADERS: Mapping[str, str] = {"content-type": "application/json"}
 
@@ -195,16 +199,33 @@ def _cycling(pool: list[bytes]) -> Callable[[int], bytes]:
 
 
 def dlrm_workload(
-    *, preset: str = "tiny", model_name: str = "dlrm", rows_per_request: int = 1, pool_size: int = 64, seed: int = 0
+    *, preset: str = "tiny", app: Mapping[str, Any] | None = None, model_name: str = "dlrm", rows_per_request: int = 1,
+    pool_size: int = 64, seed: int = 0, variable_size: int = 1,
 ) -> Workload:
-    """OIP v2 JSON infer requests of ``rows_per_request`` synthetic Criteo-shaped rows each."""
+    """OIP v2 JSON infer requests of ``rows_per_request`` rows each, ``pool_size`` distinct bodies seeded by ``seed``.
+
+    ``app`` (a DLRM application's args) serving a ``factory`` model: rows of the model's signature
+    (``SignatureRequests`` with ``variable_size`` along every variable dimension, ids within the tables
+    ``check_model`` finds; a ``ModelError`` naming the key when the model cannot be served). Otherwise synthetic
+    Criteo-shaped rows of the app's preset, else of ``preset`` (``SyntheticRequests``, bags of up to
+    ``variable_size`` ids).
+    """
     if rows_per_request < 1 or pool_size < 1:
         raise ValueError("rows_per_request and pool_size must be >= 1")
-    requests = SyntheticRequests(preset_spec(preset), seed=seed)
-    pool = [
-        encode_dlrm_request(*requests.batch(rows_per_request)).model_dump_json(exclude_none=True).encode()
-        for _ in range(pool_size)
-    ]
+    if variable_size < 1:
+        raise ValueError(f"variable_size must be >= 1, got {variable_size}")
+    config = None if app is None else DLRMAppConfig.model_validate(app)
+    batches: Iterator[Mapping[str, torch.Tensor]]
+    if config is not None and config.model.factory is not None:
+        report = check_model(config)
+        requests = SignatureRequests(config.model.signature(), report.id_ranges, seed=seed, variable_size=variable_size)
+        batches = (requests.batch(rows_per_request) for _ in range(pool_size))
+    else:
+        spec = preset_spec(str(config.model.preset) if config is not None else preset)
+        synthetic = SyntheticRequests(spec, seed=seed, max_hotness=variable_size)
+        batches = (dict(zip((DENSE_INPUT, SPARSE_INPUT), synthetic.batch(rows_per_request), strict=True))
+                   for _ in range(pool_size))
+    pool = [encode_infer_request(inputs).model_dump_json(exclude_none=True).encode() for inputs in batches]
     return Workload("POST", f"/models/{model_name}/infer", _cycling(pool))
 
 
@@ -247,13 +268,15 @@ def parse_workload_options(text: str | None) -> dict[str, Any]:
 def workload_for_app(
     import_path: str, args: Mapping[str, Any] | None, options: Mapping[str, Any] | None = None
 ) -> Workload:
-    """The workload of a Serve application, read from its ``import_path`` and ``args``; ``options`` override the
-    factory's keyword arguments (``dlrm_workload`` or ``diffusion_workload``), an unknown one is an error naming it."""
+    """The workload of a Serve application, read from its ``import_path`` and ``args`` (a DLRM app serving a
+    ``factory`` model: requests of its signature); ``options`` override the factory's keyword arguments
+    (``dlrm_workload`` or ``diffusion_workload``), an unknown one is an error naming it."""
     args = args or {}
     model = args.get("model") or {}
     if import_path == "disagg.app:build_app":
         factory: Callable[..., Workload] = dlrm_workload
-        defaults: dict[str, Any] = {"preset": model.get("preset", "tiny"), "model_name": args.get("model_name", "dlrm")}
+        served = {"app": args} if model.get("factory") else {"preset": model.get("preset") or "tiny"}
+        defaults: dict[str, Any] = {**served, "model_name": args.get("model_name", "dlrm")}
     elif import_path == "serving.app:build_app":
         factory, defaults = diffusion_workload, {"model": model.get("name")}
     elif import_path == "serving.app:build_multi_app":  # the default (first) model, which the shortcuts tune

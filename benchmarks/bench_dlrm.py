@@ -46,6 +46,7 @@ from ray.serve.schema import ServeDeploySchema
 from autoconfig.serve_config import deploy_serve_config
 from benchmarks.common import ranges_overlap
 from benchmarks.records import RESULTS, machine, provenance, write_results
+from disagg.model_source import PresetSource
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
@@ -146,11 +147,11 @@ def latency(handle: DeploymentHandle, batches: list, seconds: float) -> dict[str
     deadline = time.perf_counter() + seconds
     index = 0
     while time.perf_counter() < deadline or len(durations) < 20:
-        dense, sparse = batches[index % len(batches)]
+        inputs = batches[index % len(batches)]
         index += 1
         started = time.perf_counter()
         try:
-            handle.infer.remote(dense, sparse).result(timeout_s=120)
+            handle.infer.remote(inputs).result(timeout_s=120)
         except Exception as error:  # counted apart, never a success
             outcomes.add(error=error)
             continue
@@ -167,11 +168,11 @@ def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: f
     def client(offset: int) -> None:
         index = offset
         while time.perf_counter() < deadline:
-            dense, sparse = batches[index % len(batches)]
+            inputs = batches[index % len(batches)]
             index += clients
             try:
-                handle.infer.remote(dense, sparse).result(timeout_s=300)
-                outcomes.add(rows=dense.shape[0])
+                handle.infer.remote(inputs).result(timeout_s=300)
+                outcomes.add(rows=inputs["dense"].shape[0])
             except Exception as error:
                 outcomes.add(error=error)
 
@@ -210,7 +211,7 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
     for batch in args.batches:
         batches = workload(batch)
         for handle in handles.values():
-            handle.infer.remote(*batches[0]).result(timeout_s=300)  # warm-up
+            handle.infer.remote(batches[0]).result(timeout_s=300)  # warm-up
         for repeat in range(max(args.repeats, args.latency_repeats)):
             order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
             for name in order:
@@ -252,7 +253,7 @@ def scale_out(args: argparse.Namespace, workload: Callable[[int], list], port: i
         handles = deploy([app_config(names[name], args, replicas=replicas, threads=threads, **options)
                           for name, options in systems.items()], port)
         for name in systems:
-            handles[names[name]].infer.remote(*batches[0]).result(timeout_s=300)
+            handles[names[name]].infer.remote(batches[0]).result(timeout_s=300)
             results[name][replicas] = {"memory": app_memory(names[name]), "rows_per_s": [], "errors": [],
                                        "threads": threads}
         for repeat in range(args.repeats):
@@ -278,7 +279,7 @@ def cache_sweep(args: argparse.Namespace, workload: Callable[[int], list], port:
         results |= {name: {"hit_rate": [], "rows_per_s": [], "errors": []} for name in variants}
         for handle in handles.values():  # warm the caches with the same stream the runs use
             for batch in batches[: args.warm_batches]:
-                handle.infer.remote(*batch).result(timeout_s=300)
+                handle.infer.remote(batch).result(timeout_s=300)
         for repeat in range(args.repeats):
             for name in variants if repeat % 2 == 0 else reversed(variants):
                 hits_before, lookups_before = cache_counts(handles[name])
@@ -313,8 +314,9 @@ def dense_memory(args: argparse.Namespace, port: int) -> dict[str, Any]:
     for preset in args.memory_presets:
         spec = preset_spec(preset)
         handle = deploy([app_config("dense-mem", args, serving="disaggregated", preset=preset)], port)["dense-mem"]
-        handle.infer.remote(*SyntheticRequests(spec, seed=0).batch(args.scale_batch)).result(timeout_s=300)
-        dense = build_dense_part(spec, 0).dense_part
+        dense, sparse = SyntheticRequests(spec, seed=0).batch(args.scale_batch)
+        handle.infer.remote({"dense": dense, "sparse": sparse}).result(timeout_s=300)
+        dense = build_dense_part(PresetSource(preset, 0)).dense_part
         memory = {title: process.memory_full_info() for title, process in serve_processes().items()
                   if title.startswith("ServeReplica:dense-mem:DisaggregatedDLRM")}
         info = next(iter(memory.values()))
@@ -476,9 +478,11 @@ def main() -> None:
     generated: dict[int, list] = {}
 
     def workload(rows: int) -> list:
+        """``args.requests`` requests of ``rows`` rows, as the replicas' ``infer`` takes them (by forward argument)."""
         if rows not in generated:
             generator = SyntheticRequests(spec, seed=rows)
-            generated[rows] = [generator.batch(rows) for _ in range(args.requests)]
+            generated[rows] = [dict(zip(("dense", "sparse"), generator.batch(rows), strict=True))
+                               for _ in range(args.requests)]
         return generated[rows]
 
     torch.set_num_threads(1)  # the benchmark process only sends requests

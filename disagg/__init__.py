@@ -1,4 +1,5 @@
-"""Disaggregated DLRM serving: model, partitioner, embedding shards, OIP v2 API, deployments.
+"""Disaggregated recommendation serving (DLRM presets or your own model): model sources and checks, partitioner,
+embedding shards, OIP v2 API, deployments.
 
 Names are imported on first use, so ``import disagg`` loads neither torch nor Ray.
 """
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from disagg.embedding_cache import EmbeddingCache
     from disagg.lookup import LocalRows, RemoteEmbeddings
     from disagg.model import DLRM, build_preset, materialize_
+    from disagg.model_check import ModelReport, check_model
+    from disagg.model_source import FactorySource, ModelError, ModelSource, PresetSource, model_source
     from disagg.partition import EmbeddingLookups, Partition, build_dense_part, embedding_lookups, partition_embeddings
     from disagg.rpc.client import (
         EmbeddingClient,
@@ -31,8 +34,9 @@ if TYPE_CHECKING:
         ShardVersionMismatch,
     )
     from disagg.rpc.server import EmbeddingServer
+    from disagg.signature import InputSignature, ModelSignature, OutputSignature
     from disagg.spec import PRESETS, DLRMSpec, preset_spec
-    from disagg.synthetic import SyntheticRequests
+    from disagg.synthetic import SignatureRequests, SyntheticRequests
     from disagg.tables import TableLayout, TableShard, TableSlice, build_embedding_shard
 
 _EXPORTS = {
@@ -57,10 +61,21 @@ _EXPORTS = {
     "DLRM": "disagg.model",
     "build_preset": "disagg.model",
     "materialize_": "disagg.model",
+    "ModelReport": "disagg.model_check",
+    "check_model": "disagg.model_check",
+    "FactorySource": "disagg.model_source",
+    "ModelError": "disagg.model_source",
+    "ModelSource": "disagg.model_source",
+    "PresetSource": "disagg.model_source",
+    "model_source": "disagg.model_source",
+    "InputSignature": "disagg.signature",
+    "ModelSignature": "disagg.signature",
+    "OutputSignature": "disagg.signature",
     "Partition": "disagg.partition",
     "build_dense_part": "disagg.partition",
     "build_embedding_shard": "disagg.tables",
     "partition_embeddings": "disagg.partition",
+    "SignatureRequests": "disagg.synthetic",
     "SyntheticRequests": "disagg.synthetic",
     "EmbeddingServer": "disagg.rpc.server",
     "EmbeddingClient": "disagg.rpc.client",
@@ -85,12 +100,21 @@ __all__ = [
     "EmbeddingRequestError",
     "EmbeddingServer",
     "EmbeddingServiceConfig",
+    "FactorySource",
+    "InputSignature",
     "LocalRows",
+    "ModelError",
+    "ModelReport",
+    "ModelSignature",
+    "ModelSource",
+    "OutputSignature",
     "Partition",
+    "PresetSource",
     "RemoteEmbeddings",
     "ShardClient",
     "ShardUnavailable",
     "ShardVersionMismatch",
+    "SignatureRequests",
     "SyntheticRequests",
     "TableLayout",
     "TableShard",
@@ -99,8 +123,10 @@ __all__ = [
     "build_dense_part",
     "build_embedding_shard",
     "build_preset",
+    "check_model",
     "embedding_lookups",
     "materialize_",
+    "model_source",
     "partition_embeddings",
     "preset_spec",
 ]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from disagg.signature import InputSignature, ModelSignature, OutputSignature, dlrm_signature
 from disagg.spec import PRESETS, preset_spec, preset_weights
 
 if TYPE_CHECKING:
@@ -22,23 +23,45 @@ WireDtype = Literal["float32", "float16", "bfloat16"]
 MiB = 1024 * 1024
 
 
+#: ``package.module:function`` or ``/absolute/path/file.py:function``.
+FACTORY_PATTERN = r"^(/[^:]+\.py|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*):[A-Za-z_][A-Za-z0-9_]*$"
+
+
 class DLRMModelConfig(BaseModel):
-    """Which DLRM to build and where to run it."""
+    """Which model to build and where to run it: a DLRM preset, or a user model from a factory with its signature."""
 
     model_config = ConfigDict(extra="forbid")
 
-    preset: str = Field(
-        "tiny", description=f"DLRM architecture preset, one of: {', '.join(sorted(PRESETS))}."
+    preset: str | None = Field(
+        None, description=f"DLRM architecture preset, one of: {', '.join(sorted(PRESETS))}; default `tiny` unless a "
+        "`factory` is given.",
+    )
+    factory: str | None = Field(
+        None, pattern=FACTORY_PATTERN,
+        description="A user model instead of a preset: `package.module:function` or `/absolute/path/file.py:function`, "
+        "a function of no arguments returning the `nn.Module` (importable wherever a replica runs); needs `inputs`.",
+    )
+    inputs: list[InputSignature] | None = Field(
+        None, min_length=1, max_length=64,
+        description="The factory model's inputs, one per `forward` argument: `{name, datatype, shape}` (OIP v2 "
+        "datatypes, -1 first for the batch, -1 for a variable dimension), optional `argument` (the forward "
+        "argument, default `name`) and `pad_value`.",
+    )
+    outputs: list[OutputSignature] | None = Field(
+        None, min_length=1, max_length=64,
+        description="The factory model's outputs in the order `forward` returns them (`{name, datatype, shape}`); "
+        "default one FP32 `output`.",
     )
     seed: int = Field(0, ge=0, description="Seed of the deterministic weight initialisation (when no trained "
-                      "weights are loaded).")
+                      "weights are loaded): the preset's per-layer initialisation, or the torch seed a factory runs "
+                      "under.")
     weights: str = Field(
         "auto",
         min_length=1,
         description="Trained weights: `auto` = the preset's shipped weights where it has some (`tiny`: trained on "
         "synthetic click logs, disagg/weights/tiny/), else the seeded initialisation; `seeded` = always the "
-        "seeded initialisation from `seed`; or the absolute path of a `.safetensors` file holding the preset's state "
-        "dict (readable wherever a replica runs).",
+        "seeded initialisation from `seed`; or the absolute path of a `.safetensors` file holding the model's state "
+        "dict (readable wherever a replica runs; each shard reads only its own tables from it).",
     )
     device: str = Field(
         "auto",
@@ -58,8 +81,8 @@ class DLRMModelConfig(BaseModel):
 
     @field_validator("preset")
     @classmethod
-    def _known_preset(cls, preset: str) -> str:
-        if preset not in PRESETS:
+    def _known_preset(cls, preset: str | None) -> str | None:
+        if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown DLRM preset {preset!r}; known presets: {', '.join(sorted(PRESETS))}")
         return preset
 
@@ -72,12 +95,40 @@ class DLRMModelConfig(BaseModel):
             )
         return weights
 
+    @model_validator(mode="after")
+    def _preset_or_factory(self) -> DLRMModelConfig:
+        if self.factory is None:
+            if self.inputs is not None or self.outputs is not None:
+                raise ValueError("inputs and outputs describe a `factory` model; a preset has its own signature")
+            if self.preset is None:
+                self.preset = "tiny"
+            return self
+        if self.preset is not None:
+            raise ValueError("give `preset` or `factory`, not both")
+        if self.inputs is None:
+            raise ValueError("a `factory` model needs `inputs`: one {name, datatype, shape} per forward argument")
+        ModelSignature(inputs=self.inputs, **({} if self.outputs is None else {"outputs": self.outputs}))
+        return self
+
+    @property
+    def label(self) -> str:
+        """What is served, for logs: the preset's name or the factory."""
+        return self.factory or str(self.preset)
+
+    def signature(self) -> ModelSignature:
+        """The served tensors: the config's own for a factory model, else the DLRM presets' (``dlrm_signature``)."""
+        if self.factory is None:
+            spec = preset_spec(str(self.preset))
+            return dlrm_signature(spec.num_dense, spec.num_tables)
+        assert self.inputs is not None  # _preset_or_factory
+        return ModelSignature(inputs=self.inputs, **({} if self.outputs is None else {"outputs": self.outputs}))
+
     def weights_path(self) -> Path | None:
         """The safetensors file to load the model from, or None for the seeded initialisation from ``seed``."""
         if self.weights == "seeded":
             return None
         if self.weights == "auto":
-            return preset_weights(self.preset)
+            return None if self.factory is not None else preset_weights(str(self.preset))
         return Path(self.weights)
 
 
@@ -88,7 +139,8 @@ class DLRMLimits(BaseModel):
 
     max_rows_per_request: int = Field(4096, ge=1, description="Most rows (samples) in one infer request.")
     max_ids_per_feature: int = Field(
-        64, ge=1, description="Most ids per table in one row of `sparse_features` (H of a [B, T, H] multi-hot bag)."
+        64, ge=1, description="Largest size of an input's variable dimension other than the batch: ids per table in "
+        "one row of the presets' `sparse_features` (H of a [B, T, H] multi-hot bag), a user model's history length."
     )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest request body in bytes; larger ones get 413."
@@ -250,6 +302,8 @@ class DLRMAppConfig(BaseModel):
 
     @model_validator(mode="after")
     def _known_tables(self) -> DLRMAppConfig:
+        if self.model.factory is not None:  # its tables are known once it is built: checked by check_model
+            return self
         tables = [f"embeddings.{index}" for index in range(preset_spec(self.model.preset).num_tables)]
         if unknown := sorted(set(self.embedding.table_storage) - set(tables)):
             raise ValueError(f"embedding.table_storage: unknown table {unknown[0]!r}; the {self.model.preset} preset "

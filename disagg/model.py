@@ -178,7 +178,7 @@ def _open_weights(path: str | os.PathLike | None) -> Iterator[_TrainedWeights | 
         return
     if not Path(path).is_file():
         raise FileNotFoundError(f"DLRM weights file not found: {path}")
-    _check_header_length(path)
+    check_weights_header(path)
     try:
         handle = safe_open(os.fspath(path), framework="pt", device="cpu")
     except SafetensorError as exc:
@@ -187,7 +187,7 @@ def _open_weights(path: str | os.PathLike | None) -> Iterator[_TrainedWeights | 
         yield _TrainedWeights(path, handle, frozenset(handle.keys()))
 
 
-def _check_header_length(path: str | os.PathLike) -> None:
+def check_weights_header(path: str | os.PathLike) -> None:
     """Refuse, unparsed, weights whose declared header is over ``MAX_WEIGHTS_HEADER_BYTES``."""
     with open(path, "rb") as file:
         length = int.from_bytes(file.read(8), "little")  # safetensors: a u64 header length, then the JSON header

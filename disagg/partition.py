@@ -2,8 +2,8 @@
 
 ``partition_embeddings`` makes the cut; ``embedding_lookups`` rewrites the embedding half to pool table rows
 fetched elsewhere (a cache, a shard) through a per-batch deduplicated id index; ``build_dense_part`` builds the
-dense half of a DLRM alone: the model is built on the meta device, cut, and only that part is materialized, with the
-full model's values for the same seed (or the same trained weights file, of which only the part's tensors are read).
+dense half of a model alone: its structure is built on the meta device, cut, and only that part is materialized, with
+the full model's values (the same seed, or the same weights file, of which only the part's tensors are read).
 """
 
 from __future__ import annotations
@@ -11,18 +11,18 @@ from __future__ import annotations
 import functools
 import inspect
 import operator
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from disagg.id_space import IdSpace
-from disagg.model import DLRM, materialize_
-from disagg.spec import DLRMSpec
+
+if TYPE_CHECKING:
+    from disagg.model_source import ModelSource
 
 _EMBEDDING_MODULES = (nn.Embedding, nn.EmbeddingBag)
 _EMBEDDING_FUNCTIONS = (F.embedding, F.embedding_bag)
@@ -396,14 +396,15 @@ def _fuse_bags(graph: fx.Graph) -> None:
     graph.lint()
 
 
-def build_dense_part(spec: DLRMSpec, seed: int, weights: str | os.PathLike | None = None) -> Partition:
-    """The DLRM's partition with only ``dense_part`` materialized (MLP weights, no table), from ``seed`` or the
-    safetensors ``weights``.
+def build_dense_part(source: ModelSource) -> Partition:
+    """The model's partition with only ``dense_part`` materialized (no table): its values seeded, or read from the
+    weights file (only the part's tensors).
 
-    The embedding part stays on the meta device; it is there for its interface (``cut_names``, ``embedding_lookups``).
+    The embedding part keeps the structure's meta tables; it is there for its interface (``cut_names``,
+    ``embedding_lookups``).
     """
-    partition = partition_embeddings(DLRM(spec, device="meta"))
-    materialize_(partition.dense_part, seed=seed, weights=weights)
+    partition = partition_embeddings(source.skeleton())
+    source.materialize(partition.dense_part)
     return partition
 
 

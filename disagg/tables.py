@@ -2,7 +2,7 @@
 
 A *table* is an ``nn.Embedding`` / ``nn.EmbeddingBag`` of a model, named by its qualified module name. A
 ``TableLayout`` plans which *slices* (whole tables, or contiguous id ranges of big tables) each shard holds and in
-which storage dtype; ``build_embedding_shard`` materializes only one shard's tables of a meta DLRM, keeps its
+which storage dtype; ``build_embedding_shard`` materializes only one shard's tables of a model's structure, keeps its
 slices (``RowStore``) and frees the rest, so a shard process never holds another shard's rows. The dense side
 computes the same plan and every shard's ``version`` from the config alone, and checks the version shards report.
 """
@@ -15,14 +15,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import get_args
+from typing import TYPE_CHECKING, get_args
 
 import torch
 from torch import nn
 
 from disagg.config import StorageDtype
-from disagg.model import DLRM, materialize_
-from disagg.spec import DLRMSpec
+
+if TYPE_CHECKING:
+    from disagg.model_source import ModelSource
 
 STORAGE_DTYPES: tuple[str, ...] = get_args(StorageDtype)
 
@@ -321,26 +322,24 @@ class TableShard:
         return sum(store.nbytes for store in self.stores)
 
 
-def build_embedding_shard(
-    spec: DLRMSpec, seed: int, index: int, layout: TableLayout, weights: str | os.PathLike | None = None
-) -> TableShard:
-    """Shard ``index`` of ``layout.plan`` over the DLRM's tables, holding only its own slices.
+def build_embedding_shard(source: ModelSource, index: int, layout: TableLayout) -> TableShard:
+    """Shard ``index`` of ``layout.plan`` over the model's tables, holding only its own slices.
 
-    The DLRM is built on the meta device and each of the shard's tables is materialized alone (with the full
-    model's values for ``seed``, or read from the safetensors ``weights``), sliced, converted to its storage dtype
-    and freed before the next, so the process never holds another shard's tables nor two full tables at once.
+    The model's structure is built (``source.skeleton()``) and each of the shard's tables is materialized alone (the
+    full model's values: seeded, or read from the weights file), sliced, converted to its storage dtype and freed
+    before the next, so the process never holds another shard's tables nor two full tables at once.
     """
     if not 0 <= index < layout.num_shards:
         raise ValueError(f"shard index must be in [0, {layout.num_shards}), got {index}")
-    model = DLRM(spec, device="meta")
+    model = source.skeleton()
     slices = layout.plan(embedding_tables(model))[index]
     stores: list[RowStore] = []
     for table in dict.fromkeys(piece.table for piece in slices):
-        materialize_(model, seed=seed, weights=weights, only=[table])
+        source.materialize(model, only=[table])
         layer = model.get_submodule(table)
         with torch.no_grad():
             for piece in (piece for piece in slices if piece.table == table):
                 rows = layer.weight[piece.row_start : piece.row_stop]
                 stores.append(RowStore(piece, rows, layout.storage_of(table)))
         layer.to_empty(device="meta")
-    return TableShard(index, slices, tuple(stores), shard_version(weights_source(seed, weights), slices, layout))
+    return TableShard(index, slices, tuple(stores), shard_version(source.version_source, slices, layout))

@@ -18,6 +18,7 @@ if sys.path[:1] != [HERE]:
     sys.path.insert(0, HERE)
 
 import gevent  # noqa: E402
+from dlrm_requests import settings_target  # noqa: E402
 from gates import on_quitting  # noqa: E402
 from locust import events  # noqa: E402
 from settings import Settings, add_arguments  # noqa: E402
@@ -34,10 +35,8 @@ events.quitting.add_listener(on_quitting)
 
 @events.init.add_listener
 def _configure(environment: Any, **_kwargs: Any) -> None:
-    """Apply ``--user-mix`` to the user classes and switch the step shape off unless it was asked for."""
-    # gevent caches the loop's clock; importing torch (for the DLRM request generator) took seconds since the hub
-    # started, and a stale clock would make locust's --run-time timer fire that much early
-    gevent.get_hub().loop.update_now()
+    """Apply ``--user-mix`` to the user classes, switch the step shape off unless it was asked for, and build the
+    DLRM requests (exit 2 when the DLRM options cannot give them)."""
     settings = Settings.from_options(environment.parsed_options)
     if settings.user_mix is not None:
         chosen = [cls for cls in environment.user_classes if getattr(cls, "kind", None) in settings.user_mix]
@@ -57,4 +56,13 @@ def _configure(environment: Any, **_kwargs: Any) -> None:
             )
         else:
             environment.shape_class = None
+    if any(getattr(cls, "kind", None) == "dlrm" for cls in environment.user_classes):
+        try:  # the DLRM model's requests, built now so a config they cannot come from stops the run before it starts
+            settings_target(settings, settings.seed)
+        except ValueError as exc:
+            logger.error("DLRM requests: %s", exc)
+            sys.exit(2)
+    # gevent caches the loop's clock; importing torch and building the DLRM requests took seconds since the hub
+    # started, and a stale clock would make locust's --run-time timer fire that much early
+    gevent.get_hub().loop.update_now()
     logger.info("users: %s", ", ".join(f"{cls.__name__} (weight {cls.weight:g})" for cls in environment.user_classes))

@@ -156,11 +156,19 @@ OPTIONS = (
     Option("lora_scale", "0.8", number(float), "Scale of every requested LoRA."),
     Option("zipf_s", "1.1", _positive_float, "Zipf exponent s: the add-on of popularity rank r is drawn with "
            "weight r^-s."),
-    Option("dlrm_prefix", "/v2", text, "Route prefix of the DLRM app."),
-    Option("dlrm_model", "dlrm", text, "Model name in /v2/models/{name}/infer."),
-    Option("dlrm_preset", "tiny", text, "DLRM preset the server runs (bounds the synthetic ids)."),
+    Option("dlrm_serve_config", "", optional(text), "Serve config file the server runs (e.g. "
+           "deploy/serve_config.yaml): requests follow the model of its app --dlrm-app (a preset's or a factory "
+           "model's signature), sent to that app's route prefix and model name (empty: --dlrm-preset, --dlrm-prefix "
+           "and --dlrm-model)."),
+    Option("dlrm_app", "dlrm", text, "Application of --dlrm-serve-config the DLRM requests go to."),
+    Option("dlrm_prefix", "/v2", text, "Route prefix of the DLRM app (without --dlrm-serve-config)."),
+    Option("dlrm_model", "dlrm", text, "Model name in /v2/models/{name}/infer (without --dlrm-serve-config)."),
+    Option("dlrm_preset", "tiny", text, "DLRM preset the server runs, which bounds the synthetic ids (without "
+           "--dlrm-serve-config)."),
     Option("dlrm_rows", "16", _positive_int, "Rows (samples) per infer request."),
     Option("dlrm_pool", "64", _positive_int, "Distinct pre-built infer bodies each DLRM user cycles through."),
+    Option("dlrm_variable_size", "1", _positive_int, "Size of every variable dimension of the DLRM model's inputs "
+           "(ids per bag, history length; a preset's bags hold up to this many ids)."),
     Option("step_users", "0", number(int, minimum=0), "Step load shape: users added every step (0: off; then "
            "--users/--spawn-rate/--run-time apply)."),
     Option("step_seconds", "10", _positive_float, "Step load shape: seconds per step."),
@@ -207,11 +215,14 @@ class Settings:
     loras_per_request: tuple[int, int]
     lora_scale: float
     zipf_s: float
+    dlrm_serve_config: str | None
+    dlrm_app: str
     dlrm_prefix: str
     dlrm_model: str
     dlrm_preset: str
     dlrm_rows: int
     dlrm_pool: int
+    dlrm_variable_size: int
     step_users: int
     step_seconds: float
     step_count: int

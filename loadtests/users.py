@@ -1,5 +1,6 @@
 """Locust users of the two applications: ``DiffusionUser`` (image generations with a Zipf mix of ControlNets and
-LoRAs, as in production traces) and ``DLRMUser`` (OIP v2 infer batches of synthetic Criteo-shaped rows).
+LoRAs, as in production traces) and ``DLRMUser`` (OIP v2 infer batches of synthetic rows: Criteo-shaped for a
+preset, of the model's signature for a factory model).
 
 Every user draws from its own generator seeded with ``--seed`` and its number, so its request sequence is
 reproducible; loadtests/README.md, "Users", describes what each sends and checks.
@@ -12,19 +13,17 @@ import binascii
 import io
 import itertools
 import json
-import math
 import random
 import struct
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any, ClassVar
 
+from dlrm_requests import output_problem, settings_target
 from locust import HttpUser, task
 from locust.clients import ResponseContextManager
 from PIL import Image, ImageDraw
 from settings import Settings
-
-from autoconfig.workloads import Workload, dlrm_workload
 
 PROMPTS = (
     "a red circle on a white background",
@@ -198,42 +197,28 @@ class DiffusionUser(SwiftUser):
         return None
 
 
-@lru_cache(maxsize=64)
-def dlrm_requests(preset: str, model: str, rows: int, pool: int, seed: int) -> Workload:
-    """A pool of OIP v2 JSON bodies from the synthetic Criteo-shaped generator (one per seed, built once)."""
-    return dlrm_workload(preset=preset, model_name=model, rows_per_request=rows, pool_size=pool, seed=seed)
-
-
 class DLRMUser(SwiftUser):
-    """Recommendation infer requests; the response must hold one probability per row."""
+    """Recommendation infer requests; the response must hold the model's outputs for every row."""
 
     kind = "dlrm"
 
     def on_start(self) -> None:
-        settings = self.settings
-        self.workload = dlrm_requests(settings.dlrm_preset, settings.dlrm_model, settings.dlrm_rows,
-                                      settings.dlrm_pool, settings.seed + self.number)
-        self.path = settings.dlrm_prefix.rstrip("/") + self.workload.path
+        self.target = settings_target(self.settings, self.settings.seed + self.number)
         self.sent = 0
 
     @task
     def infer(self) -> None:
         self.sent += 1
-        self.send(self.path, self.workload.body(self.sent - 1))
+        self.send(self.target.path, self.target.workload.body(self.sent - 1))
 
     def check(self, response: Any) -> str | None:
-        """Why ``response`` is not ``probabilities`` FP32 [rows, 1] in [0, 1], or None."""
+        """Why ``response`` does not hold each of the model's outputs for the request's rows, or None."""
         if response.status_code != 200:
             return error_text(response)
-        rows = self.settings.dlrm_rows
         try:
             outputs = {output["name"]: output for output in response.json()["outputs"]}
-            probabilities = outputs["probabilities"]
-            shape, values = probabilities["shape"], [float(value) for value in probabilities["data"]]
+            problems = (output_problem(outputs[expected.name], expected, self.settings.dlrm_rows,
+                                       self.target.probabilities) for expected in self.target.outputs)
+            return next((problem for problem in problems if problem), None)
         except (ValueError, KeyError, TypeError) as exc:
             return f"malformed infer response: {exc!r}"
-        if shape != [rows, 1] or len(values) != rows:
-            return f"expected probabilities of shape [{rows}, 1], got shape {shape} with {len(values)} values"
-        if not all(math.isfinite(value) and 0.0 <= value <= 1.0 for value in values):
-            return "probabilities outside [0, 1]"
-        return None

@@ -13,6 +13,7 @@ import torch
 
 from disagg.config import StorageDtype, WireDtype
 from disagg.lookup import LocalRows, RemoteEmbeddings
+from disagg.model_source import PresetSource
 from disagg.partition import build_dense_part, embedding_lookups
 from disagg.spec import preset_spec, preset_weights
 from disagg.tables import TableLayout, build_embedding_shard
@@ -32,11 +33,11 @@ def served_model(*, storage: StorageDtype, wire: WireDtype, preset: str = "tiny"
                  ) -> Callable[[torch.Tensor, torch.Tensor], Awaitable[torch.Tensor]]:
     """``await model(dense, sparse)``: click probabilities [rows, 1] of ``preset``'s shipped weights served
     disaggregated, with ``storage`` tables in ``num_shards`` in-process shards and ``wire`` rows."""
-    spec, weights = preset_spec(preset), preset_weights(preset)
+    source = PresetSource(preset, 0, preset_weights(preset))
     layout = TableLayout(num_shards, storage_dtype=storage)
-    partition = build_dense_part(spec, 0, weights)
+    partition = build_dense_part(source)
     lookups = embedding_lookups(partition)
-    shards = [build_embedding_shard(spec, 0, index, layout, weights) for index in range(num_shards)]
+    shards = [build_embedding_shard(source, index, layout) for index in range(num_shards)]
     embeddings = RemoteEmbeddings(lookups, layout.plan(lookups.tables), LocalRows(shards), wire_dtype=wire)
 
     async def model(dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:

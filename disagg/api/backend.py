@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 
 import torch
 
-from disagg.spec import DLRMSpec
+from disagg.id_ranges import IdRange
+from disagg.signature import ModelSignature
 
 
 class DLRMBackend(abc.ABC):
-    """Runs a DLRM of architecture ``spec`` on validated tensors."""
+    """Runs one recommendation model (a DLRM preset or a user model) on validated tensors."""
 
-    #: Architecture of the served model: input widths and embedding table sizes.
-    spec: DLRMSpec
+    #: The served tensors: wire names, types and shapes, the ``forward`` argument each input feeds.
+    signature: ModelSignature
+    #: Valid ids of each integer input the model looks up, by wire name (``disagg.id_ranges.id_ranges``).
+    id_ranges: Mapping[str, IdRange]
 
     @abc.abstractmethod
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        """Probabilities [B, 1] for ``dense`` float32 [B, num_dense] and ``sparse`` int64 [B, num_tables, H]
-        (-1: empty slot; H may differ between calls)."""
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The outputs (signature order, batch first) of one request's ``inputs``, keyed by ``forward`` argument,
+        each of its signature's shape and type (its variable dimensions may differ between calls)."""
 
     @abc.abstractmethod
     def ready(self) -> bool:

@@ -1,9 +1,10 @@
-"""The OIP v2 JSON and binary codecs together: infer bodies to validated DLRM tensors, and tensors to responses.
+"""The OIP v2 JSON and binary codecs together: infer bodies to validated model tensors, and tensors to responses.
 
 ``parse_infer_request`` splits a body (JSON, or JSON then raw tensor bytes: the binary tensor data extension,
 https://github.com/triton-inference-server/server/blob/main/docs/protocol/extension_binary_data.md) and
-``decode_dlrm_request`` checks it against the model; the encoders go the other way. Every refusal is an
-``APIError`` naming the field at fault. ``sparse_features`` is [B, T, H] id bags or [B, T] (H = 1).
+``decode_infer_inputs`` checks it against the served model's signature and id ranges; the encoders go the other
+way. Every refusal is an ``APIError`` naming the field at fault. A request may leave out an input's trailing
+variable dimension (size 1): the DLRM's ``sparse_features`` is [B, T, H] id bags or [B, T].
 """
 
 from __future__ import annotations
@@ -19,20 +20,26 @@ from pydantic import ValidationError
 
 from disagg.api.protocol import (
     BINARY_DATA_SIZE,
-    DENSE_INPUT,
-    EMPTY_SLOT,
     HEADER_LENGTH,
-    PROBABILITIES_OUTPUT,
-    SPARSE_DATATYPES,
-    SPARSE_INPUT,
     InferRequest,
     InferResponse,
     InferTensor,
     ModelMetadata,
+    RequestedOutput,
     TensorMetadata,
 )
 from disagg.config import DLRMLimits
-from disagg.spec import DLRMSpec
+from disagg.id_ranges import IdRange, torch_dtype
+from disagg.signature import (
+    EMPTY_SLOT,
+    FLOAT_DATATYPES,
+    INTEGER_DATATYPES,
+    VARIABLE,
+    Datatype,
+    InputSignature,
+    ModelSignature,
+    OutputSignature,
+)
 from serving.common.errors import APIError
 from serving.common.http import validation_error_to_api_error
 
@@ -173,101 +180,114 @@ def encode_infer_response(response: InferResponse, binary_outputs: BinaryOutputs
     return b"".join([header, *raw]), len(header)
 
 
-# Wire tensors <-> the DLRM's tensors.
+# Wire tensors <-> the served model's tensors.
+
+#: The datatype a client's tensor is sent as, by its element type.
+_DATATYPES: dict[torch.dtype, Datatype] = {
+    torch.bool: "BOOL", torch.uint8: "UINT8", torch.int8: "INT8", torch.int16: "INT16", torch.int32: "INT32",
+    torch.int64: "INT64", torch.float16: "FP16", torch.float32: "FP32", torch.float64: "FP64",
+}  # fmt: skip
+#: The numpy element type each input datatype is decoded to.
+_NUMPY_DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(code)
+    for name, code in {"BOOL": "?", "INT32": "i4", "INT64": "i8", "FP16": "f2", "FP32": "f4", "FP64": "f8"}.items()
+}
 
 
-class DLRMInputs(NamedTuple):
-    """Engine inputs: ``dense`` float32 [B, num_dense], ``sparse`` int64 ids [B, num_tables, H] (-1: empty slot)."""
-
-    dense: torch.Tensor
-    sparse: torch.Tensor
-
-
-def dlrm_model_metadata(name: str, version: str, spec: DLRMSpec) -> ModelMetadata:
-    """OIP metadata of a DLRM served under ``name``: its input and output tensors (canonical sparse [-1, T, -1])."""
+def model_metadata(name: str, version: str, signature: ModelSignature) -> ModelMetadata:
+    """OIP metadata of the model served under ``name``: its signature's inputs and outputs (-1: variable size)."""
     return ModelMetadata(
         name=name,
         versions=[version],
         platform="pytorch",
-        inputs=[
-            TensorMetadata(name=DENSE_INPUT, datatype="FP32", shape=[-1, spec.num_dense]),
-            TensorMetadata(name=SPARSE_INPUT, datatype="INT64", shape=[-1, spec.num_tables, -1]),
-        ],
-        outputs=[TensorMetadata(name=PROBABILITIES_OUTPUT, datatype="FP32", shape=[-1, 1])],
+        inputs=[TensorMetadata(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in signature.inputs],
+        outputs=[TensorMetadata(name=t.name, datatype=t.datatype, shape=list(t.shape)) for t in signature.outputs],
     )
 
 
-def _check_requested_outputs(request: InferRequest) -> None:
+def _listed(names: Sequence[str]) -> str:
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
+
+
+def _shape_text(shape: Sequence[int]) -> str:
+    """The shapes a request may give an input of signature ``shape``."""
+    if len(shape) > 1 and shape[-1] == VARIABLE:
+        return f"{list(shape)} or {list(shape[:-1])} (-1: any size)"
+    return f"{list(shape)} (-1: any size)" if VARIABLE in shape[1:] else f"{list(shape)} (-1: any number of rows)"
+
+
+def _at(position: Sequence[int]) -> str:
+    """Where ``position`` (row first) is in a tensor, as a message says it."""
+    row, rest = int(position[0]), [int(i) for i in position[1:]]
+    if not rest:
+        return f"row {row}"
+    return f"row {row}, position {rest[0] if len(rest) == 1 else rest}"
+
+
+def _check_requested_outputs(request: InferRequest, signature: ModelSignature) -> None:
+    names = [tensor.name for tensor in signature.outputs]
+    requested: set[str] = set()
     for index, output in enumerate(request.outputs or []):
-        if output.name != PROBABILITIES_OUTPUT:
-            raise _bad(
-                f"outputs[{index}].name", f"unknown output {output.name!r}; this model has {PROBABILITIES_OUTPUT!r}"
-            )
+        if output.name not in names:
+            raise _bad(f"outputs[{index}].name", f"unknown output {output.name!r}; this model has {_listed(names)}")
+        if output.name in requested:
+            raise _bad(f"outputs[{index}].name", f"duplicate output {output.name!r}")
+        requested.add(output.name)
 
 
-def _find_inputs(request: InferRequest) -> dict[str, int]:
-    """Position of each expected input in ``request.inputs``; refuses unknown, duplicate and missing ones."""
-    expected = (DENSE_INPUT, SPARSE_INPUT)
-    positions: dict[str, int] = {}
+def _find_inputs(request: InferRequest, signature: ModelSignature) -> list[tuple[int, InputSignature]]:
+    """Each request input's position and signature, in request order; refuses unknown, duplicate and missing ones."""
+    expected = {tensor.name: tensor for tensor in signature.inputs}
+    found: dict[str, int] = {}
     for index, tensor in enumerate(request.inputs):
         if tensor.name not in expected:
-            raise _bad(
-                f"inputs[{index}].name", f"unknown input {tensor.name!r}; expected {DENSE_INPUT!r} and {SPARSE_INPUT!r}"
-            )
-        if tensor.name in positions:
+            raise _bad(f"inputs[{index}].name", f"unknown input {tensor.name!r}; expected {_listed(list(expected))}")
+        if tensor.name in found:
             raise _bad(f"inputs[{index}].name", f"duplicate input {tensor.name!r}")
-        positions[tensor.name] = index
+        found[tensor.name] = index
     for name in expected:
-        if name not in positions:
-            raise _bad("inputs", f"missing input {name!r}")
-    return positions
+        if name not in found:
+            raise _bad("inputs", f"missing input {name!r}; expected {_listed(list(expected))}")
+    return [(index, expected[name]) for name, index in found.items()]
 
 
-def _check_rows(tensor: InferTensor, param: str, max_rows: int) -> int:
-    rows = tensor.shape[0]
+def _check_datatype(tensor: InferTensor, index: int, expected: InputSignature) -> None:
+    """An INT64 input also takes INT32 data; other inputs take their own datatype only."""
+    accepted = ("INT64", "INT32") if expected.datatype == "INT64" else (expected.datatype,)
+    if tensor.datatype not in accepted:
+        raise _bad(f"inputs[{index}].datatype", f"{tensor.name} must be {' or '.join(accepted)}, got {tensor.datatype}")
+
+
+def _checked_shape(tensor: InferTensor, index: int, expected: InputSignature, limits: DLRMLimits) -> list[int]:
+    """``tensor.shape`` as ``expected.shape`` has it (a left-out trailing variable dimension is 1), checked against
+    its fixed sizes and the limits: 1 to ``max_rows_per_request`` rows (413 past it), 1 to ``max_ids_per_feature``
+    along each other variable dimension."""
+    param, wanted = f"inputs[{index}].shape", expected.shape
+    omits_last = len(wanted) > 1 and wanted[-1] == VARIABLE and len(tensor.shape) == len(wanted) - 1
+    shape = [*tensor.shape, 1] if omits_last else tensor.shape
+    if len(shape) != len(wanted):
+        raise _bad(param, f"{tensor.name} must have shape {_shape_text(wanted)}, got {tensor.shape}")
+    for axis in range(1, len(wanted)):
+        size, limit = shape[axis], limits.max_ids_per_feature
+        if wanted[axis] != VARIABLE and size != wanted[axis]:
+            raise _bad(param, f"{tensor.name} needs {wanted[axis]} values along dimension {axis}, got {size}")
+        if size == 0:
+            raise _bad(param, f"{tensor.name} has no values along dimension {axis}")
+        if wanted[axis] == VARIABLE and size > limit:
+            raise _bad(param, f"{tensor.name} has {size} values along dimension {axis}, over the limit of {limit} "
+                       "per variable dimension")
+    rows, max_rows = shape[0], limits.max_rows_per_request
     if rows == 0:
         raise _bad(param, f"{tensor.name} has no rows")
     if rows > max_rows:
         raise _too_large(param, f"{rows} rows exceed the limit of {max_rows} rows per request")
-    return rows
+    return shape
 
 
-def _check_dense_shape(tensor: InferTensor, index: int, spec: DLRMSpec, limits: DLRMLimits) -> int:
-    """Validates ``shape`` == [B, num_dense]; returns B."""
-    param, features = f"inputs[{index}].shape", spec.num_dense
-    if len(tensor.shape) != 2:
-        raise _bad(param, f"{DENSE_INPUT} must have shape [batch, {features}], got {tensor.shape}")
-    if tensor.shape[1] != features:
-        raise _bad(param, f"{DENSE_INPUT} needs {features} dense features per row, got {tensor.shape[1]}")
-    return _check_rows(tensor, param, limits.max_rows_per_request)
-
-
-def _check_sparse_shape(tensor: InferTensor, index: int, spec: DLRMSpec, limits: DLRMLimits) -> int:
-    """Validates ``shape`` == [B, num_tables] or [B, num_tables, H] with 1 <= H <= the limit; returns B."""
-    param, tables = f"inputs[{index}].shape", spec.num_tables
-    if len(tensor.shape) not in (2, 3):
-        raise _bad(
-            param,
-            f"{SPARSE_INPUT} must have shape [batch, {tables}] or [batch, {tables}, ids_per_table], got {tensor.shape}",
-        )
-    if tensor.shape[1] != tables:
-        raise _bad(
-            param, f"{SPARSE_INPUT} needs {tables} sparse features (one per table) per row, got {tensor.shape[1]}"
-        )
-    if len(tensor.shape) == 3:
-        ids, limit = tensor.shape[2], limits.max_ids_per_feature
-        if ids == 0:
-            raise _bad(param, f"{SPARSE_INPUT} has no id slots per table")
-        if ids > limit:
-            raise _bad(param, f"{ids} ids per table exceed the limit of {limit} ids per table")
-    return _check_rows(tensor, param, limits.max_rows_per_request)
-
-
-def _to_array(tensor: InferTensor, index: int, binary: np.ndarray | None, *, integers: bool) -> np.ndarray:
-    """The input as a numpy array of ``tensor.shape``: ``binary`` if given, else ``tensor.data`` holding
-    integers (or any real numbers)."""
-    if binary is not None:
-        return binary
+def _json_array(tensor: InferTensor, index: int) -> np.ndarray:
+    """``tensor.data`` as a numpy array of ``tensor.shape``'s count of values, flat or of that shape (any element
+    type: the caller checks it)."""
     param = f"inputs[{index}].data"
     if tensor.data is None:
         raise _bad(param, "field required")
@@ -278,112 +298,151 @@ def _to_array(tensor: InferTensor, index: int, binary: np.ndarray | None, *, int
     expected = math.prod(tensor.shape)
     if array.size != expected:
         raise _bad(param, f"shape {tensor.shape} needs {expected} values, data has {array.size}")
-    if integers and array.dtype.kind not in "iu":
-        raise _bad(param, f"{tensor.name} data must be integers in the int64 range")
-    if not integers and array.dtype.kind not in "iuf":
-        raise _bad(param, f"{tensor.name} data must be numbers")
     if array.ndim > 1 and list(array.shape) != tensor.shape:
         raise _bad(param, f"nested data has shape {list(array.shape)} but shape is {tensor.shape}")
-    return array.reshape(tensor.shape)
+    return array
 
 
-def _decode_dense(tensor: InferTensor, index: int, binary: np.ndarray | None) -> torch.Tensor:
-    if tensor.datatype != "FP32":
-        raise _bad(f"inputs[{index}].datatype", f"{DENSE_INPUT} must be FP32, got {tensor.datatype}")
+def _floats(array: np.ndarray, tensor: InferTensor, index: int, datatype: str) -> np.ndarray:
+    """Finite numbers of ``datatype`` (JSON integers included)."""
+    if array.dtype.kind not in "iuf":
+        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be numbers")
     with np.errstate(over="ignore", invalid="ignore"):
-        dense = _to_array(tensor, index, binary, integers=False).astype(np.float32)
-    not_finite = ~np.isfinite(dense)
+        values = array.astype(_NUMPY_DTYPES[datatype])
+    not_finite = ~np.isfinite(values)
     if not_finite.any():
-        row, feature = (int(i) for i in np.argwhere(not_finite)[0])
+        position = np.unravel_index(int(np.argmax(not_finite)), values.shape)
         raise _bad(
             f"inputs[{index}].data",
-            f"{DENSE_INPUT} value {dense[row, feature]} at row {row}, feature {feature} is not "
-            f"a finite FP32 number ({int(not_finite.sum())} such value(s))",
+            f"{tensor.name} value {values[position]} at {_at(position)} is not a finite {datatype} number "
+            f"({int(not_finite.sum())} such value(s))",
         )
-    return torch.from_numpy(dense)
+    return values
 
 
-def _decode_sparse(
-    tensor: InferTensor, index: int, binary: np.ndarray | None, table_sizes: tuple[int, ...]
+def _integers(array: np.ndarray, tensor: InferTensor, index: int, datatype: str) -> np.ndarray:
+    """Integers within the range of the request's datatype (JSON ones may be any size), widened to ``datatype``."""
+    wire = WIRE_DTYPES[tensor.datatype]
+    if array.dtype.kind not in "iu" or (
+        array.dtype != wire and not np.iinfo(wire).min <= array.min() <= array.max() <= np.iinfo(wire).max
+    ):
+        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be integers in the {tensor.datatype} range")
+    return array.astype(_NUMPY_DTYPES[datatype])
+
+
+def _booleans(array: np.ndarray, tensor: InferTensor, index: int) -> np.ndarray:
+    """true/false or 0/1 (binary BOOL data: bytes 0 and 1)."""
+    numbers = array.view(np.uint8) if array.dtype.kind == "b" else array
+    if numbers.dtype.kind not in "iu" or ((numbers != 0) & (numbers != 1)).any():
+        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be true/false or 0/1")
+    return array.astype(np.bool_)
+
+
+def _check_ids(ids: np.ndarray, valid: IdRange, tensor: InferTensor, index: int) -> None:
+    """Every id within ``valid`` for its position; else a 400 naming the first one's position and table."""
+    out_of_range = (ids < valid.low) | (ids >= valid.high)
+    if not out_of_range.any():
+        return
+    position = np.unravel_index(int(np.argmax(out_of_range)), ids.shape)
+    high, table = np.broadcast_to(valid.high, ids.shape)[position], np.broadcast_to(valid.tables, ids.shape)[position]
+    empty_slot = f", or {EMPTY_SLOT} for an empty slot" if valid.low == EMPTY_SLOT else ""
+    where = "" if table is None else f" for table {table}"
+    ids_range = "0 or more" if table is None else f"0..{high - 1}"
+    raise _bad(
+        f"inputs[{index}].data",
+        f"id {ids[position]} in {_at(position[: len(tensor.shape)])} is out of range{where} (valid ids {ids_range}"
+        f"{empty_slot}; {int(out_of_range.sum())} id(s) out of range)",
+    )
+
+
+def _decode_input(
+    tensor: InferTensor, index: int, binary: np.ndarray | None, expected: InputSignature, shape: list[int],
+    valid: IdRange | None,
 ) -> torch.Tensor:
-    if tensor.datatype not in SPARSE_DATATYPES:
-        raise _bad(
-            f"inputs[{index}].datatype",
-            f"{SPARSE_INPUT} must be {' or '.join(SPARSE_DATATYPES)}, got {tensor.datatype}",
-        )
-    ids = _to_array(tensor, index, binary, integers=True)
-    ids = ids.reshape(ids.shape[0], ids.shape[1], -1)
-    sizes = np.asarray(table_sizes, dtype=np.int64)[:, None]
-    out_of_range = (ids < EMPTY_SLOT) | (ids >= sizes)
-    if out_of_range.any():
-        row, table, slot = (int(i) for i in np.argwhere(out_of_range)[0])
-        raise _bad(
-            f"inputs[{index}].data",
-            f"id {ids[row, table, slot]} in row {row} is out of range for table {table} "
-            f"(valid ids 0..{table_sizes[table] - 1}, or {EMPTY_SLOT} for an empty slot; "
-            f"{int(out_of_range.sum())} id(s) out of range)",
-        )
-    return torch.from_numpy(ids.astype(np.int64))
+    """One checked input (``binary``, else its JSON ``data``) of ``shape`` and the signature's element type."""
+    array = (_json_array(tensor, index) if binary is None else binary).reshape(tensor.shape)
+    if expected.datatype in FLOAT_DATATYPES:
+        values = _floats(array, tensor, index, expected.datatype)
+    elif expected.datatype in INTEGER_DATATYPES:
+        values = _integers(array, tensor, index, expected.datatype)
+    else:
+        values = _booleans(array, tensor, index)
+    values = values.reshape(shape)
+    if valid is not None:
+        _check_ids(values, valid, tensor, index)
+    return torch.from_numpy(values)
 
 
-def decode_dlrm_request(
-    request: InferRequest, spec: DLRMSpec, limits: DLRMLimits, binary_inputs: Sequence[np.ndarray | None] | None = None
-) -> DLRMInputs:
-    """Validated engine tensors from an infer request; APIError(400, or 413 past the row limit) otherwise.
+def decode_infer_inputs(
+    request: InferRequest,
+    signature: ModelSignature,
+    id_ranges: Mapping[str, IdRange],
+    limits: DLRMLimits,
+    binary_inputs: Sequence[np.ndarray | None] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The model's inputs, keyed by ``forward`` argument (signature order), each of its signature's element type and
+    rank; APIError(400, or 413 past the row limit) naming the field at fault otherwise.
 
-    ``binary_inputs[i]``, where not None, is input i's binary tensor data (an array of its shape and
-    datatype) in place of its JSON ``data``; None for a JSON-only request.
+    Every input of ``signature`` once, with its datatype (an INT64 input also takes INT32), fixed sizes and one
+    batch size; ids within ``id_ranges`` (by wire name); requested outputs of the signature. ``binary_inputs[i]``,
+    where not None, is input i's binary tensor data (an array of its shape and datatype) in place of its JSON
+    ``data``; None for a JSON-only request.
     """
-    _check_requested_outputs(request)
-    positions = _find_inputs(request)
-    dense_index, sparse_index = positions[DENSE_INPUT], positions[SPARSE_INPUT]
-    dense_tensor, sparse_tensor = request.inputs[dense_index], request.inputs[sparse_index]
-    dense_rows = _check_dense_shape(dense_tensor, dense_index, spec, limits)
-    sparse_rows = _check_sparse_shape(sparse_tensor, sparse_index, spec, limits)
-    if sparse_rows != dense_rows:
-        raise _bad(
-            f"inputs[{sparse_index}].shape", f"{SPARSE_INPUT} has {sparse_rows} rows but {DENSE_INPUT} has {dense_rows}"
-        )
+    _check_requested_outputs(request, signature)
+    found = _find_inputs(request, signature)
+    shapes: dict[int, list[int]] = {}
+    for index, expected in found:
+        _check_datatype(request.inputs[index], index, expected)
+        shapes[index] = _checked_shape(request.inputs[index], index, expected, limits)
+    (first, _), *others = found
+    for index, _ in others:
+        if shapes[index][0] != shapes[first][0]:
+            raise _bad(f"inputs[{index}].shape", f"{request.inputs[index].name} has {shapes[index][0]} rows but "
+                       f"{request.inputs[first].name} has {shapes[first][0]}")
     binary = binary_inputs or [None] * len(request.inputs)
-    return DLRMInputs(
-        dense=_decode_dense(dense_tensor, dense_index, binary[dense_index]),
-        sparse=_decode_sparse(sparse_tensor, sparse_index, binary[sparse_index], spec.table_sizes),
-    )
+    positions = {expected.name: index for index, expected in found}
+    inputs = {}
+    for expected in signature.inputs:
+        index = positions[expected.name]
+        inputs[expected.forward_argument] = _decode_input(request.inputs[index], index, binary[index], expected,
+                                                          shapes[index], id_ranges.get(expected.name))
+    return inputs
 
 
-def encode_dlrm_request(dense: torch.Tensor, sparse: torch.Tensor, *, request_id: str | None = None) -> InferRequest:
-    """Client side: the JSON infer request for ``dense`` [B, num_dense] and ``sparse`` ids [B, T] or [B, T, H]."""
-    return InferRequest(
-        id=request_id,
-        inputs=[
-            InferTensor(
-                name=DENSE_INPUT,
-                shape=list(dense.shape),
-                datatype="FP32",
-                data=dense.to(torch.float32).reshape(-1).tolist(),
-            ),
-            InferTensor(
-                name=SPARSE_INPUT,
-                shape=list(sparse.shape),
-                datatype="INT64",
-                data=sparse.to(torch.int64).reshape(-1).tolist(),
-            ),
-        ],
-    )
+def encode_infer_request(inputs: Mapping[str, torch.Tensor], *, request_id: str | None = None) -> InferRequest:
+    """Client side: the JSON infer request for ``inputs`` keyed by wire name, each sent as the datatype of its
+    element type (ValueError for one OIP has none for, e.g. bfloat16)."""
+    tensors = []
+    for name, tensor in inputs.items():
+        if tensor.dtype not in _DATATYPES:
+            raise ValueError(f"input {name!r}: no OIP datatype for {tensor.dtype}")
+        tensors.append(InferTensor(name=name, shape=list(tensor.shape), datatype=_DATATYPES[tensor.dtype],
+                                   data=tensor.detach().cpu().reshape(-1).tolist()))
+    return InferRequest(id=request_id, inputs=tensors)
 
 
-def encode_dlrm_response(
-    probabilities: torch.Tensor, *, model_name: str, model_version: str | None, request_id: str | None
+def _output_tensor(expected: OutputSignature, output: torch.Tensor) -> InferTensor:
+    values = output.detach().to("cpu", torch_dtype(expected.datatype))
+    return InferTensor(name=expected.name, shape=list(values.shape), datatype=expected.datatype,
+                       data=values.reshape(-1).tolist())
+
+
+def encode_outputs(
+    outputs: Sequence[torch.Tensor],
+    signature: ModelSignature,
+    *,
+    requested: Sequence[RequestedOutput] | None,
+    model_name: str,
+    model_version: str | None,
+    request_id: str | None,
 ) -> InferResponse:
-    """Infer response carrying ``probabilities`` [B, 1] as the FP32 output ``probabilities``."""
-    values = probabilities.detach().to("cpu", torch.float32).reshape(-1, 1)
+    """Infer response carrying ``outputs`` (the backend's, in signature order) as the signature's outputs, each of
+    its datatype: those ``requested`` (the request's ``outputs``, in its order), or all when it names none."""
+    produced = {expected.name: (expected, output) for expected, output in zip(signature.outputs, outputs, strict=True)}
+    names = [output.name for output in requested] if requested else list(produced)
     return InferResponse(
         model_name=model_name,
         model_version=model_version,
         id=request_id,
-        outputs=[
-            InferTensor(
-                name=PROBABILITIES_OUTPUT, shape=list(values.shape), datatype="FP32", data=values.reshape(-1).tolist()
-            )
-        ],
+        outputs=[_output_tensor(*produced[name]) for name in names],
     )

@@ -1,26 +1,18 @@
-"""KServe Open Inference Protocol (OIP) v2 wire schema for the DLRM: bodies, tensor names, binary-extension headers.
+"""KServe Open Inference Protocol (OIP) v2 wire schema of the recommendation app: bodies, binary-extension headers.
 
 Spec: https://kserve.github.io/website/latest/modelserving/data_plane/v2_protocol/ . The models know nothing of
-tensors or of the model; ``disagg.api.codec`` converts between them and the engine's tensors.
+tensors or of the served model (its tensors are its ``disagg.signature.ModelSignature``); ``disagg.api.codec``
+converts between them and the engine's tensors.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Datatype = Literal[
-    "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
-    "FP16", "FP32", "FP64", "BYTES",
-]  # fmt: skip
+from disagg.signature import Datatype
 
-DENSE_INPUT = "dense_features"
-SPARSE_INPUT = "sparse_features"
-PROBABILITIES_OUTPUT = "probabilities"
-SPARSE_DATATYPES: tuple[Datatype, ...] = ("INT64", "INT32")
-#: Marks an unused id slot in a ``sparse_features`` bag.
-EMPTY_SLOT = -1
 #: Binary tensor data extension: the header giving the JSON's length, and the body's media type when bytes follow.
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_MEDIA_TYPE = "application/octet-stream"

@@ -1,4 +1,4 @@
-"""OIP v2 routes of one DLRM: short handlers over the backend and config that ``create_oip_api`` puts in ``app.state``.
+"""OIP v2 routes of the served model: short handlers over the backend and config in ``app.state`` (``create_oip_api``).
 
 Paths carry no ``/v2``: Ray Serve mounts the app under the route prefix ``/v2``.
 """
@@ -12,10 +12,10 @@ from fastapi.responses import JSONResponse, Response
 
 from disagg.api.backend import DLRMBackend
 from disagg.api.codec import (
-    decode_dlrm_request,
-    dlrm_model_metadata,
-    encode_dlrm_response,
+    decode_infer_inputs,
     encode_infer_response,
+    encode_outputs,
+    model_metadata,
     parse_infer_request,
 )
 from disagg.api.protocol import (
@@ -34,7 +34,7 @@ from serving.common.constants import SERVER_NAME
 from serving.common.errors import APIError
 from serving.common.http import app_state, error_responses
 
-#: The one version every served DLRM has; weights are fixed by (preset, seed) for the app's lifetime.
+#: The one version every served model has; its weights are fixed for the app's lifetime.
 MODEL_VERSION = "1"
 
 
@@ -59,8 +59,9 @@ block per input that sets `parameters.binary_data_size` (in input order) instead
 back as binary data when the request sets `parameters.binary_data_output` or an output's
 `parameters.binary_data`; such a response is `{BINARY_MEDIA_TYPE}` with the same header.
 
-`sparse_features` is [batch, tables, ids_per_table] (multi-hot, sum-pooled; -1 marks an empty slot) or
-[batch, tables] for one id per table; INT64 or INT32."""
+The inputs and outputs are the served model's (`GET /v2/models/{{model_name}}`; dimension 0 is the batch, -1 any
+size): each input once, all with the same number of rows. An INT64 input also takes INT32 data, and a request may
+leave out an input's last dimension where it is -1 (size 1)."""
 _INFER_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {
         "description": f"The outputs: JSON, or `{BINARY_MEDIA_TYPE}` when binary outputs were asked for.",
@@ -93,10 +94,11 @@ def _readiness(backend: DLRMBackend, body: dict[str, str]) -> JSONResponse:
 
 async def _infer(request: Request, backend: DLRMBackend, config: DLRMAppConfig) -> Response:
     parsed = parse_infer_request(await request.body(), request.headers.get(HEADER_LENGTH))
-    inputs = decode_dlrm_request(parsed.request, backend.spec, config.limits, parsed.binary_inputs)
-    probabilities = await backend.infer(inputs.dense, inputs.sparse)
-    response = encode_dlrm_response(probabilities, model_name=config.model_name, model_version=MODEL_VERSION,
-                                    request_id=parsed.request.id)
+    inputs = decode_infer_inputs(parsed.request, backend.signature, backend.id_ranges, config.limits,
+                                 parsed.binary_inputs)
+    outputs = await backend.infer(inputs)
+    response = encode_outputs(outputs, backend.signature, requested=parsed.request.outputs,
+                              model_name=config.model_name, model_version=MODEL_VERSION, request_id=parsed.request.id)
     body, header_length = encode_infer_response(response, parsed.binary_outputs)
     if header_length is None:
         return Response(body, media_type="application/json")
@@ -122,7 +124,7 @@ async def ready(backend: Backend) -> JSONResponse:
             responses=_MODEL_ERRORS)
 async def get_model_metadata(backend: Backend, config: Config, model_name: ModelName) -> ModelMetadata:
     require_model(config, model_name)
-    return dlrm_model_metadata(config.model_name, MODEL_VERSION, backend.spec)
+    return model_metadata(config.model_name, MODEL_VERSION, backend.signature)
 
 
 @router.get("/models/{model_name}/versions/{model_version}", response_model=ModelMetadata,
@@ -131,7 +133,7 @@ async def get_model_version_metadata(
     backend: Backend, config: Config, model_name: ModelName, model_version: ModelVersion
 ) -> ModelMetadata:
     require_model(config, model_name, model_version)
-    return dlrm_model_metadata(config.model_name, MODEL_VERSION, backend.spec)
+    return model_metadata(config.model_name, MODEL_VERSION, backend.signature)
 
 
 @router.get("/models/{model_name}/ready", response_model=ModelReady, responses=_MODEL_READY_RESPONSES)

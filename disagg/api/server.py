@@ -1,4 +1,4 @@
-"""The DLRM app's OIP v2 HTTP API: a FastAPI app over a ``DLRMBackend``, documented for the model it serves.
+"""The DLRM app's OIP v2 HTTP API: a FastAPI app over a ``DLRMBackend``, documented for the signature it serves.
 
 Infer bodies are JSON or use the binary tensor data extension, so infer routes parse the raw body and the app
 publishes the ``InferRequest`` schema itself.
@@ -15,11 +15,12 @@ from fastapi.responses import JSONResponse
 from pydantic.json_schema import models_json_schema
 
 from disagg.api.backend import DLRMBackend
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.api.protocol import BINARY_MEDIA_TYPE, HEADER_LENGTH, ErrorResponse, InferRequest, ServerMetadata
 from disagg.api.router import MODEL_VERSION, get_server_metadata, health_router, router
 from disagg.config import DLRMAppConfig
-from disagg.spec import DLRMSpec
+from disagg.id_ranges import probe_shape, torch_dtype
+from disagg.signature import InputSignature, ModelSignature, OutputSignature
 from serving.common.auth import api_key_dependencies
 from serving.common.constants import SERVER_NAME
 from serving.common.errors import APIError
@@ -41,11 +42,12 @@ def _server_version() -> str:
         return "unknown"
 
 
-def _infer_request_body(spec: DLRMSpec) -> dict[str, Any]:
-    """The infer routes' body in OpenAPI, with examples that work on a model of ``spec``."""
-    row = encode_dlrm_request(
-        torch.zeros(1, spec.num_dense), torch.zeros(1, spec.num_tables, dtype=torch.int64), request_id="example"
-    ).model_dump(exclude_none=True)
+def _infer_request_body(signature: ModelSignature) -> dict[str, Any]:
+    """The infer routes' body in OpenAPI, with examples that work on a model of ``signature`` (one row of zeros,
+    size 1 along its variable dimensions)."""
+    zeros = {tensor.name: torch.zeros(probe_shape(tensor, batch=1, variable=1), dtype=torch_dtype(tensor.datatype))
+             for tensor in signature.inputs}
+    row = encode_infer_request(zeros, request_id="example").model_dump(exclude_none=True)
     examples = {
         "one_row": {"summary": "One row; JSON outputs", "value": row},
         "binary_outputs": {
@@ -63,9 +65,21 @@ def _infer_request_body(spec: DLRMSpec) -> dict[str, Any]:
     }
 
 
-def _document_served_model(schema: dict[str, Any], config: DLRMAppConfig, spec: DLRMSpec) -> None:
-    """What the routes cannot declare: the served model's name and version as the only path values, the infer
-    body (header, examples) and the ``InferRequest`` schema as requests see it."""
+def _tensor_line(tensor: InputSignature | OutputSignature) -> str:
+    takes_int32 = isinstance(tensor, InputSignature) and tensor.datatype == "INT64"
+    return f"- `{tensor.name}`: {tensor.datatype}{' (or INT32)' if takes_int32 else ''} {tensor.shape}"
+
+
+def _signature_text(signature: ModelSignature) -> str:
+    """The served tensors, as the infer routes' description lists them."""
+    inputs = "\n".join(_tensor_line(tensor) for tensor in signature.inputs)
+    outputs = "\n".join(_tensor_line(tensor) for tensor in signature.outputs)
+    return f"\n\nInputs of the served model:\n\n{inputs}\n\nOutputs:\n\n{outputs}"
+
+
+def _document_served_model(schema: dict[str, Any], config: DLRMAppConfig, signature: ModelSignature) -> None:
+    """What the routes cannot declare: the served model's name and version as the only path values, its inputs and
+    outputs, the infer body (header, examples) and the ``InferRequest`` schema as requests see it."""
     served = {"model_name": [config.model_name], "model_version": [MODEL_VERSION]}
     for path, operations in schema["paths"].items():
         for operation in operations.values():
@@ -80,7 +94,8 @@ def _document_served_model(schema: dict[str, Any], config: DLRMAppConfig, spec: 
                     "description": "Binary tensor data extension: bytes of JSON at the start of the body.",
                     "schema": {"type": "string", "pattern": "^[0-9]+$"},
                 })
-                operation["requestBody"] = _infer_request_body(spec)
+                operation["description"] += _signature_text(signature)
+                operation["requestBody"] = _infer_request_body(signature)
     _, definitions = models_json_schema([(InferRequest, "validation")], ref_template=_SCHEMA_REF)
     schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
 
@@ -99,5 +114,5 @@ def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig, *, api_key: str 
     # `GET /v2` under Serve's route prefix /v2: an empty path, which an included router cannot hold
     app.add_api_route("", get_server_metadata, response_model=ServerMetadata, include_in_schema=False,
                       dependencies=protected)
-    edit_openapi(app, lambda schema: _document_served_model(schema, config, backend.spec))
+    edit_openapi(app, lambda schema: _document_served_model(schema, config, backend.signature))
     return app

@@ -13,7 +13,11 @@ from disagg.config import DLRMAppConfig
 from disagg.deployments.disaggregated import DisaggregatedDLRM
 from disagg.deployments.monolithic import MonolithicDLRM
 from disagg.deployments.shards import EmbeddingShardServer, ShardDirectory
+from disagg.model_check import check_model
 from serving.common.backpressure import OVERLOADED
+from serving.common.logging import get_logger
+
+logger = get_logger("disagg.deployments.app")
 
 
 def ingress_options(config: DLRMAppConfig) -> dict[str, Any]:
@@ -39,8 +43,13 @@ def build_app(args: DLRMAppConfig) -> Application:
 
     ``disaggregated``: ``DisaggregatedDLRM`` (ingress, dense part) + ``EmbeddingShard_<i>`` deployments (gRPC
     servers, ``embedding.replicas_per_shard`` replicas each) + ``ShardDirectory``. ``monolithic``: ``MonolithicDLRM``.
+    The model is checked first (``check_model``: factory, weights, signature, graph), so a model no replica could
+    serve fails here with a ``ModelError`` naming the key, before any replica starts.
     """
     config = DLRMAppConfig.model_validate(args)
+    report = check_model(config)
+    for note in report.notes:
+        logger.warning("%s: %s", config.model_name, note)
     options = ingress_options(config)
     if config.serving == "monolithic":
         return MonolithicDLRM.options(**options).bind(config)

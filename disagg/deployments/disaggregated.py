@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -20,14 +21,15 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
 from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction, BusyMeter
-from disagg.deployments.ingress import MODEL_INPUTS, BatchedDLRM
+from disagg.deployments.ingress import BatchedDLRM
 from disagg.embedding_cache import EmbeddingCache
+from disagg.id_ranges import id_ranges
 from disagg.lookup import RemoteEmbeddings
-from disagg.partition import Partition, build_dense_part, dense_stages, embedding_lookups
+from disagg.model_source import model_source
+from disagg.partition import EmbeddingLookups, build_dense_part, dense_stages, embedding_lookups
 from disagg.rpc.client import EmbeddingClient, ShardClient, ShardStats
 from disagg.rpc.tls import channel_credentials
-from disagg.spec import preset_spec
-from disagg.tables import shard_version, weights_source
+from disagg.tables import shard_version
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
@@ -52,35 +54,36 @@ class DisaggregatedDLRM(BatchedDLRM):
         self.metrics = Metrics.for_replica()
         self._busy = BusyMeter()  # time in the dense stages, the autoscaling metric (not time waiting for lookups)
         self._busy_fraction = BusyFraction(self._busy.busy_seconds)
-        embedding = self.config.embedding
-        self.spec = preset_spec(self.config.model.preset)
-        self.device = resolve_device(self.config.model.device)
-        set_torch_threads(self.config.model.torch_threads)
-        partition = await asyncio.to_thread(build_dense_part, self.spec, self.config.model.seed,
-                                            self.config.model.weights_path())
+        embedding, model = self.config.embedding, self.config.model
+        self.device = resolve_device(model.device)
+        set_torch_threads(model.torch_threads)
+        source = model_source(model)
+        self.signature = source.signature
+        partition = await asyncio.to_thread(build_dense_part, source)
         partition.dense_part.to(self.device).eval()
         self._stages = dense_stages(partition)  # what needs no embedding (bottom MLP) runs during the lookup
         self._embedding_inputs = partition.embedding_inputs
-        self._embeddings = await asyncio.to_thread(self._remote_embeddings, partition)
+        lookups = embedding_lookups(partition)
+        self.id_ranges = id_ranges(lookups, self.signature)
+        self._embeddings = await asyncio.to_thread(self._remote_embeddings, lookups, source.version_source)
         self._directory, self._shard_handles = directory, shards
         self._apply_batching(self.config.batching)
         await self._wait_for_every_shard(embedding.startup_timeout_s)
         self._discovery = asyncio.create_task(self._discover_forever())
         dense_bytes = sum(t.numel() * t.element_size() for t in partition.dense_part.parameters())
         cache = self._embeddings.cache
-        logger.info("DisaggregatedDLRM serving %r: preset=%s seed=%d weights=%s device=%s dense bytes=%s over %d "
-                    "shards, wire %s, cache %s %s", self.config.model_name, self.config.model.preset,
-                    self.config.model.seed, self.config.model.weights_path(), self.device, f"{dense_bytes:,}",
+        logger.info("DisaggregatedDLRM serving %r: %s seed=%d weights=%s device=%s dense bytes=%s over %d "
+                    "shards, wire %s, cache %s %s", self.config.model_name, model.label,
+                    model.seed, model.weights_path(), self.device, f"{dense_bytes:,}",
                     embedding.num_shards, embedding.wire_dtype,
                     "off" if cache is None else f"{cache.nbytes:,} bytes {embedding.cache.policy}", placement())
 
-    def _remote_embeddings(self, partition: Partition) -> RemoteEmbeddings:
-        """The lookup path: shard clients expecting the table versions this replica's config implies, the cache."""
-        embedding, model = self.config.embedding, self.config.model
+    def _remote_embeddings(self, lookups: EmbeddingLookups, source: str) -> RemoteEmbeddings:
+        """The lookup path: shard clients expecting the table versions this replica's config implies (values from
+        ``source``, a ``ModelSource.version_source``), the cache."""
+        embedding = self.config.embedding
         layout = embedding.layout()
-        lookups = embedding_lookups(partition)
         plan = layout.plan(lookups.tables)
-        source = weights_source(model.seed, model.weights_path())
         credentials = channel_credentials(embedding)
         client = EmbeddingClient([
             ShardClient(index, [], input_names=[piece.name for piece in slices],
@@ -116,10 +119,9 @@ class DisaggregatedDLRM(BatchedDLRM):
         """Per shard: calls, failovers, errors, latencies and bytes each way, since this replica started."""
         return {shard.shard_index: shard.stats for shard in self._client.shards}
 
-    async def _forward_batch(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    async def _forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
         if not self.ready():  # a shard lost every replica: look for replacements before giving up on it
             await self._refresh_addresses()
-        inputs = dict(zip(MODEL_INPUTS, (dense, sparse), strict=True))
         stages = self._stages
         lookup = asyncio.ensure_future(self._lookup({name: inputs[name] for name in self._embedding_inputs}))
         try:
@@ -129,8 +131,7 @@ class DisaggregatedDLRM(BatchedDLRM):
             lookup.cancel()
             raise
         available = {**inputs, **early, **await lookup}
-        late = await asyncio.to_thread(self._run, stages.late, {name: available[name] for name in stages.late_inputs})
-        return late.cpu()
+        return await asyncio.to_thread(self._run, stages.late, {name: available[name] for name in stages.late_inputs})
 
     async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pooled embeddings of a batch; the client's errors carry their HTTP answer (503 for an unavailable

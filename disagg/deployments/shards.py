@@ -15,9 +15,9 @@ from ray.serve.handle import DeploymentHandle
 
 from disagg.config import DLRMAppConfig
 from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction
+from disagg.model_source import model_source
 from disagg.rpc.server import EmbeddingServer, exposure_problem, host_port
 from disagg.rpc.tls import server_tls
-from disagg.spec import preset_spec
 from disagg.tables import build_embedding_shard
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.cpu_share import enforces_replica_share
@@ -70,10 +70,10 @@ class EmbeddingShardServer:
         if problem := exposure_problem(host, secured=embedding.tls or bool(EMBEDDING_TOKEN)):
             raise ValueError(f"embedding.bind_host ({embedding.bind_host}): {problem}")
         tls = server_tls(embedding)
-        shard = await asyncio.to_thread(build_embedding_shard, preset_spec(config.model.preset), config.model.seed,
-                                        shard_index, embedding.layout(), config.model.weights_path())
+        shard = await asyncio.to_thread(build_embedding_shard, model_source(config.model), shard_index,
+                                        embedding.layout())
         self._server = EmbeddingServer(
-            shard, model=config.model.preset, num_shards=embedding.num_shards, host=host, port=0,
+            shard, model=config.model.label, num_shards=embedding.num_shards, host=host, port=0,
             max_message_bytes=embedding.max_message_bytes, torch_threads=embedding.torch_threads,
             tls=tls, token=EMBEDDING_TOKEN,
         )
@@ -85,7 +85,7 @@ class EmbeddingShardServer:
         self._ttl_s = 3 * embedding.discovery_period_s
         await self._announce()
         logger.info("embedding shard %d/%d of %s (seed %d, weights %s, version %s) serving %d table slices (%s "
-                    "bytes) on %s (%s), node %s", shard_index, embedding.num_shards, config.model.preset,
+                    "bytes) on %s (%s), node %s", shard_index, embedding.num_shards, config.model.label,
                     config.model.seed, config.model.weights_path(), shard.version[:12], len(shard.slices),
                     f"{shard.parameter_bytes:,}", self._server.address, self._server.security,
                     ray.get_runtime_context().get_node_id()[:8])

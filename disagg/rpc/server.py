@@ -509,10 +509,10 @@ def _tls_from_flags(args: argparse.Namespace) -> ServerTLS | None:
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from disagg.spec import preset_spec
+    from disagg.model_source import PresetSource
     from disagg.tables import build_embedding_shard
 
-    shard = build_embedding_shard(preset_spec(args.preset), args.seed, args.shard, args.layout)
+    shard = build_embedding_shard(PresetSource(args.preset, args.seed), args.shard, args.layout)
     server = EmbeddingServer(
         shard,
         model=args.preset,

@@ -1,4 +1,5 @@
-"""OIP v2 test support: a fake DLRM backend whose answers are checkable, and the binary extension's client side."""
+"""OIP v2 test support: fake backends whose answers are checkable (the tiny DLRM's signature and a user model's), id
+ranges built without a model, and the binary extension's client side."""
 
 import json
 from typing import Any
@@ -8,11 +9,31 @@ import torch
 
 from disagg.api.backend import DLRMBackend
 from disagg.config import DLRMAppConfig, DLRMLimits
+from disagg.id_ranges import IdRange
+from disagg.signature import EMPTY_SLOT, SPARSE_INPUT, InputSignature, ModelSignature, OutputSignature, dlrm_signature
 from disagg.spec import DLRMSpec, preset_spec
 
 MAX_BODY_BYTES = 32 * 1024
 MAX_ROWS = 16
 MAX_IDS = 8
+TINY = preset_spec("tiny")
+
+#: A user model: a user id [B] and a history of item ids [B, L] in, a score [B, 1] and an embedding [B, 8] out.
+USERS, ITEMS, EMBEDDING_WIDTH = 100, 50, 8
+USER_SIGNATURE = ModelSignature(
+    inputs=[
+        InputSignature(name="user", datatype="INT64", shape=[-1]),
+        InputSignature(name="history", datatype="INT64", shape=[-1, -1], argument="items", pad_value=0),
+    ],
+    outputs=[
+        OutputSignature(name="score", datatype="FP32", shape=[-1, 1]),
+        OutputSignature(name="embedding", datatype="FP32", shape=[-1, EMBEDDING_WIDTH]),
+    ],
+)
+USER_ID_RANGES = {
+    "user": IdRange(0, np.array([USERS]), np.array(["users"], dtype=object)),
+    "history": IdRange(0, np.array([[ITEMS]]), np.array([["items"]], dtype=object)),
+}
 
 
 def app_config() -> DLRMAppConfig:
@@ -21,27 +42,54 @@ def app_config() -> DLRMAppConfig:
     return DLRMAppConfig(model_name="ctr", limits=limits)
 
 
+def dlrm_id_ranges(spec: DLRMSpec) -> dict[str, IdRange]:
+    """What ``disagg.id_ranges.id_ranges`` finds in a DLRM of ``spec``: position t of ``sparse_features`` indexes
+    table ``embeddings.t``, and -1 is an empty slot."""
+    high = np.asarray(spec.table_sizes, dtype=np.int64).reshape(1, -1, 1)
+    tables = np.array([f"embeddings.{table}" for table in range(spec.num_tables)], dtype=object).reshape(1, -1, 1)
+    return {SPARSE_INPUT: IdRange(EMPTY_SLOT, high, tables)}
+
+
 def expected_scores(dense: np.ndarray, sparse: np.ndarray) -> np.ndarray:
     """What ``FakeBackend`` answers: per row, the dense sum plus the sum of the non-empty ids."""
     ids = sparse.reshape(len(sparse), -1)
     return (dense.sum(axis=1, dtype=np.float64) + np.where(ids >= 0, ids, 0).sum(axis=1)).reshape(-1, 1)
 
 
-class FakeBackend(DLRMBackend):
-    """Scores rows with ``expected_scores`` and records what reached it."""
+def expected_user_outputs(user: np.ndarray, items: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What ``UserModelBackend`` answers: score = user + the sum of the items; embedding row = user + 0..7."""
+    score = (user + items.reshape(len(items), -1).sum(axis=1)).reshape(-1, 1).astype(np.float64)
+    return score, (user.reshape(-1, 1) + np.arange(EMBEDDING_WIDTH)).astype(np.float64)
 
-    spec: DLRMSpec = preset_spec("tiny")
+
+class FakeBackend(DLRMBackend):
+    """The tiny DLRM's signature and id ranges; scores rows with ``expected_scores`` and records what reached it."""
+
+    signature = dlrm_signature(TINY.num_dense, TINY.num_tables)
+    id_ranges = dlrm_id_ranges(TINY)
 
     def __init__(self) -> None:
-        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.calls: list[dict[str, torch.Tensor]] = []
         self.is_ready = True
 
     def ready(self) -> bool:
         return self.is_ready
 
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        self.calls.append((dense, sparse))
-        return torch.from_numpy(expected_scores(dense.numpy(), sparse.numpy())).to(torch.float32)
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self.calls.append(inputs)
+        return [torch.from_numpy(expected_scores(inputs["dense"].numpy(), inputs["sparse"].numpy())).to(torch.float32)]
+
+
+class UserModelBackend(FakeBackend):
+    """``USER_SIGNATURE``'s model: answers ``expected_user_outputs`` in float64 (the API sends its signature's FP32)."""
+
+    signature = USER_SIGNATURE
+    id_ranges = USER_ID_RANGES
+
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        self.calls.append(inputs)
+        return [torch.from_numpy(output) for output in expected_user_outputs(inputs["user"].numpy(),
+                                                                               inputs["items"].numpy())]
 
 
 def binary_body(request: dict[str, Any], arrays: dict[str, np.ndarray]) -> tuple[bytes, str]:

@@ -10,7 +10,7 @@ import torch
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.model import build_preset
 from disagg.spec import preset_weights
 from disagg.synthetic import SyntheticRequests
@@ -26,7 +26,8 @@ def model():
 
 
 def _infer(http, prefix: str, dense: torch.Tensor, sparse: torch.Tensor):
-    return http.post(f"{prefix}/models/dlrm/infer", json=encode_dlrm_request(dense, sparse).model_dump())
+    body = encode_infer_request({"dense_features": dense, "sparse_features": sparse})
+    return http.post(f"{prefix}/models/dlrm/infer", json=body.model_dump())
 
 
 def _probabilities(response) -> np.ndarray:

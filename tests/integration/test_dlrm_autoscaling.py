@@ -24,14 +24,11 @@ import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
-from ray import serve
 from ray.serve.context import _get_global_client
-from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
-from autoconfig.serve_config import start_serve, wait_for_applications
 from disagg.deployments.autoscaling import BusyTimePolicy
 from disagg.spec import preset_spec
-from serving.common.net import free_port
+from tests.helpers.serve_apps import deployed_beside
 from tests.integration.conftest import POOLS
 
 pytestmark = pytest.mark.integration
@@ -96,31 +93,8 @@ def _app_config() -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def infer_url(cluster) -> Iterator[str]:
     """The app's infer URL, deployed beside whatever the session deployed; Serve is left as it was found."""
-    try:
-        serve.status()
-        started_here = False
-    except Exception:  # no Serve instance on the cluster yet
-        started_here = True
-    config = ServeDeploySchema.model_validate({
-        "http_options": {"host": "127.0.0.1", "port": free_port()}, "applications": [_app_config()],
-    })
-    client = start_serve(config)
-    instance = client.get_serve_details()
-    running = [
-        ServeApplicationSchema.model_validate(details["deployed_app_config"])
-        for name, details in instance.get("applications", {}).items()
-        if name != APP and details.get("deployed_app_config") and details.get("status") != "DELETING"
-    ]
-    try:
-        client.deploy_apps(ServeDeploySchema(applications=[*running, *config.applications],
-                                             target_capacity=instance.get("target_capacity")))
-        wait_for_applications([APP], timeout_s=300)
-        yield f"http://127.0.0.1:{client.http_config.port}{ROUTE}/models/dlrm/infer"
-    finally:
-        if started_here:
-            serve.shutdown()
-        else:
-            serve.delete(APP)
+    with deployed_beside([_app_config()]) as port:
+        yield f"http://127.0.0.1:{port}{ROUTE}/models/dlrm/infer"
 
 
 def _bodies(load: Load, seed: int, count: int = 4) -> list[tuple[bytes, dict[str, str]]]:

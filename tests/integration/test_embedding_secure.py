@@ -13,7 +13,7 @@ from httpx import Client
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.client import ShardClient, ShardUnavailable
 from disagg.spec import preset_spec
@@ -27,7 +27,8 @@ APP = "dlrm-secure"
 
 
 def _probabilities(http: Client, prefix: str, dense: torch.Tensor, sparse: torch.Tensor) -> np.ndarray:
-    response = http.post(f"{prefix}/models/dlrm/infer", json=encode_dlrm_request(dense, sparse).model_dump())
+    body = encode_infer_request({"dense_features": dense, "sparse_features": sparse})
+    response = http.post(f"{prefix}/models/dlrm/infer", json=body.model_dump())
     assert response.status_code == 200, response.text
     return np.asarray(response.json()["outputs"][0]["data"], dtype=np.float32)
 

@@ -25,7 +25,7 @@ import httpx
 import psutil
 import pytest
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
@@ -54,7 +54,8 @@ PROBE_BODY = {"prompt": "a blue square", "size": "64x64", "num_inference_steps":
 
 def _dlrm_body() -> bytes:
     dense, sparse = SyntheticRequests(preset_spec("tiny"), seed=5).batch(4)
-    return encode_dlrm_request(dense, sparse).model_dump_json(exclude_none=True).encode()
+    body = encode_infer_request({"dense_features": dense, "sparse_features": sparse})
+    return body.model_dump_json(exclude_none=True).encode()
 
 
 def _post(http: httpx.Client, path: str, **kwargs) -> tuple[httpx.Response, float]:

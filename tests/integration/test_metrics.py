@@ -22,7 +22,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.metrics import (
@@ -123,7 +123,7 @@ def probe_lora(lora_dir: Path) -> Iterator[str]:
 
 def _dlrm_body(seed: int) -> dict:
     dense, sparse = SyntheticRequests(preset_spec("tiny"), seed=seed, max_hotness=2).batch(4)
-    return encode_dlrm_request(dense, sparse).model_dump()
+    return encode_infer_request({"dense_features": dense, "sparse_features": sparse}).model_dump()
 
 
 def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.model import build_preset
 from disagg.spec import preset_weights
 from tests.helpers.images import decode_png, encode_b64
@@ -82,7 +82,8 @@ def _score(http, prefix: str, batch) -> np.ndarray:
     scores = []
     for start in range(0, len(batch), ROWS_PER_REQUEST):
         rows = slice(start, start + ROWS_PER_REQUEST)
-        body = encode_dlrm_request(batch.dense[rows], batch.sparse[rows]).model_dump()
+        body = encode_infer_request({"dense_features": batch.dense[rows],
+                                     "sparse_features": batch.sparse[rows]}).model_dump()
         response = http.post(f"{prefix}/models/dlrm/infer", json=body)
         assert response.status_code == 200, response.text
         scores.append(np.asarray(response.json()["outputs"][0]["data"], dtype=np.float64))

@@ -27,12 +27,14 @@ from disagg.api.protocol import BINARY_MEDIA_TYPE
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMLimits
 from disagg.model import DLRM, build_preset
+from disagg.signature import dlrm_signature
 from disagg.spec import preset_spec, preset_weights
 from serving.api.models import ServedModels
 from serving.api.server import create_images_api
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits, LoRAConfig
 from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, LocalBackend, ModelInfo
 from tests.helpers.lora_files import write_lora
+from tests.helpers.oip_fakes import dlrm_id_ranges
 
 API_KEY = "fuzz-key-8d1e"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -73,7 +75,8 @@ class PluggedImagesBackend(ImageGenerationBackend):
 class TinyDLRM:
     """The trained tiny DLRM on CPU as the OIP backend (built on the first request)."""
 
-    spec = preset_spec("tiny")
+    signature = dlrm_signature(preset_spec("tiny").num_dense, preset_spec("tiny").num_tables)
+    id_ranges = dlrm_id_ranges(preset_spec("tiny"))
 
     @cached_property
     def model(self) -> DLRM:
@@ -82,9 +85,9 @@ class TinyDLRM:
     def ready(self) -> bool:
         return True
 
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            return self.model(dense, sparse)
+            return [self.model(**inputs)]
 
 
 IMAGES = PluggedImagesBackend()

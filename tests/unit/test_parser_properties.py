@@ -38,25 +38,29 @@ from autoconfig.space import KNOB_NAMES, SearchSpace, SpaceError
 from disagg.api.codec import (
     WIRE_DTYPES,
     BinaryOutputs,
-    decode_dlrm_request,
-    encode_dlrm_request,
+    decode_infer_inputs,
+    encode_infer_request,
     encode_infer_response,
     parse_infer_request,
 )
 from disagg.api.protocol import BINARY_DATA_SIZE, HEADER_LENGTH, InferRequest, InferResponse, InferTensor
 from disagg.config import DLRMLimits
+from disagg.signature import dlrm_signature
 from disagg.spec import preset_spec
 from serving.common.errors import APIError
 from serving.controlnet.conditioning import ConditioningImageError, decode_image
 from serving.lora import InvalidLoRAName, LoRAFormatError, LoRANotFound, LoRARegistry, LoRATargets, load_lora_file
 from serving.lora.registry import is_valid_name
 from serving.presets import build_preset
+from tests.helpers.oip_fakes import ITEMS, USER_ID_RANGES, USER_SIGNATURE, USERS, dlrm_id_ranges
 
 # No example database: runs stay independent (Hypothesis still keeps its self-gitignored .hypothesis/ cache).
 BASE = settings(deadline=None, database=None)
 SLOW = settings(BASE, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 SPEC = preset_spec("tiny")
+SIGNATURE = dlrm_signature(SPEC.num_dense, SPEC.num_tables)
+ID_RANGES = dlrm_id_ranges(SPEC)
 LIMITS = DLRMLimits(max_rows_per_request=8, max_ids_per_feature=4)
 DATATYPES = ("BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64",
              "BYTES")
@@ -142,13 +146,18 @@ def dlrm_tensors(draw: st.DrawFn, max_rows: int = LIMITS.max_rows_per_request) -
     return dense, (raw + 1) % (sizes + 1) - 1  # each table's ids in -1 .. size - 1
 
 
-def decode_json(body: Any, binary_inputs=None):
-    return decode_dlrm_request(InferRequest.model_validate(body), SPEC, LIMITS, binary_inputs)
+def dlrm_request(dense: np.ndarray, sparse: np.ndarray, request_id: str | None = None) -> InferRequest:
+    tensors = {"dense_features": torch.from_numpy(dense), "sparse_features": torch.from_numpy(sparse)}
+    return encode_infer_request(tensors, request_id=request_id)
 
 
-def decode_bytes(body: bytes, header_length: str | None = None):
+def decode_json(body: Any, binary_inputs=None) -> dict[str, torch.Tensor]:
+    return decode_infer_inputs(InferRequest.model_validate(body), SIGNATURE, ID_RANGES, LIMITS, binary_inputs)
+
+
+def decode_bytes(body: bytes, header_length: str | None = None) -> dict[str, torch.Tensor]:
     parsed = parse_infer_request(body, header_length)
-    return decode_dlrm_request(parsed.request, SPEC, LIMITS, parsed.binary_inputs)
+    return decode_infer_inputs(parsed.request, SIGNATURE, ID_RANGES, LIMITS, parsed.binary_inputs)
 
 
 def assert_names_a_field(error: APIError) -> None:
@@ -170,16 +179,15 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
 @given(tensors=dlrm_tensors(), int32=st.booleans(), nested=st.booleans())
 def test_oip_json_valid_tensors_round_trip_exactly(tensors, int32, nested):
     dense, sparse = tensors
-    request = encode_dlrm_request(torch.from_numpy(dense), torch.from_numpy(sparse), request_id="r")
-    body = request.model_dump(exclude_none=True)
+    body = dlrm_request(dense, sparse, request_id="r").model_dump(exclude_none=True)
     if int32:
         body["inputs"][1]["datatype"] = "INT32"
     if nested:  # nested lists of the tensor's shape are as good as a flat list
         body["inputs"][0]["data"], body["inputs"][1]["data"] = dense.tolist(), sparse.tolist()
     expected_sparse = sparse.reshape(sparse.shape[0], SPEC.num_tables, -1)
     for decoded in (decode_json(body), decode_bytes(json.dumps(body).encode())):
-        assert same_bits(decoded.dense.numpy(), dense)  # bit-exact, -0.0 and subnormals included
-        assert same_bits(decoded.sparse.numpy(), expected_sparse)
+        assert same_bits(decoded["dense"].numpy(), dense)  # bit-exact, -0.0 and subnormals included
+        assert same_bits(decoded["sparse"].numpy(), expected_sparse)
 
 
 @settings(BASE, max_examples=200)
@@ -200,7 +208,7 @@ def test_oip_json_garbage_is_refused_with_the_validation_error_only(body):
 @settings(BASE, max_examples=200)
 @given(tensors=dlrm_tensors(max_rows=2), data=st.data())
 def test_oip_json_mutated_valid_request_parses_or_names_the_field(tensors, data):
-    valid = encode_dlrm_request(*map(torch.from_numpy, tensors), request_id="r").model_dump(exclude_none=True)
+    valid = dlrm_request(*tensors, request_id="r").model_dump(exclude_none=True)
     valid |= {"parameters": {"binary_data_output": False}, "outputs": [{"name": "probabilities"}]}
     body = mutated(data, valid, OIP_GARBAGE)
     try:
@@ -211,8 +219,8 @@ def test_oip_json_mutated_valid_request_parses_or_names_the_field(tensors, data)
         assert_names_a_field(error)
     else:
         event("decoded")
-        assert inputs.dense.dtype == torch.float32 and inputs.sparse.dtype == torch.int64
-        assert inputs.dense.shape[0] == inputs.sparse.shape[0] <= LIMITS.max_rows_per_request
+        assert inputs["dense"].dtype == torch.float32 and inputs["sparse"].dtype == torch.int64
+        assert inputs["dense"].shape[0] == inputs["sparse"].shape[0] <= LIMITS.max_rows_per_request
     try:
         decode_bytes(json.dumps(body).encode())
     except APIError as error:
@@ -222,7 +230,7 @@ def test_oip_json_mutated_valid_request_parses_or_names_the_field(tensors, data)
 @settings(BASE, max_examples=200)
 @given(tensors=dlrm_tensors(max_rows=3), which=st.sampled_from([0, 1]), reverse=st.booleans(), data=st.data())
 def test_oip_json_data_length_not_matching_shape_is_refused_naming_the_data_field(tensors, which, reverse, data):
-    body = encode_dlrm_request(*map(torch.from_numpy, tensors)).model_dump(exclude_none=True)
+    body = dlrm_request(*tensors).model_dump(exclude_none=True)
     values = body["inputs"][which]["data"]
     expected = len(values)
     delta = data.draw(st.integers(-expected, 50).filter(bool), label="delta")
@@ -241,7 +249,7 @@ def test_oip_json_data_length_not_matching_shape_is_refused_naming_the_data_fiel
 @given(tensors=dlrm_tensors(max_rows=3), which=st.sampled_from([0, 1]),
        shape=st.lists(st.integers(0, 40), max_size=4))
 def test_oip_json_shape_not_fitting_the_model_is_refused_naming_a_shape_or_data_field(tensors, which, shape):
-    body = encode_dlrm_request(*map(torch.from_numpy, tensors)).model_dump(exclude_none=True)
+    body = dlrm_request(*tensors).model_dump(exclude_none=True)
     assume(shape != body["inputs"][which]["shape"])
     original = body["inputs"][which]["shape"]
     body["inputs"][which]["shape"] = shape
@@ -311,8 +319,39 @@ def test_oip_binary_dlrm_inputs_round_trip_exactly(tensors, int32):
     arrays = [("FP32", dense), ("INT32" if int32 else "INT64", sparse)]
     body, length = binary_request(arrays, [True, True], names=["dense_features", "sparse_features"])
     decoded = decode_bytes(body, str(length))
-    assert same_bits(decoded.dense.numpy(), dense)
-    assert same_bits(decoded.sparse.numpy(), sparse.reshape(len(sparse), SPEC.num_tables, -1))
+    assert same_bits(decoded["dense"].numpy(), dense)
+    assert same_bits(decoded["sparse"].numpy(), sparse.reshape(len(sparse), SPEC.num_tables, -1))
+
+
+@st.composite
+def user_tensors(draw: st.DrawFn, max_rows: int = LIMITS.max_rows_per_request) -> tuple[np.ndarray, np.ndarray]:
+    """A valid request of the user model: user ids [B] and item histories [B] or [B, L], each id in its table."""
+    rows = draw(st.integers(1, max_rows), label="rows")
+    user = draw(hnp.arrays(np.int64, rows, elements=st.integers(0, USERS - 1)), label="user")
+    length = draw(st.sampled_from([None, *range(1, LIMITS.max_ids_per_feature + 1)]), label="history length")
+    shape = (rows,) if length is None else (rows, length)
+    return user, draw(hnp.arrays(np.int64, shape, elements=st.integers(0, ITEMS - 1)), label="history")
+
+
+@settings(BASE, max_examples=100)
+@given(tensors=user_tensors(), int32=st.booleans(), binary=st.booleans())
+def test_oip_user_model_inputs_round_trip_exactly_by_forward_argument(tensors, int32, binary):
+    user, history = tensors
+    datatype = "INT32" if int32 else "INT64"
+    arrays = [(datatype, user), (datatype, history)]
+    if binary:
+        body, length = binary_request(arrays, [True, True], names=["user", "history"])
+        parsed = parse_infer_request(body, str(length))
+    else:
+        named = {"user": torch.from_numpy(user), "history": torch.from_numpy(history)}
+        request = encode_infer_request(named).model_dump(exclude_none=True)
+        for tensor in request["inputs"]:
+            tensor["datatype"] = datatype
+        parsed = parse_infer_request(json.dumps(request).encode(), None)
+    decoded = decode_infer_inputs(parsed.request, USER_SIGNATURE, USER_ID_RANGES, LIMITS, parsed.binary_inputs)
+    assert list(decoded) == ["user", "items"]
+    assert same_bits(decoded["user"].numpy(), user)
+    assert same_bits(decoded["items"].numpy(), history.reshape(len(history), -1))
 
 
 @settings(BASE, max_examples=200)

@@ -5,6 +5,7 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
+import torch
 
 from autoconfig.stress import (
     ClientSettings,
@@ -16,12 +17,14 @@ from autoconfig.stress import (
     late_budget,
 )
 from autoconfig.workloads import Workload, dlrm_workload, parse_workload_options, workload_for_app
-from disagg.api.codec import decode_dlrm_request
+from disagg.api.codec import decode_infer_inputs
 from disagg.api.protocol import InferRequest
 from disagg.config import DLRMLimits
+from disagg.signature import dlrm_signature
 from disagg.spec import preset_spec
 from serving.api.protocol import ImageGenerationRequest
 from serving.controlnet.conditioning import decode_image
+from tests.helpers.oip_fakes import dlrm_id_ranges
 
 WORKLOAD = Workload("POST", "/models/m/infer", lambda index: f'{{"i": {index}}}'.encode())
 
@@ -306,14 +309,10 @@ def test_measure_refuses_a_non_positive_rate():
 def test_workload_bodies_are_valid_requests_of_their_apps():
     dlrm = workload_for_app("disagg.app:build_app", {"model": {"preset": "tiny"}, "model_name": "ctr"})
     assert (dlrm.method, dlrm.path) == ("POST", "/models/ctr/infer")
-    inputs = decode_dlrm_request(InferRequest.model_validate_json(dlrm.body(0)), preset_spec("tiny"), DLRMLimits())
-    assert inputs.dense.shape[0] == inputs.sparse.shape[0] == 1
+    inputs = _dlrm_inputs(dlrm.body(0))
+    assert inputs["dense"].shape[0] == inputs["sparse"].shape[0] == 1
     assert dlrm.body(0) != dlrm.body(1) and dlrm.body(0) == dlrm.body(64)  # a pool of 64 distinct bodies
-    rows = dlrm_workload(rows_per_request=5).body(0)
-    assert (
-        decode_dlrm_request(InferRequest.model_validate_json(rows), preset_spec("tiny"), DLRMLimits()).dense.shape[0]
-        == 5
-    )
+    assert _dlrm_rows(dlrm_workload(rows_per_request=5).body(0)) == 5
     images = workload_for_app("serving.app:build_app", {"model": {"name": "tiny"}})
     assert images.path == "/v1/images/generations"
     request = ImageGenerationRequest.model_validate_json(images.body(3))
@@ -341,8 +340,15 @@ def test_workload_options_are_parsed_as_yaml_scalars():
             parse_workload_options(malformed)
 
 
+def _dlrm_inputs(body: bytes, preset: str = "tiny") -> dict[str, torch.Tensor]:
+    """``body`` decoded as the API decodes a request to the DLRM ``preset``."""
+    spec = preset_spec(preset)
+    return decode_infer_inputs(InferRequest.model_validate_json(body), dlrm_signature(spec.num_dense, spec.num_tables),
+                               dlrm_id_ranges(spec), DLRMLimits())
+
+
 def _dlrm_rows(body: bytes, preset: str = "tiny") -> int:
-    return decode_dlrm_request(InferRequest.model_validate_json(body), preset_spec(preset), DLRMLimits()).dense.shape[0]
+    return _dlrm_inputs(body, preset)["dense"].shape[0]
 
 
 def test_workload_options_change_the_requests_and_unknown_ones_are_named():
@@ -375,8 +381,7 @@ def test_workload_options_change_the_requests_and_unknown_ones_are_named():
 
 
 def test_dlrm_workload_of_the_small_preset_addresses_its_larger_tables():
-    spec = preset_spec("small")
-    assert max(spec.table_sizes) == 100_000 and max(preset_spec("tiny").table_sizes) == 1000
+    assert max(preset_spec("small").table_sizes) == 100_000 and max(preset_spec("tiny").table_sizes) == 1000
     body = workload_for_app("disagg.app:build_app", {"model": {"preset": "small"}}, {"rows_per_request": 64}).body(0)
-    inputs = decode_dlrm_request(InferRequest.model_validate_json(body), spec, DLRMLimits())
-    assert inputs.sparse.shape[0] == 64 and int(inputs.sparse.max()) >= 1000
+    sparse = _dlrm_inputs(body, "small")["sparse"]
+    assert sparse.shape[0] == 64 and int(sparse.max()) >= 1000

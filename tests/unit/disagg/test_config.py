@@ -83,3 +83,55 @@ def test_builder_annotation_is_the_config_class_so_serve_configs_are_validated()
 
     [parameter] = inspect.signature(build_app).parameters.values()
     assert parameter.annotation is DLRMAppConfig
+
+
+TWO_INPUTS = [{"name": "user", "datatype": "INT64", "shape": [-1]},
+              {"name": "history", "datatype": "INT64", "shape": [-1, -1], "pad_value": 0}]
+
+
+def test_a_factory_model_carries_its_signature_and_no_preset() -> None:
+    config = DLRMAppConfig.model_validate({"model": {
+        "factory": "/models/two_tower.py:build", "inputs": TWO_INPUTS,
+        "outputs": [{"name": "score", "shape": [-1, 1]}, {"name": "user_vector", "shape": [-1, 8]}]}})
+    model = config.model
+    assert (model.preset, model.label, model.weights_path()) == (None, "/models/two_tower.py:build", None)
+    signature = model.signature()
+    assert [(t.name, t.forward_argument, t.pad_value) for t in signature.inputs] == [
+        ("user", "user", None), ("history", "history", 0)]
+    assert [(t.name, t.datatype, t.shape) for t in signature.outputs] == [
+        ("score", "FP32", [-1, 1]), ("user_vector", "FP32", [-1, 8])]
+    assert DLRMAppConfig.model_validate(config.model_dump()) == config  # a dumped config loads back
+
+
+def test_a_preset_has_the_dlrm_signature() -> None:
+    signature = DLRMAppConfig().model.signature()
+    assert [(t.name, t.forward_argument, t.shape) for t in signature.inputs] == [
+        ("dense_features", "dense", [-1, 13]), ("sparse_features", "sparse", [-1, 26, -1])]
+    assert [(t.name, t.shape) for t in signature.outputs] == [("probabilities", [-1, 1])]
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"factory": "pkg.models:build", "preset": "tiny", "inputs": TWO_INPUTS}, "give `preset` or `factory`"),
+    ({"factory": "pkg.models:build"}, "needs `inputs`"),
+    ({"inputs": TWO_INPUTS}, "inputs and outputs describe a `factory` model"),
+    ({"factory": "relative/file.py:build", "inputs": TWO_INPUTS}, "factory"),
+    ({"factory": "pkg.models", "inputs": TWO_INPUTS}, "factory"),
+    ({"factory": "pkg.models:build", "inputs": [{"name": "user", "datatype": "INT64", "shape": [4]}]},
+     "must start with -1, the batch dimension"),
+    ({"factory": "pkg.models:build", "inputs": [{"name": "user", "datatype": "INT64", "shape": [-1, 0]}]},
+     "variable\\) or positive"),
+    ({"factory": "pkg.models:build", "inputs": [TWO_INPUTS[0], TWO_INPUTS[0]]}, "duplicate name 'user'"),
+    ({"factory": "pkg.models:build", "inputs": [{"name": "x", "datatype": "BYTES", "shape": [-1]}]}, "datatype"),
+    ({"factory": "pkg.models:build", "inputs": [{"name": "x", "datatype": "INT64", "shape": [-1, -1],
+                                               "pad_value": 0.5}]}, "whole number"),
+    ({"factory": "pkg.models:build", "inputs": TWO_INPUTS, "weights": "relative.safetensors"}, "weights"),
+])
+def test_bad_factory_configs_are_refused_naming_the_problem(model: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        DLRMAppConfig.model_validate({"model": model})
+
+
+def test_table_storage_of_a_factory_model_is_left_to_the_model_check() -> None:
+    config = DLRMAppConfig.model_validate({"model": {"factory": "pkg.models:build", "inputs": TWO_INPUTS},
+                                           "embedding": {"table_storage": {"items": "int8"}}})
+    assert config.embedding.table_storage == {"items": "int8"}

@@ -10,6 +10,7 @@ import torch
 from disagg.embedding_cache import EmbeddingCache
 from disagg.lookup import LocalRows, RemoteEmbeddings
 from disagg.model import DLRM
+from disagg.model_source import PresetSource
 from disagg.partition import build_dense_part, embedding_lookups, partition_embeddings
 from disagg.rpc.client import EmbeddingClient, ShardClient, ShardVersionMismatch
 from disagg.spec import preset_spec
@@ -37,8 +38,8 @@ class CountingRows(LocalRows):
 
 def _embeddings(layout: TableLayout, *, cache_bytes: int = 0, wire: str = "float32",
                 max_message_bytes: int = 64 * 2**20) -> tuple[RemoteEmbeddings, CountingRows]:
-    lookups = embedding_lookups(build_dense_part(SPEC, SEED))
-    shards = [build_embedding_shard(SPEC, SEED, index, layout) for index in range(layout.num_shards)]
+    lookups = embedding_lookups(build_dense_part(PresetSource("tiny", SEED)))
+    shards = [build_embedding_shard(PresetSource("tiny", SEED), index, layout) for index in range(layout.num_shards)]
     rows = CountingRows(shards)
     cache = EmbeddingCache(lookups.tables, max_bytes=cache_bytes) if cache_bytes else None
     embeddings = RemoteEmbeddings(lookups, layout.plan(lookups.tables), rows, cache=cache, wire_dtype=wire,
@@ -138,11 +139,11 @@ def test_an_unknown_wire_dtype_is_refused():
 
 def test_a_shard_restarted_with_other_tables_gives_503_drops_its_cached_rows_and_recovers():
     layout = TableLayout(2)
-    lookups = embedding_lookups(build_dense_part(SPEC, SEED))
+    lookups = embedding_lookups(build_dense_part(PresetSource("tiny", SEED)))
     plan = layout.plan(lookups.tables)
     expected = [shard_version(weights_source(SEED, None), slices, layout) for slices in plan]
-    shards = [build_embedding_shard(SPEC, SEED, index, layout) for index in range(2)]
-    other_model = build_embedding_shard(SPEC, SEED + 1, 1, layout)
+    shards = [build_embedding_shard(PresetSource("tiny", SEED), index, layout) for index in range(2)]
+    other_model = build_embedding_shard(PresetSource("tiny", SEED + 1), 1, layout)
     _, sparse = SyntheticRequests(SPEC, seed=6).batch(64)
     _, fresh = SyntheticRequests(SPEC, seed=7).batch(64)
     shard_one = {piece.table for piece in plan[1]}
@@ -176,8 +177,8 @@ def test_a_shard_restarted_with_other_tables_gives_503_drops_its_cached_rows_and
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_dedup_cache_and_row_wise_slices_together_equal_the_monolithic_part_batch_after_batch(policy):
     layout = TableLayout(3, row_wise_min_bytes=ROW_WISE)
-    lookups = embedding_lookups(build_dense_part(SPEC, SEED))
-    shards = [build_embedding_shard(SPEC, SEED, index, layout) for index in range(3)]
+    lookups = embedding_lookups(build_dense_part(PresetSource("tiny", SEED)))
+    shards = [build_embedding_shard(PresetSource("tiny", SEED), index, layout) for index in range(3)]
     cache = EmbeddingCache(lookups.tables, max_bytes=SPEC.total_rows * SPEC.embedding_dim, policy=policy)
     embeddings = RemoteEmbeddings(lookups, layout.plan(lookups.tables), LocalRows(shards), cache=cache)
     generator = SyntheticRequests(SPEC, seed=8, max_hotness=3)

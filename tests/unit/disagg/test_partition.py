@@ -7,6 +7,7 @@ from torch import nn
 
 from disagg.id_space import stack_tables
 from disagg.model import DLRM, build_preset
+from disagg.model_source import PresetSource
 from disagg.partition import (
     EmbeddingLookups,
     Partition,
@@ -91,7 +92,7 @@ def test_model_without_embeddings_is_refused() -> None:
 
 
 def test_dense_part_built_alone_from_meta_holds_no_table(model: DLRM, partition: Partition) -> None:
-    built = build_dense_part(model.spec, seed=SEED)
+    built = build_dense_part(PresetSource("tiny", SEED))
     assert all(p.device.type == "cpu" for p in built.dense_part.parameters())
     assert all(p.is_meta for p in built.embedding_part.parameters())
     assert parameter_bytes(built.dense_part) == parameter_bytes(partition.dense_part)
@@ -181,7 +182,7 @@ def fetched_rows(model: nn.Module, lookups: EmbeddingLookups, unique: UniqueIds)
 def test_lookups_built_from_meta_pool_fetched_rows_bit_equal_to_the_embedding_part(
     model: DLRM, partition: Partition, max_hotness: int
 ) -> None:
-    lookups = embedding_lookups(build_dense_part(model.spec, seed=SEED))  # tables on meta: shapes only
+    lookups = embedding_lookups(build_dense_part(PresetSource("tiny", SEED)))  # tables on meta: shapes only
     assert lookups.inputs == ("sparse",)
     assert lookups.op_tables == {f"embeddings_{t}": f"embeddings.{t}" for t in range(model.spec.num_tables)}
     assert lookups.tables == {f"embeddings.{t}": (rows, model.spec.embedding_dim)

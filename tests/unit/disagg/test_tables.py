@@ -9,6 +9,7 @@ import torch
 
 import disagg.model
 from disagg.model import DLRM, build_preset, materialize_
+from disagg.model_source import PresetSource
 from disagg.spec import preset_spec, preset_weights
 from disagg.tables import (
     RowStore,
@@ -245,7 +246,7 @@ def assert_rows_equal_the_model(shard, model: DLRM) -> None:
 def test_shards_hold_the_full_models_rows_and_together_every_row(weighted, full, trained):
     model, weights = (trained, preset_weights("tiny")) if weighted else (full, None)
     layout = TableLayout(3, row_wise_min_bytes=SPLIT_TINY)
-    shards = [build_embedding_shard(TINY, SEED, index, layout, weights) for index in range(3)]
+    shards = [build_embedding_shard(PresetSource("tiny", SEED, weights), index, layout) for index in range(3)]
     held = {}
     for index, shard in enumerate(shards):
         assert shard.index == index
@@ -262,7 +263,7 @@ def test_shard_materializes_only_its_own_tables(monkeypatch):
     drawn = []
     generator = disagg.model._generator
     monkeypatch.setattr(disagg.model, "_generator", lambda seed, name: drawn.append(name) or generator(seed, name))
-    shard = build_embedding_shard(TINY, SEED, 2, layout)
+    shard = build_embedding_shard(PresetSource("tiny", SEED), 2, layout)
     assert sorted(drawn) == sorted(expected)
     assert {piece.table for piece in shard.slices} == expected
 
@@ -272,7 +273,7 @@ def test_shard_reads_only_its_own_tables_from_a_weights_file(monkeypatch):
     read = []
     tensor = disagg.model._TrainedWeights.tensor
     monkeypatch.setattr(disagg.model._TrainedWeights, "tensor", lambda self, key: read.append(key) or tensor(self, key))
-    shard = build_embedding_shard(TINY, SEED, 1, layout, preset_weights("tiny"))
+    shard = build_embedding_shard(PresetSource("tiny", SEED, preset_weights("tiny")), 1, layout)
     assert sorted(read) == sorted({f"{piece.table}.weight" for piece in shard.slices})
 
 
@@ -281,7 +282,7 @@ def test_shard_stores_its_rows_in_the_storage_dtype(dtype, full):
     layout = TableLayout(
         2, row_wise_min_bytes=SPLIT_TINY, storage_dtype=dtype, table_storage={"embeddings.0": "float32"}
     )
-    shard = build_embedding_shard(TINY, SEED, 0, layout)
+    shard = build_embedding_shard(PresetSource("tiny", SEED), 0, layout)
     for piece, store in zip(shard.slices, shard.stores, strict=True):
         rows = full.get_submodule(piece.table).weight.detach()[piece.row_start : piece.row_stop]
         assert store.dtype == layout.storage_of(piece.table)
@@ -294,7 +295,7 @@ def test_shard_stores_its_rows_in_the_storage_dtype(dtype, full):
 @pytest.mark.parametrize("index", [-1, 2])
 def test_shard_index_out_of_range_is_a_value_error(index):
     with pytest.raises(ValueError, match=rf"shard index must be in \[0, 2\), got {index}"):
-        build_embedding_shard(TINY, SEED, index, TableLayout(2))
+        build_embedding_shard(PresetSource("tiny", SEED), index, TableLayout(2))
 
 
 # --- TableShard.module ---
@@ -302,7 +303,7 @@ def test_shard_index_out_of_range_is_a_value_error(index):
 
 @pytest.fixture(scope="module")
 def split_shard():
-    return build_embedding_shard(TINY, SEED, 1, TableLayout(2, row_wise_min_bytes=SPLIT_TINY))
+    return build_embedding_shard(PresetSource("tiny", SEED), 1, TableLayout(2, row_wise_min_bytes=SPLIT_TINY))
 
 
 def shard_inputs(shard, count: int = 3) -> dict[str, torch.Tensor]:
@@ -340,7 +341,7 @@ def test_module_refuses_bad_ids_naming_the_input(split_shard, ids, message):
 
 
 def test_a_store_error_with_ids_in_range_is_not_reported_as_a_bad_id(monkeypatch):
-    shard = build_embedding_shard(TINY, SEED, 0, TableLayout(2))  # its own: the store is patched
+    shard = build_embedding_shard(PresetSource("tiny", SEED), 0, TableLayout(2))  # its own: the store is patched
     store = shard.stores[0]
 
     def broken(ids: torch.Tensor) -> torch.Tensor:
@@ -364,10 +365,10 @@ def test_module_refuses_missing_and_unknown_inputs(split_shard):
 
 def test_version_is_a_function_of_the_config_alone():
     layout = TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype="float16")
-    shard = build_embedding_shard(TINY, SEED, 1, layout)
+    shard = build_embedding_shard(PresetSource("tiny", SEED), 1, layout)
     assert (
         build_embedding_shard(
-            TINY, SEED, 1, TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype="float16")
+            PresetSource("tiny", SEED), 1, TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype="float16")
         ).version
         == shard.version
     )
@@ -377,18 +378,21 @@ def test_version_is_a_function_of_the_config_alone():
 
 def test_another_seed_storage_dtype_slice_or_weights_file_gives_another_version():
     layout = TableLayout(2, row_wise_min_bytes=SPLIT_TINY)
-    base = build_embedding_shard(TINY, SEED, 0, layout).version
+    base = build_embedding_shard(PresetSource("tiny", SEED), 0, layout).version
     others = {
-        "seed": build_embedding_shard(TINY, SEED + 1, 0, layout).version,
+        "seed": build_embedding_shard(PresetSource("tiny", SEED + 1), 0, layout).version,
         "storage dtype": build_embedding_shard(
-            TINY, SEED, 0, TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype="int8")
+            PresetSource("tiny", SEED), 0, TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype="int8")
         ).version,
         "one table's storage": build_embedding_shard(
-            TINY, SEED, 0, TableLayout(2, row_wise_min_bytes=SPLIT_TINY, table_storage={"embeddings.0": "int8"})
+            PresetSource("tiny", SEED), 0,
+            TableLayout(2, row_wise_min_bytes=SPLIT_TINY, table_storage={"embeddings.0": "int8"}),
         ).version,
-        "index": build_embedding_shard(TINY, SEED, 1, layout).version,
-        "slices": build_embedding_shard(TINY, SEED, 0, TableLayout(3, row_wise_min_bytes=SPLIT_TINY)).version,
-        "weights": build_embedding_shard(TINY, SEED, 0, layout, preset_weights("tiny")).version,
+        "index": build_embedding_shard(PresetSource("tiny", SEED), 1, layout).version,
+        "slices": build_embedding_shard(
+            PresetSource("tiny", SEED), 0, TableLayout(3, row_wise_min_bytes=SPLIT_TINY)
+        ).version,
+        "weights": build_embedding_shard(PresetSource("tiny", SEED, preset_weights("tiny")), 0, layout).version,
     }
     assert base not in others.values()
     assert len(set(others.values())) == len(others)

@@ -11,10 +11,12 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig, DLRMModelConfig
 from disagg.model import DLRM, build_preset
+from disagg.model_check import check_model
+from disagg.model_source import PresetSource
 from disagg.partition import build_dense_part
 from disagg.spec import DLRMSpec, preset_spec, preset_weights
 from disagg.tables import TableLayout, build_embedding_shard
@@ -157,7 +159,8 @@ def test_loading_ignores_the_seed_and_replaces_every_initialised_value(shipped: 
 @pytest.mark.parametrize("num_shards", [2, 3])
 def test_sharded_build_equals_the_monolithic_model_with_the_shipped_weights(shipped: DLRM, fresh, num_shards) -> None:
     weights = preset_weights("tiny")
-    shards = [build_embedding_shard(TINY, 0, index, TableLayout(num_shards), weights) for index in range(num_shards)]
+    shards = [build_embedding_shard(PresetSource("tiny", 0, weights), index, TableLayout(num_shards))
+              for index in range(num_shards)]
     full = dict(shipped.named_parameters())
     for shard in shards:
         for piece, store in zip(shard.slices, shard.stores, strict=True):
@@ -172,18 +175,18 @@ def test_sharded_build_equals_the_monolithic_model_with_the_shipped_weights(ship
 class _ModelBackend:
     """The DLRMBackend of the OIP API over an in-process callable (the whole model, or shards + dense part)."""
 
-    spec = TINY
-
     def __init__(self, forward) -> None:
         self._forward = forward
+        report = check_model(DLRMAppConfig())
+        self.signature, self.id_ranges = DLRMAppConfig().model.signature(), report.id_ranges
 
     def ready(self) -> bool:
         return True
 
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         with torch.inference_mode():
-            result = self._forward(dense, sparse)
-        return await result if inspect.isawaitable(result) else result
+            result = self._forward(inputs["dense"], inputs["sparse"])
+        return [await result if inspect.isawaitable(result) else result]
 
 
 def test_scored_over_http_monolithic_and_sharded_agree_and_reach_the_auc(shipped: DLRM, fresh) -> None:
@@ -194,7 +197,8 @@ def test_scored_over_http_monolithic_and_sharded_agree_and_reach_the_auc(shipped
         client = TestClient(create_oip_api(backend, config))
         parts = []
         for start in range(0, 8192, 4096):
-            body = encode_dlrm_request(fresh.dense[start : start + 4096], fresh.sparse[start : start + 4096])
+            body = encode_infer_request({"dense_features": fresh.dense[start : start + 4096],
+                                         "sparse_features": fresh.sparse[start : start + 4096]})
             response = client.post("/models/ctr/infer", json=body.model_dump())
             assert response.status_code == 200, response.text
             parts.append(np.asarray(response.json()["outputs"][0]["data"], dtype=np.float32))
@@ -226,16 +230,16 @@ def test_weights_of_another_architecture_or_missing_ones_are_refused(tmp_path, s
     # a shard without table 3 reads only its own tables from the file, so it loads; the other one does not
     layout = TableLayout(2)
     holders = [index for index in range(2)
-               if "embeddings.3" in build_embedding_shard(TINY, 0, index, layout).output_names]
+               if "embeddings.3" in build_embedding_shard(PresetSource("tiny", 0), index, layout).output_names]
     assert len(holders) == 1
-    build_embedding_shard(TINY, 0, 1 - holders[0], layout, missing)
+    build_embedding_shard(PresetSource("tiny", 0, missing), 1 - holders[0], layout)
     with pytest.raises(ValueError, match="hold no tensor"):
-        build_embedding_shard(TINY, 0, holders[0], layout, missing)
+        build_embedding_shard(PresetSource("tiny", 0, missing), holders[0], layout)
     reshaped = tmp_path / "reshaped.safetensors"
     save_file({**tensors, "top_mlp.0.weight": torch.zeros(512, 100)}, reshaped)
     wrong_shape = r"'top_mlp\.0\.weight' is \(512, 100\) torch\.float32, the model's is \(512, 367\)"
     with pytest.raises(ValueError, match=wrong_shape):
-        build_dense_part(TINY, seed=0, weights=reshaped)
+        build_dense_part(PresetSource("tiny", 0, reshaped))
     with pytest.raises(FileNotFoundError, match="DLRM weights file not found"):
         build_preset("tiny", weights=tmp_path / "nowhere.safetensors")
 

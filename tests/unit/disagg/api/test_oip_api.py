@@ -1,4 +1,5 @@
-"""OIP v2 HTTP API over a fake backend (no model, no Ray): JSON and binary bodies, limits, errors."""
+"""OIP v2 HTTP API over fake backends (no model, no Ray): the DLRM's signature and a user model's, JSON and binary
+bodies, limits, errors."""
 
 import json
 import time
@@ -10,22 +11,25 @@ import torch
 from fastapi.routing import iter_route_contexts
 from fastapi.testclient import TestClient
 
-from disagg.api.codec import encode_dlrm_request
+from disagg.api.codec import encode_infer_request
 from disagg.api.server import create_oip_api
 from disagg.config import DLRMAppConfig
 from tests.helpers.oip_fakes import (
+    ITEMS,
     MAX_BODY_BYTES,
     MAX_IDS,
     MAX_ROWS,
     FakeBackend,
+    UserModelBackend,
     app_config,
     binary_body,
     expected_scores,
+    expected_user_outputs,
 )
 
 
 class FailingBackend(FakeBackend):
-    async def infer(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         raise RuntimeError("secret internal detail")
 
 
@@ -48,8 +52,13 @@ def inputs(rows: int = 4, seed: int = 0, ids: int | None = None) -> tuple[torch.
     return dense, torch.randint(-1, 3, (rows, 26, ids), generator=generator)
 
 
+def dlrm_request(dense: torch.Tensor, sparse: torch.Tensor, request_id: str | None = None) -> dict[str, Any]:
+    request = encode_infer_request({"dense_features": dense, "sparse_features": sparse}, request_id=request_id)
+    return request.model_dump(exclude_none=True)
+
+
 def body(rows: int = 4, request_id: str | None = "req-7") -> dict[str, Any]:
-    return encode_dlrm_request(*inputs(rows), request_id=request_id).model_dump(exclude_none=True)
+    return dlrm_request(*inputs(rows), request_id=request_id)
 
 
 def post_raw(client: TestClient, path: str, content: str | bytes):
@@ -67,18 +76,18 @@ def test_infer_returns_the_backends_output(client: TestClient, backend: FakeBack
     assert (output["name"], output["datatype"], output["shape"]) == ("probabilities", "FP32", [4, 1])
     dense, sparse = inputs(rows=4)
     np.testing.assert_allclose(output["data"], expected_scores(dense.numpy(), sparse.numpy()).ravel(), rtol=1e-6)
-    [(dense_seen, sparse_seen)] = backend.calls
-    assert torch.equal(dense_seen, dense) and torch.equal(sparse_seen, sparse.unsqueeze(2))
+    [seen] = backend.calls
+    assert torch.equal(seen["dense"], dense) and torch.equal(seen["sparse"], sparse.unsqueeze(2))
 
 
 def test_multi_hot_json_request_reaches_the_backend_as_bags(client: TestClient, backend: FakeBackend) -> None:
     dense, sparse = inputs(rows=3, ids=5)
-    response = client.post("/models/ctr/infer", json=encode_dlrm_request(dense, sparse).model_dump())
+    response = client.post("/models/ctr/infer", json=dlrm_request(dense, sparse))
     assert response.status_code == 200, response.text
     np.testing.assert_allclose(
         response.json()["outputs"][0]["data"], expected_scores(dense.numpy(), sparse.numpy()).ravel(), rtol=1e-6
     )
-    assert torch.equal(backend.calls[0][1], sparse)
+    assert torch.equal(backend.calls[0]["sparse"], sparse)
 
 
 def post_binary(client: TestClient, request: dict[str, Any], arrays: dict[str, np.ndarray]):
@@ -109,10 +118,10 @@ def test_binary_inputs_get_a_json_response_unless_binary_output_is_asked(
     assert "inference-header-content-length" not in response.headers
     [output] = response.json()["outputs"]
     np.testing.assert_allclose(output["data"], expected_scores(*arrays.values()).ravel(), rtol=1e-6)
-    [(dense, sparse)] = backend.calls
-    assert sparse.dtype == torch.int64 and sparse.shape == (3, 26, 4)
-    assert np.array_equal(sparse.numpy(), arrays["sparse_features"])
-    assert np.array_equal(dense.numpy(), arrays["dense_features"])
+    [seen] = backend.calls
+    assert seen["sparse"].dtype == torch.int64 and seen["sparse"].shape == (3, 26, 4)
+    assert np.array_equal(seen["sparse"].numpy(), arrays["sparse_features"])
+    assert np.array_equal(seen["dense"].numpy(), arrays["dense_features"])
 
 
 @pytest.mark.parametrize(
@@ -155,14 +164,19 @@ def test_binary_ids_are_range_checked_like_json_ones(client: TestClient) -> None
     arrays["sparse_features"][1, 7, 2] = -3
     response = post_binary(client, request, arrays)
     assert response.status_code == 400
-    assert response.json()["error"].startswith("inputs[1].data: id -3 in row 1 is out of range for table 7")
+    assert response.json()["error"].startswith(
+        "inputs[1].data: id -3 in row 1, position [7, 2] is out of range for table embeddings.7"
+    )
 
 
 def test_too_many_ids_per_feature_is_400(client: TestClient) -> None:
     request, arrays = binary_request(ids=MAX_IDS + 1)
     response = post_binary(client, request, arrays)
     assert response.status_code == 400
-    assert response.json()["error"] == f"inputs[1].shape: 9 ids per table exceed the limit of {MAX_IDS} ids per table"
+    assert response.json()["error"] == (
+        f"inputs[1].shape: sparse_features has 9 values along dimension 2, over the limit of {MAX_IDS} per variable "
+        "dimension"
+    )
 
 
 def test_oversized_binary_body_is_413(client: TestClient, backend: FakeBackend) -> None:
@@ -270,7 +284,7 @@ def test_out_of_range_id_is_400_and_never_reaches_the_model(client: TestClient, 
     request["inputs"][1]["data"][26 * 2 + 5] = 10**6
     response = client.post("/models/ctr/infer", json=request)
     assert response.status_code == 400
-    assert "id 1000000 in row 2 is out of range for table 5" in response.json()["error"]
+    assert "id 1000000 in row 2, position 5 is out of range for table embeddings.5" in response.json()["error"]
     assert backend.calls == []
     assert client.post("/models/ctr/infer", json=body()).status_code == 200  # the server keeps serving
 
@@ -476,7 +490,7 @@ def test_with_the_key_routes_answer_as_usual(keyed_client: TestClient, client: T
     for path in ("/", "/models/ctr", "/models/ctr/versions/1", "/models/ctr/ready", "/models/ctr/versions/1/ready"):
         assert keyed_client.get(path, headers=AUTH).json() == client.get(path).json(), path
     dense, sparse = inputs(rows=2)
-    request = encode_dlrm_request(dense, sparse).model_dump(exclude_none=True)
+    request = dlrm_request(dense, sparse)
     content, length = binary_body(request, {"dense_features": dense.numpy()})
     binary = keyed_client.post(
         "/models/ctr/infer", content=content, headers={**AUTH, "Inference-Header-Content-Length": length}
@@ -510,3 +524,122 @@ def test_openapi_documents_the_bearer_scheme_only_when_a_key_is_set(keyed_client
     assert "security" in keyed["paths"]["/models/{model_name}/infer"]["post"]
     assert "security" not in keyed["paths"]["/health/ready"]["get"]
     assert "securitySchemes" not in client.get("/openapi.json").json()["components"]
+
+
+# --- a user model's signature: user INT64 [-1], history INT64 [-1, -1] -> score [-1, 1], embedding [-1, 8] ---------
+
+USERS_SEEN = np.array([3, 0, 99])
+HISTORY = np.array([[1, 2, 3, 4], [0, 0, 0, 0], [ITEMS - 1, 7, 0, 5]])
+
+
+@pytest.fixture
+def user_backend() -> UserModelBackend:
+    return UserModelBackend()
+
+
+@pytest.fixture
+def user_client(user_backend: UserModelBackend) -> TestClient:
+    return TestClient(create_oip_api(user_backend, app_config()))
+
+
+def user_request(history: np.ndarray = HISTORY, **fields: Any) -> dict[str, Any]:
+    tensors = {"user": torch.from_numpy(USERS_SEEN), "history": torch.from_numpy(history)}
+    return encode_infer_request(tensors, request_id="u-1").model_dump(exclude_none=True) | fields
+
+
+def test_user_model_metadata_is_its_signature(user_client: TestClient) -> None:
+    metadata = user_client.get("/models/ctr").json()
+    assert metadata["inputs"] == [
+        {"name": "user", "datatype": "INT64", "shape": [-1]},
+        {"name": "history", "datatype": "INT64", "shape": [-1, -1]},
+    ]
+    assert metadata["outputs"] == [
+        {"name": "score", "datatype": "FP32", "shape": [-1, 1]},
+        {"name": "embedding", "datatype": "FP32", "shape": [-1, 8]},
+    ]
+    assert user_client.get("/models/ctr/versions/1").json() == metadata
+
+
+def test_user_model_json_infer_returns_every_output(user_client: TestClient, user_backend: UserModelBackend) -> None:
+    response = user_client.post("/models/ctr/infer", json=user_request())
+    assert response.status_code == 200, response.text
+    score, embedding = expected_user_outputs(USERS_SEEN, HISTORY)
+    assert response.json()["outputs"] == [
+        {"name": "score", "datatype": "FP32", "shape": [3, 1], "data": score.ravel().tolist()},
+        {"name": "embedding", "datatype": "FP32", "shape": [3, 8], "data": embedding.ravel().tolist()},
+    ]
+    [seen] = user_backend.calls
+    assert list(seen) == ["user", "items"] and np.array_equal(seen["items"].numpy(), HISTORY)
+
+
+def test_user_model_binary_int32_infer_sends_the_requested_output_only(
+    user_client: TestClient, user_backend: UserModelBackend
+) -> None:
+    request = {"id": "b-1", "inputs": [
+        {"name": "history", "shape": [3], "datatype": "INT32"},  # its trailing variable dimension left out: 1
+        {"name": "user", "shape": [3], "datatype": "INT32"},
+    ], "outputs": [{"name": "embedding", "parameters": {"binary_data": True}}]}  # fmt: skip
+    arrays = {"history": HISTORY[:, 0].astype(np.int32), "user": USERS_SEEN.astype(np.int32)}
+    content, length = binary_body(request, arrays)
+    response = user_client.post("/models/ctr/infer", content=content,
+                                headers={"Inference-Header-Content-Length": length})
+    assert response.status_code == 200, response.text
+    header_length = int(response.headers["inference-header-content-length"])
+    [output] = json.loads(response.content[:header_length])["outputs"]
+    assert (output["name"], output["datatype"], output["shape"]) == ("embedding", "FP32", [3, 8])
+    _, embedding = expected_user_outputs(USERS_SEEN, HISTORY[:, :1])
+    assert np.array_equal(np.frombuffer(response.content[header_length:], "<f4").reshape(3, 8), embedding)
+    [seen] = user_backend.calls
+    assert seen["items"].dtype == torch.int64 and seen["items"].shape == (3, 1)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "status", "message"),
+    [
+        (lambda r: r["inputs"][1]["data"].__setitem__(9, ITEMS), 400,
+         f"inputs[1].data: id {ITEMS} in row 2, position 1 is out of range for table items (valid ids 0..{ITEMS - 1};"),
+        (lambda r: r.update(outputs=[{"name": "probabilities"}]), 400,
+         "outputs[0].name: unknown output 'probabilities'; this model has 'score' and 'embedding'"),
+        (lambda r: r["inputs"][0].update(name="dense_features"), 400,
+         "inputs[0].name: unknown input 'dense_features'; expected 'user' and 'history'"),
+        (lambda r: r["inputs"][1].update(shape=[3, 2, 2]), 400,
+         "inputs[1].shape: history must have shape [-1, -1] or [-1] (-1: any size), got [3, 2, 2]"),
+        (lambda r: r["inputs"][0].update(shape=[MAX_ROWS + 1], data=[0] * (MAX_ROWS + 1)), 413,
+         f"inputs[0].shape: {MAX_ROWS + 1} rows exceed the limit of {MAX_ROWS} rows per request"),
+    ],
+    ids=["id out of range", "unknown output", "DLRM input", "rank", "rows"],
+)
+def test_user_model_refusals_name_the_field(
+    user_client: TestClient, user_backend: UserModelBackend, mutate, status: int, message: str
+) -> None:
+    request = user_request()
+    mutate(request)
+    response = user_client.post("/models/ctr/infer", json=request)
+    assert response.status_code == status
+    assert response.json()["error"].startswith(message), response.json()
+    assert user_backend.calls == []
+
+
+@pytest.mark.parametrize(
+    ("served", "listed", "absent"),
+    [
+        ("client", ["`dense_features`: FP32 [-1, 13]", "`sparse_features`: INT64 (or INT32) [-1, 26, -1]",
+                    "`probabilities`: FP32 [-1, 1]"], "history"),
+        ("user_client", ["`user`: INT64 (or INT32) [-1]", "`history`: INT64 (or INT32) [-1, -1]",
+                         "`score`: FP32 [-1, 1]", "`embedding`: FP32 [-1, 8]"], "sparse_features"),
+    ],
+    ids=["dlrm", "user model"],
+)
+def test_openapi_describes_the_served_signature_and_its_examples_work(
+    request: pytest.FixtureRequest, served: str, listed: list[str], absent: str
+) -> None:
+    client: TestClient = request.getfixturevalue(served)
+    schema = client.get("/openapi.json").json()
+    for path in ("/models/{model_name}/infer", "/models/{model_name}/versions/{model_version}/infer"):
+        description = schema["paths"][path]["post"]["description"]
+        assert all(line in description for line in listed), description
+        assert absent not in description
+    operation = schema["paths"]["/models/{model_name}/infer"]["post"]
+    for example in operation["requestBody"]["content"]["application/json"]["examples"].values():
+        response = client.post("/models/ctr/infer", json=example["value"])
+        assert response.status_code == 200, response.text

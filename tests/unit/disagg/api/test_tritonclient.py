@@ -115,7 +115,7 @@ def test_binary_infer(client: httpclient.InferenceServerClient, served: Served, 
     assert output["parameters"] == {"binary_data_size": 6 * 4}  # the output came back as binary data
     assert result.get_response()["id"] == "t-1"
     np.testing.assert_allclose(result.as_numpy("probabilities"), expected_scores(dense, sparse), rtol=1e-6)
-    assert np.array_equal(served.backend.calls[-1][1].numpy(), sparse.reshape(6, 26, -1))
+    assert np.array_equal(served.backend.calls[-1]["sparse"].numpy(), sparse.reshape(6, 26, -1))
 
 
 def test_json_infer(client: httpclient.InferenceServerClient) -> None:
@@ -150,8 +150,8 @@ def bad_id(dense, sparse):
     [
         (bad_name, "inputs[0].name: unknown input 'age'"),
         (bad_datatype, "inputs[0].datatype: dense_features must be FP32, got FP64"),
-        (nan_dense, "inputs[0].data: dense_features value nan at row 1, feature 2"),
-        (bad_id, "inputs[1].data: id 5000 in row 0 is out of range for table 4"),
+        (nan_dense, "inputs[0].data: dense_features value nan at row 1, position 2"),
+        (bad_id, "inputs[1].data: id 5000 in row 0, position [4, 1] is out of range for table embeddings.4"),
     ],
     ids=["input name", "datatype", "nan", "id"],
 )

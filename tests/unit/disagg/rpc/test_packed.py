@@ -8,10 +8,10 @@ import grpc
 import pytest
 import torch
 
+from disagg.model_source import PresetSource
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.client import ShardClient, ShardUnavailable
-from disagg.spec import preset_spec
 from disagg.tables import TableLayout, build_embedding_shard
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
 from tests.unit.disagg.rpc.test_server import stub_for
@@ -21,7 +21,7 @@ LAYOUT = TableLayout(2, row_wise_min_bytes=32768)  # tiny: its 1000-row tables s
 
 @pytest.fixture(scope="module")
 def shard():
-    return build_embedding_shard(preset_spec("tiny"), 0, 0, LAYOUT)
+    return build_embedding_shard(PresetSource("tiny", 0), 0, LAYOUT)
 
 
 def local_ids(shard, seed: int) -> dict[str, torch.Tensor]:

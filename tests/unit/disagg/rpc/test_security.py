@@ -18,13 +18,13 @@ from pydantic import ValidationError
 
 from disagg.config import DLRMAppConfig, EmbeddingServiceConfig
 from disagg.deployments.shards import EmbeddingShardServer
+from disagg.model_source import PresetSource
 from disagg.rpc import server as embedding_server
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.client import ShardClient, ShardUnavailable
 from disagg.rpc.server import SERVICE_NAME, EmbeddingServer, exposure_problem
 from disagg.rpc.tls import ServerTLS, channel_credentials, server_tls
-from disagg.spec import preset_spec
 from disagg.tables import TableLayout, TableShard, build_embedding_shard
 from serving.common import constants
 from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
@@ -383,7 +383,7 @@ SMALL, SMALL_ROWS = "embeddings.8", 3
 @pytest.fixture(scope="module")
 def tiny_shard() -> TableShard:
     """Shard 0 of 2 of the tiny DLRM: one 1-D int id input per table, stored in float32, float16 and int8."""
-    shard = build_embedding_shard(preset_spec("tiny"), 0, 0, LAYOUT)
+    shard = build_embedding_shard(PresetSource("tiny", 0), 0, LAYOUT)
     rows = {piece.name: piece.rows for piece in shard.slices}
     assert len(rows) == 13 and rows[SMALL] == SMALL_ROWS
     assert {store.dtype for store in shard.stores} == {"float32", "float16", "int8"}

@@ -16,6 +16,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from disagg.model_source import PresetSource
 from disagg.rpc import wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
@@ -338,7 +339,6 @@ def test_stop_is_idempotent_and_stops_serving():
 
 @pytest.mark.slow
 def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm():
-    from disagg.spec import preset_spec
     from disagg.tables import TableLayout, build_embedding_shard
 
     command = [sys.executable, "-m", "disagg.rpc.server", "--preset", "tiny", "--seed", "3", "--shard", "1"]
@@ -350,7 +350,7 @@ def test_standalone_server_serves_its_preset_shard_and_exits_cleanly_on_sigterm(
         match = re.search(r"serving tiny shard 1/2 on (127\.0\.0\.1:\d+) \(plaintext\): version (\w+), ", line)
         assert match, f"no serving line, process exited with {process.poll()}"
         layout = TableLayout(2, row_wise_min_bytes=int(0.03 * 2**20), storage_dtype="int8")
-        expected_shard = build_embedding_shard(preset_spec("tiny"), 3, 1, layout)
+        expected_shard = build_embedding_shard(PresetSource("tiny", 3), 1, layout)
         assert any("[" in name for name in expected_shard.input_names)  # some tables split row-wise
         inputs = {piece.name: torch.arange(piece.rows, dtype=torch.int32) % 7 for piece in expected_shard.slices}
 

@@ -14,6 +14,7 @@ import torch
 from disagg.deployments.ingress import BatchedDLRM
 from disagg.rpc.client import EmbeddingRequestError, ShardClient, ShardUnavailable
 from disagg.rpc.server import EmbeddingServer
+from disagg.signature import dlrm_signature
 from serving.common.errors import APIError
 from serving.common.metrics import (
     ALL_METRICS,
@@ -237,38 +238,39 @@ class _Unbatched(BatchedDLRM):
 
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
+        self.signature = dlrm_signature(num_dense=13, num_tables=26)
         self.error: BaseException | None = None
         self.gate: asyncio.Event | None = None
 
     async def _infer_batch(self, request):
         return (await BatchedDLRM._infer_batch.__wrapped__(self, [request]))[0]
 
-    async def _forward_batch(self, dense, sparse):
+    async def _forward_batch(self, inputs):
         if self.gate is not None:
             await self.gate.wait()
         if self.error is not None:
             raise self.error
-        return torch.full((dense.shape[0], 1), 0.5)
+        return torch.full((inputs["dense"].shape[0], 1), 0.5)
 
 
-def _dlrm_request(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.rand(rows, 13), torch.zeros(rows, 26, 1, dtype=torch.int64)
+def _dlrm_request(rows: int) -> dict[str, torch.Tensor]:
+    return {"dense": torch.rand(rows, 13), "sparse": torch.zeros(rows, 26, 1, dtype=torch.int64)}
 
 
 def test_dlrm_requests_record_latency_with_status_and_batches_their_rows(sink):
     async def body():
         replica = _Unbatched(Metrics(sink))
-        assert (await replica.infer(*_dlrm_request(3))).shape == (3, 1)
+        assert [output.shape for output in await replica.infer(_dlrm_request(3))] == [(3, 1)]
         merged = await BatchedDLRM._infer_batch.__wrapped__(replica, [_dlrm_request(4), _dlrm_request(5)])
-        assert [out.shape[0] for out in merged] == [4, 5]
+        assert [outputs[0].shape[0] for outputs in merged] == [4, 5]
         replica.error = APIError(503, "embedding shard 1 is unavailable, retry later")
         with pytest.raises(APIError):
-            await replica.infer(*_dlrm_request(2))
+            await replica.infer(_dlrm_request(2))
         replica.error = RuntimeError("bug")
         with pytest.raises(RuntimeError):
-            await replica.infer(*_dlrm_request(1))
+            await replica.infer(_dlrm_request(1))
         replica.error, replica.gate = None, asyncio.Event()
-        waiting = asyncio.ensure_future(replica.infer(*_dlrm_request(1)))
+        waiting = asyncio.ensure_future(replica.infer(_dlrm_request(1)))
         await asyncio.sleep(0.05)
         waiting.cancel()  # the client went away
         with pytest.raises(asyncio.CancelledError):
