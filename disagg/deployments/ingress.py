@@ -66,9 +66,10 @@ def _concatenate(tensors: list[torch.Tensor], pad_value: float | None) -> torch.
     dimension (only ever needed where the input has one)."""
     if len(tensors) == 1:
         return tensors[0]
-    sizes = [max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors), strict=True)]
     if pad_value is not None:
-        tensors = [F.pad(tensor, [p for size, have in zip(reversed(sizes), reversed(tensor.shape[1:]), strict=True)
+        sizes = torch.Size(max(sizes) for sizes in zip(*(tensor.shape[1:] for tensor in tensors), strict=True))
+        tensors = [tensor if tensor.shape[1:] == sizes else
+                   F.pad(tensor, [p for size, have in zip(reversed(sizes), reversed(tensor.shape[1:]), strict=True)
                                   for p in (0, size - have)], value=pad_value) for tensor in tensors]
     return torch.cat(tensors)
 
