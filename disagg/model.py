@@ -32,7 +32,9 @@ def build_preset(
     return DLRM(preset_spec(name), seed=seed, device=device, weights=weights)
 
 
-def _mlp(in_features: int, widths: Sequence[int], *, relu_last: bool) -> nn.Sequential:
+def mlp(in_features: int, widths: Sequence[int], *, relu_last: bool) -> nn.Sequential:
+    """Linear layers of ``widths`` from ``in_features``, a ReLU after each but the last (after it too with
+    ``relu_last``)."""
     layers: list[nn.Module] = []
     for index, width in enumerate(widths):
         layers.append(nn.Linear(in_features, width))
@@ -60,11 +62,11 @@ class DLRM(nn.Module):
         super().__init__()
         self.spec = spec
         with torch.device("meta"):
-            self.bottom_mlp = _mlp(spec.num_dense, spec.bottom_mlp, relu_last=True)
+            self.bottom_mlp = mlp(spec.num_dense, spec.bottom_mlp, relu_last=True)
             self.embeddings = nn.ModuleList(
                 nn.EmbeddingBag(rows, spec.embedding_dim, mode="sum") for rows in spec.table_sizes
             )
-            self.top_mlp = _mlp(spec.interaction_width, spec.top_mlp, relu_last=False)
+            self.top_mlp = mlp(spec.interaction_width, spec.top_mlp, relu_last=False)
         rows, cols = torch.tril_indices(spec.num_tables + 1, spec.num_tables + 1, offset=-1, device="cpu")
         self.register_buffer("_pair_rows", rows, persistent=False)
         self.register_buffer("_pair_cols", cols, persistent=False)

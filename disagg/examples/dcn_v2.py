@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from disagg.model import mlp
+
 TABLE_ROWS = (500, 300, 100)
 NUM_DENSE = 4
 EMBEDDING_DIM = 8
@@ -43,11 +45,7 @@ class DCNv2(nn.Module):
             nn.init.normal_(bag.weight, std=0.1)
         width = num_dense + len(table_rows) * embedding_dim
         self.cross = nn.ModuleList(CrossLayer(width) for _ in range(cross_layers))
-        layers: list[nn.Module] = []
-        for size in deep:
-            layers += [nn.Linear(width, size), nn.ReLU()]
-            width = size
-        self.deep = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.deep = mlp(width, (*deep, 1), relu_last=False)
 
     def forward(self, dense: torch.Tensor, categorical: torch.Tensor) -> torch.Tensor:
         ids = categorical.clamp(min=0)

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from disagg.model import mlp
+
 FIELD_ROWS = (1000, 400, 200, 50)
 NUM_DENSE = 3
 EMBEDDING_DIM = 8
@@ -31,12 +33,7 @@ class DeepFM(nn.Module):
         for bag in [*self.vectors, *self.first_order]:
             nn.init.normal_(bag.weight, std=0.1)
         self.linear = nn.Linear(num_dense, 1)
-        width = num_dense + len(field_rows) * embedding_dim
-        layers: list[nn.Module] = []
-        for size in hidden:
-            layers += [nn.Linear(width, size), nn.ReLU()]
-            width = size
-        self.deep = nn.Sequential(*layers, nn.Linear(width, 1))
+        self.deep = mlp(num_dense + len(field_rows) * embedding_dim, (*hidden, 1), relu_last=False)
 
     def forward(self, dense: torch.Tensor, fields: torch.Tensor) -> torch.Tensor:
         ids = fields.unsqueeze(2)  # [B, fields, 1]: a bag of one id per field
