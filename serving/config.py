@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validat
 from serving.preset_catalog import PRESET_NAMES, WeightsChoice, preset_weights
 
 #: Defaults of ``ImageLimits.max_image_side`` and ``LoRAConfig.max_header_bytes`` / ``max_tensors``, also used by
-#: the code that enforces them (``serving.controlnet.conditioning``, ``serving.lora``) when called without a config.
+#: the code that enforces them (``serving.images``, ``serving.lora``) when called without a config.
 DEFAULT_MAX_SIDE = 8192
 DEFAULT_MAX_HEADER_BYTES = 8 * 2**20
 DEFAULT_MAX_TENSORS = 16384
@@ -79,6 +79,11 @@ class GenerationDefaults(_Config):
         "async", description="`async`: a LoRA not in memory loads while the request denoises without it, applied "
                              "from the first step after the load; `exact`: the request waits for its LoRAs before "
                              "its first step (seed-reproducible images).")
+    edit_strength: float = Field(
+        0.8, gt=0.0, le=1.0, description="`strength` of an edit without a mask: how far into the noise schedule it "
+                                         "starts (diffusers' image-to-image default).")
+    inpaint_strength: float = Field(
+        1.0, gt=0.0, le=1.0, description="`strength` of an edit with a mask (diffusers' inpainting default).")
 
 
 class ImageLimits(_Config):
@@ -93,12 +98,13 @@ class ImageLimits(_Config):
     max_loras: int = Field(4, ge=0, description="LoRAs per request.")
     max_controlnets: int = Field(3, ge=0, description="ControlNets per request.")
     max_conditioning_scale: float = Field(4.0, gt=0.0, description="Largest absolute ControlNet conditioning scale.")
-    max_image_bytes: int = Field(8 * 2**20, ge=1, description="Largest decoded conditioning image file.")
-    max_image_pixels: int = Field(2048 * 2048, ge=1, description="Largest conditioning image (width x height).")
+    max_image_bytes: int = Field(8 * 2**20, ge=1, description="Largest conditioning or edit image (or mask) file.")
+    max_image_pixels: int = Field(2048 * 2048, ge=1, description="Largest conditioning or edit image (width x height).")
     max_image_side: int = Field(
         DEFAULT_MAX_SIDE, ge=8,
-        description="Longest conditioning image side: an image within `max_image_pixels` but of an extreme aspect "
-                    "ratio (1 x 4M) takes five times the CPU and three times the memory to preprocess and resize.")
+        description="Longest conditioning or edit image side: an image within `max_image_pixels` but of an extreme "
+                    "aspect ratio (1 x 4M) takes five times the CPU and three times the memory to preprocess and "
+                    "resize.")
     max_lora_scale: float = Field(4.0, gt=0.0, description="Largest absolute LoRA scale.")
 
 
@@ -133,6 +139,11 @@ class EngineConfig(_Config):
         0.4, ge=0.0, le=1.0,
         description="A request whose LoRA is still loading runs without it until this fraction of its steps, "
                     "then waits for it (Katz: 20 of 50 steps).")
+    preview_decoder: Literal["approx", "vae"] = Field(
+        "approx", description="How a streamed request's partial images are decoded: `approx`, a linear latent-to-RGB "
+                              "map fitted to the model's VAE once (well under a millisecond per image; colours and "
+                              "layout, not detail), or `vae`, a full VAE decode per preview (exact, as costly as the "
+                              "final decode).")
     admission_wait_fraction: float | None = Field(
         0.25, ge=0.0,
         description="A request predicted to wait more than this fraction of its own steps before its first "

@@ -97,7 +97,8 @@ class ServedModels:
             info = await model.backend.model_info()
             side = info.default_size
             cards.append(ModelCard(id=info.name, owned_by=SERVER_NAME, kind="base-model", family=info.family,
-                                   size=f"{side}x{side}"))
+                                   size=f"{side}x{side}", schedulers=list(info.schedulers) or None,
+                                   default_scheduler=info.default_scheduler or None))
         for model in self._models.values():
             for field, kind in (("controlnets", "controlnet"), ("loras", "lora")):
                 cards += [ModelCard(id=name, owned_by=SERVER_NAME, kind=kind, model=model.name)

@@ -3,14 +3,25 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends
+from fastapi.responses import Response
 
-from serving.api.models import ServedModels
-from serving.api.protocol import ErrorResponse, ImageGenerationRequest, ImageGenerationResponse, ModelList
+from serving.api.edits import EDITS_PATH, EditForm, read_edit_form
+from serving.api.models import ServedModel, ServedModels
+from serving.api.protocol import (
+    ErrorResponse,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    ImageGenerationResponse,
+    ModelList,
+    StreamKind,
+)
+from serving.api.streaming import stream_images
 from serving.common.errors import APIError
 from serving.common.http import JSONRoute, app_state, error_responses
+from serving.engine import GenerationParams
 
 Models = Annotated[ServedModels, Depends(app_state("models"))]
 
@@ -20,19 +31,43 @@ router = APIRouter(route_class=JSONRoute)
 #: The probe, always open.
 health_router = APIRouter(route_class=JSONRoute)
 
+_IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The images; with `stream: true`, server-sent events instead: `<kind>.partial_image` per "
+                         "preview, then `<kind>.completed` per image (`<kind>`: `image_generation`, `image_edit`), "
+                         "or `error` if the request fails after its first event.",
+          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    **error_responses(ErrorResponse, 400, 404, 413, 422, 503),
+}
 
-@router.post("/v1/images/generations", response_model=ImageGenerationResponse,
-             responses=error_responses(ErrorResponse, 400, 404, 413, 422, 503))
-async def generate_images(request: ImageGenerationRequest, models: Models) -> ImageGenerationResponse:
+
+@router.post("/v1/images/generations", response_model=ImageGenerationResponse, responses=_IMAGE_RESPONSES)
+async def generate_images(request: ImageGenerationRequest, models: Models) -> ImageGenerationResponse | Response:
     started = time.perf_counter()
     model = models.pick(request.model)
     params = request.to_params(await model.backend.model_info(), model.config)
+    return await _answer(models, model, request, params, "image_generation", started)
+
+
+@router.post(EDITS_PATH, response_model=ImageGenerationResponse, responses=_IMAGE_RESPONSES)
+async def edit_images(form: Annotated[EditForm, Depends(read_edit_form)],
+                      models: Models) -> ImageGenerationResponse | Response:
+    started = time.perf_counter()
+    model = models.pick(form.request.model)
+    params = form.request.to_params(await model.backend.model_info(), model.config, form.image, form.mask)
+    return await _answer(models, model, form.request, params, "image_edit", started)
+
+
+async def _answer(models: ServedModels, model: ServedModel, request: ImageGenerationRequest | ImageEditRequest,
+                  params: GenerationParams, kind: StreamKind, started: float) -> ImageGenerationResponse | Response:
+    """Runs ``params`` on ``model``: the images, or with ``stream`` their events; a refusal before the first event
+    is raised (a LoRA or ControlNet another model serves as that model's 422)."""
     try:
+        if request.stream:
+            return await stream_images(model.backend.generate_stream(params), kind,
+                                       f"{params.width}x{params.height}", started)
         result = await model.backend.generate(params)
     except APIError as error:
-        requested = {"loras": [lora.name for lora in request.loras],
-                     "controlnets": [controlnet.name for controlnet in request.controlnets]}
-        raise await models.explain_missing(error, model, requested) from None
+        raise await models.explain_missing(error, model, request.requested_items()) from None
     return ImageGenerationResponse.from_result(result, total_s=time.perf_counter() - started)
 
 

@@ -9,22 +9,18 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 
+from serving.api.edits import document_edit_form
 from serving.api.models import ServedModels
 from serving.api.protocol import ErrorBody, ErrorResponse
 from serving.api.router import health_router, router
 from serving.common.auth import api_key_dependencies
 from serving.common.errors import APIError
-from serving.common.http import error_responses, install_error_handling
-
-#: OpenAI answers a missing or wrong API key with 401 and type ``invalid_request_error``.
-_ERROR_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error"}
+from serving.common.http import edit_openapi, error_responses, install_error_handling
 
 
 def render_openai_error(error: APIError) -> Response:
     """``{"error": {message, type, param, code}}`` as OpenAI sends it."""
-    fallback = "invalid_request_error" if error.status_code < 500 else "server_error"
-    kind = _ERROR_TYPES.get(error.status_code, fallback)
-    body = ErrorResponse(error=ErrorBody(message=error.message, type=kind, param=error.param, code=error.code))
+    body = ErrorResponse(error=ErrorBody.of(error))
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
@@ -32,7 +28,7 @@ def create_images_api(models: ServedModels, *, api_key: str = "") -> FastAPI:
     """The Images API over ``models``; with a non-empty ``api_key``, inference and model listing need it."""
     app = FastAPI(
         title="swiftserve diffusion",
-        description="OpenAI Images API compatible text-to-image serving.",
+        description="OpenAI Images API compatible text-to-image and image editing serving.",
         version="1",
     )
     app.state.models = models
@@ -40,4 +36,5 @@ def create_images_api(models: ServedModels, *, api_key: str = "") -> FastAPI:
     app.include_router(router, dependencies=api_key_dependencies(api_key),
                        responses=error_responses(ErrorResponse, 401) if api_key else None)
     app.include_router(health_router)
+    edit_openapi(app, document_edit_form)
     return app

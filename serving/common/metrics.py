@@ -27,6 +27,7 @@ CacheOutcome = Literal["hit", "miss"]
 RemotePath = Literal["cfg", "controlnet"]
 Direction = Literal["sent", "received"]
 BandOutcome = Literal["split", "fallback"]
+CancelStage = Literal["queued", "denoising", "decoding"]
 
 #: Bucket upper bounds (ms) for whole requests: a DLRM batch in milliseconds, an image in seconds to minutes.
 REQUEST_LATENCY_MS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1_000, 2_000, 5_000, 10_000, 20_000, 60_000, 120_000)
@@ -54,6 +55,13 @@ REQUEST_LATENCY = MetricSpec(
     "kind: diffusion_generation or dlrm_infer; status: 200, the HTTP status of an API error, 500 for "
     "anything else, or cancelled.",
     ("kind", "status"), REQUEST_LATENCY_MS,
+)
+CANCELLED_REQUESTS = MetricSpec(
+    "swiftserve_cancelled_requests", "counter",
+    "Diffusion requests whose caller went away, by where the engine dropped them: queued (never admitted: its "
+    "preparation cancelled if not begun), denoising (its rows freed at the next step boundary) or decoding "
+    "(denoised; its decode skipped, or its result dropped when the decode had begun).",
+    ("stage",),
 )
 STEP_LATENCY = MetricSpec(
     "swiftserve_diffusion_step_latency_ms", "histogram",
@@ -136,7 +144,7 @@ EMBEDDING_BYTES = MetricSpec(
 )
 
 ALL_METRICS = (
-    REQUEST_LATENCY, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
+    REQUEST_LATENCY, CANCELLED_REQUESTS, STEP_LATENCY, BATCH_SIZE, LORA_CACHE_HITS, LORA_CACHE_MISSES, LORA_CACHE_BYTES,
     LORA_WAIT_STEPS, CONTROLNET_CALL_LATENCY, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, BAND_DECODES, REMOTE_BYTES,
     EMBEDDING_RPC_LATENCY, EMBEDDING_FAILOVERS, EMBEDDING_CACHE_LOOKUPS, EMBEDDING_BYTES,
 )
@@ -171,13 +179,14 @@ class Metrics:
 
     @contextmanager
     def request(self, kind: RequestKind) -> Iterator[None]:
-        """Times the block as one request of ``kind``; its status comes from how the block ends."""
+        """Times the block as one request of ``kind``; its status comes from how the block ends (``cancelled``: the
+        awaiting task was cancelled, or a streaming generator closed early)."""
         started = time.perf_counter()
         status = "500"
         try:
             yield
             status = "200"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             status = "cancelled"
             raise
         except Exception as exc:
@@ -185,6 +194,9 @@ class Metrics:
             raise
         finally:
             self._record(REQUEST_LATENCY, _ms_since(started), kind=kind, status=status)
+
+    def request_cancelled(self, stage: CancelStage) -> None:
+        self._record(CANCELLED_REQUESTS, 1, stage=stage)
 
     def diffusion_step(self, seconds: float, rows: int) -> None:
         self._record(STEP_LATENCY, seconds * 1e3)

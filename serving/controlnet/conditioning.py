@@ -1,7 +1,7 @@
 """Conditioning images: decoded and preprocessed once per request, then prepared as diffusers does.
 
-The HTTP layer decodes the base64 PNG/JPEG (bounded in bytes and pixels) and applies the optional
-``canny`` edge detector (OpenCV); the engine turns the RGB array into the ControlNet input with
+The HTTP layer decodes the base64 PNG/JPEG (``serving.images``: bounded in bytes and pixels) and applies the
+optional ``canny`` edge detector (OpenCV); the engine turns the RGB array into the ControlNet input with
 diffusers' own ``VaeImageProcessor`` (resized to the output size, values in [0, 1]), exactly as
 ``StableDiffusionControlNetPipeline.prepare_image`` does. An image of another size is resized.
 """
@@ -9,11 +9,7 @@ diffusers' own ``VaeImageProcessor`` (resized to the output size, values in [0, 
 from __future__ import annotations
 
 import base64
-import binascii
 import io
-import re
-import struct
-import warnings
 from typing import Literal
 
 import numpy as np
@@ -21,29 +17,13 @@ import torch
 from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 
-from serving.config import DEFAULT_MAX_SIDE
+from serving.images import MAX_JPEG_SCANS, MAX_SEGMENTS, decode_image
+from serving.images import ImageDecodeError as ConditioningImageError
+
+__all__ = ["MAX_JPEG_SCANS", "MAX_SEGMENTS", "ConditioningImageError", "Preprocess", "decode_image", "encode_image",
+           "preprocess", "to_controlnet_input"]
 
 Preprocess = Literal["canny"]
-_FORMATS = ("PNG", "JPEG")
-#: PNG chunks (or JPEG segments and fill bytes before the first scan) a file may have: PIL reads each one in
-#: Python, so a flood of empty ones costs seconds per request; real files have tens.
-MAX_SEGMENTS = 10_000
-#: JPEG scans a file may have: libjpeg makes a pass over the whole image per scan, so thousands of tiny scans take
-#: minutes to decode; real progressive files have about ten.
-MAX_JPEG_SCANS = 100
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-_PNG_CHUNK = struct.Struct(">I4s")  # length, type; then the data and a 4-byte CRC
-_PNG_SIZE = struct.Struct(">II")  # IHDR: width, height
-_JPEG_SOI = b"\xff\xd8"
-_JPEG_SOS = b"\xff\xda"
-_JPEG_MARKER = re.compile(rb"\xff+(.)", re.DOTALL)  # fill bytes, then the marker
-_JPEG_STANDALONE = frozenset({0x01, *range(0xD0, 0xD8)})  # TEM, RSTn: no length
-_JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # frame headers (DHT, JPG, DAC are not)
-_JPEG_SIZE = struct.Struct(">HBHH")  # segment length, precision, height, width
-
-
-class ConditioningImageError(ValueError):
-    """The conditioning image cannot be used; the message says why."""
 
 
 def encode_image(image: np.ndarray) -> str:
@@ -51,102 +31,6 @@ def encode_image(image: np.ndarray) -> str:
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format="PNG")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def decode_image(data: str, *, max_bytes: int, max_pixels: int, max_side: int = DEFAULT_MAX_SIDE) -> np.ndarray:
-    """A base64 PNG or JPEG (optionally a ``data:`` URL) as an RGB uint8 array [H, W, 3].
-
-    Its size is checked from the file's own header before PIL sees it, as are the counts of its chunks or scans:
-    nothing over the limits is decoded.
-    """
-    if data.startswith("data:"):
-        data = data.partition(",")[2]
-    if len(data) > 4 * (max_bytes // 3 + 1):
-        raise ConditioningImageError(f"image larger than {max_bytes} bytes")
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise ConditioningImageError("image is not valid base64") from None
-    image_format, width, height = _read_header(raw)
-    _check_size(width, height, max_pixels, max_side)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw), formats=[image_format])
-            if image.format not in _FORMATS:
-                raise ConditioningImageError(f"image format {image.format} not accepted; send PNG or JPEG")
-            _check_size(image.width, image.height, max_pixels, max_side)
-            return np.asarray(image.convert("RGB"))
-    except ConditioningImageError:
-        raise
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise ConditioningImageError(f"image could not be decoded as {image_format} (corrupt or truncated)") from None
-
-
-def _check_size(width: int, height: int, max_pixels: int, max_side: int) -> None:
-    if width * height == 0:
-        raise ConditioningImageError(f"image is {width}x{height}: it has no pixels")
-    if width * height > max_pixels:
-        raise ConditioningImageError(f"image has more than {max_pixels} pixels")
-    if max(width, height) > max_side:
-        raise ConditioningImageError(f"image is {width}x{height}; its sides may be at most {max_side} pixels")
-
-
-def _read_header(raw: bytes) -> tuple[str, int, int]:
-    """The image's format and declared width and height, from its PNG chunks or JPEG segments."""
-    if raw.startswith(_PNG_SIGNATURE):
-        return "PNG", *_png_size(raw)
-    if raw.startswith(_JPEG_SOI + b"\xff"):
-        return "JPEG", *_jpeg_size(raw)
-    raise ConditioningImageError("image format not accepted: not a PNG or JPEG file; send PNG or JPEG")
-
-
-def _png_size(raw: bytes) -> tuple[int, int]:
-    """IHDR's width and height, once the chunks up to IEND are counted."""
-    pos = len(_PNG_SIGNATURE)
-    if raw[pos + 4:pos + 8] != b"IHDR" or len(raw) < pos + _PNG_CHUNK.size + _PNG_SIZE.size:
-        raise ConditioningImageError("PNG does not start with its IHDR header chunk")
-    width, height = _PNG_SIZE.unpack_from(raw, pos + _PNG_CHUNK.size)
-    chunks = 0
-    while pos + _PNG_CHUNK.size <= len(raw):
-        chunks += 1
-        if chunks > MAX_SEGMENTS:
-            raise ConditioningImageError(f"PNG has more than {MAX_SEGMENTS} chunks")
-        length, kind = _PNG_CHUNK.unpack_from(raw, pos)
-        if kind == b"IEND":
-            break
-        pos += _PNG_CHUNK.size + length + 4
-    return width, height
-
-
-def _jpeg_size(raw: bytes) -> tuple[int, int]:
-    """The frame header's width and height, walking the segments up to the first scan."""
-    pos, steps, size = len(_JPEG_SOI), 0, None
-    while True:
-        marker = _JPEG_MARKER.match(raw, pos)
-        if marker is None:
-            raise ConditioningImageError("JPEG is truncated or has stray bytes before its first scan")
-        steps += marker.end() - pos - 1  # the marker and its fill bytes: PIL reads each one in Python
-        if steps > MAX_SEGMENTS:
-            raise ConditioningImageError(f"JPEG has more than {MAX_SEGMENTS} segments before its first scan")
-        kind, pos = raw[marker.end() - 1], marker.end()
-        if kind == _JPEG_SOS[1]:
-            break
-        if kind in _JPEG_STANDALONE:
-            continue
-        if kind in _JPEG_SOF:
-            if size is not None:
-                raise ConditioningImageError("JPEG has two frame headers")  # libjpeg refuses them too
-            if len(raw) < pos + _JPEG_SIZE.size:
-                raise ConditioningImageError("JPEG frame header is truncated")
-            _, _, height, width = _JPEG_SIZE.unpack_from(raw, pos)
-            size = width, height
-        pos += int.from_bytes(raw[pos:pos + 2], "big")
-    if size is None:
-        raise ConditioningImageError("JPEG has no frame header before its first scan")
-    if raw.count(_JPEG_SOS) > MAX_JPEG_SCANS:
-        raise ConditioningImageError(f"JPEG has more than {MAX_JPEG_SCANS} scans")
-    return size
 
 
 def preprocess(image: np.ndarray, kind: Preprocess | None) -> np.ndarray:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fastapi import FastAPI
@@ -18,7 +20,7 @@ from serving.common.device import placement
 from serving.common.errors import APIError, retry_after
 from serving.common.logging import get_logger
 from serving.config import ImagesAppConfig
-from serving.engine import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
+from serving.engine import GenerationEvent, GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
 
 logger = get_logger("deployments.ingress")
 
@@ -45,23 +47,47 @@ class DeploymentBackend(ImageGenerationBackend):
     async def generate(self, params: GenerationParams) -> GenerationResult:
         return await self._call("generate", params)
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        """The replica's ``generate_stream`` over a streaming handle call; leaving before its end (closed,
+        cancelled) cancels the call, which cancels the request in the replica."""
+        stream = self._handle.options(stream=True).generate_stream.remote(params)
+        finished = False
         try:
+            with _mapped_errors("generate_stream"):
+                async for event in stream:
+                    if isinstance(event, APIError):  # the model's answer to a request it refused
+                        raise event
+                    yield event
+            finished = True
+        finally:
+            if not finished:
+                stream.cancel()
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        with _mapped_errors(method):
             result = await getattr(self._handle, method).remote(*args)
-        except BackPressureError as exc:
-            raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
-                           headers=retry_after(exc.retry_after_s or 1)) from None
-        except RayActorError as exc:
-            logger.warning("model replica failed under a %s call: %s", method, exc)
-            raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",
-                           headers=retry_after(1)) from None
-        except RayTaskError as exc:
-            if isinstance(exc.cause, APIError):
-                raise exc.cause from None
-            raise
         if isinstance(result, APIError):  # the model's answer to a request it refused
             raise result
         return result
+
+
+@contextmanager
+def _mapped_errors(method: str) -> Iterator[None]:
+    """Ray's errors of a ``method`` call as the API answers them: Serve's backpressure and a dead replica are 503s
+    with ``Retry-After``; an ``APIError`` the replica raised is raised as it is."""
+    try:
+        yield
+    except BackPressureError as exc:
+        raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
+                       headers=retry_after(exc.retry_after_s or 1)) from None
+    except RayActorError as exc:
+        logger.warning("model replica failed under a %s call: %s", method, exc)
+        raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",
+                       headers=retry_after(1)) from None
+    except RayTaskError as exc:
+        if isinstance(exc.cause, APIError):
+            raise exc.cause from None
+        raise
 
 
 def served_models(handles: list[DeploymentHandle], config: ImagesAppConfig) -> ServedModels:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from ray import serve
@@ -18,7 +20,7 @@ from serving.controlnet.client import MeasuredControlNets
 from serving.deployments.cfg_worker import ServeCFGWorker
 from serving.deployments.controlnet import ServeControlNets
 from serving.deployments.pinning import pin_replica
-from serving.engine import GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.engine import GenerationEvent, GenerationParams, GenerationResult, LocalBackend, ModelInfo
 
 logger = get_logger("deployments.model")
 
@@ -66,6 +68,17 @@ class DiffusionModel(MemoryReport):
             return await self._backend.generate(params)
         except APIError as error:
             return error
+
+    async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent | APIError]:
+        """Serve streaming (``handle.options(stream=True)``): the previews, then the result; a refusal or failure as
+        an ``APIError`` event, the last, as ``generate`` returns it. Serve cancelling the call (the client went
+        away) cancels the request."""
+        try:
+            async with aclosing(self._backend.generate_stream(params)) as events:
+                async for event in events:
+                    yield event
+        except APIError as error:
+            yield error
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
         backend = getattr(self, "_backend", None)

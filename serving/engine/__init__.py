@@ -6,18 +6,23 @@ from serving.engine.diffusion_engine import DiffusionEngine, encode_png, load_co
 from serving.engine.loop import EngineLoop, LoRALoadFailed
 from serving.engine.request import RequestState
 from serving.engine.types import (
+    EditImage,
+    GenerationEvent,
     GenerationParams,
     GenerationResult,
     ImageGenerationBackend,
     LoRAReport,
     LoRASpec,
     ModelInfo,
+    PartialImage,
 )
 
 __all__ = [
     "DiffusionEngine",
+    "EditImage",
     "EngineLoop",
     "EngineOverloaded",
+    "GenerationEvent",
     "GenerationParams",
     "GenerationResult",
     "ImageGenerationBackend",
@@ -26,6 +31,7 @@ __all__ = [
     "LoRASpec",
     "LocalBackend",
     "ModelInfo",
+    "PartialImage",
     "RequestState",
     "encode_png",
     "load_components",

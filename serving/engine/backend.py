@@ -1,11 +1,15 @@
 """``LocalBackend``: the engine interface over an in-process engine loop (a Serve replica or a test).
 
 Engine, LoRA and ControlNet errors are ``APIError``s already; here one naming a request item gets its position.
+Cancelling a call (or closing a stream early) cancels the request in the engine loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
 
 from serving.common.errors import RequestItemError
 from serving.common.metrics import NO_METRICS, Metrics
@@ -14,7 +18,14 @@ from serving.controlnet.client import ControlNetClient
 from serving.engine.cfg import CFGWorker
 from serving.engine.diffusion_engine import DiffusionEngine
 from serving.engine.loop import EngineLoop, StepCallback
-from serving.engine.types import GenerationParams, GenerationResult, ImageGenerationBackend, ModelInfo
+from serving.engine.types import (
+    GenerationEvent,
+    GenerationParams,
+    GenerationResult,
+    ImageGenerationBackend,
+    ModelInfo,
+    PartialImage,
+)
 from serving.lora.cache import LoRACache
 from serving.lora.registry import LoRARegistry
 
@@ -50,7 +61,8 @@ class LocalBackend(ImageGenerationBackend):
                    on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> LocalBackend:
         """A backend over ``engine``; its loop, LoRA cache and requests record into ``metrics``."""
         cache = cls.lora_cache_for(engine, config, metrics)
-        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics), metrics)
+        return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics,
+                              preview=config.engine.preview_decoder), metrics)
 
     async def model_info(self) -> ModelInfo:
         return self.loop.engine.info
@@ -65,16 +77,40 @@ class LocalBackend(ImageGenerationBackend):
         return controlnets.names() if controlnets is not None else []
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
-        with self._metrics.request("diffusion_generation"):
-            return await self._generate(params)
-
-    async def _generate(self, params: GenerationParams) -> GenerationResult:
-        try:
+        with self._metrics.request("diffusion_generation"), _located_errors(params):
             return await asyncio.wrap_future(self.loop.submit(params))
-        except RequestItemError as error:  # ``loras[2].name``: where this request names the item
-            raise error.located([item.name for item in getattr(params, error.field)]) from None
+
+    async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        """The loop's preview callbacks and its future's completion come from the stage thread in order and are
+        bridged onto this event loop in that order; leaving before the result (closed, cancelled) cancels the
+        request. The request's latency is recorded when its result is in hand, before it is yielded."""
+        events: asyncio.Queue[PartialImage | Future[GenerationResult]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def put(event: PartialImage | Future[GenerationResult]) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        with self._metrics.request("diffusion_generation"), _located_errors(params):
+            future = self.loop.submit(params, on_preview=put)
+            future.add_done_callback(put)
+            try:
+                while not isinstance(event := await events.get(), Future):
+                    yield event
+                result = event.result()
+            finally:
+                future.cancel()  # nothing when it finished
+        yield result
 
     def close(self) -> None:
         self.loop.stop()
         if self.loop.lora_cache is not None:
             self.loop.lora_cache.close()
+
+
+@contextmanager
+def _located_errors(params: GenerationParams) -> Iterator[None]:
+    """Raises a ``RequestItemError`` as the ``APIError`` at where this request names the item (``loras[2].name``)."""
+    try:
+        yield
+    except RequestItemError as error:
+        raise error.located([item.name for item in getattr(params, error.field)]) from None

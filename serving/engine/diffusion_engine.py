@@ -8,15 +8,16 @@ its own LoRAs, guidance and scheduler.
 
 from __future__ import annotations
 
-import inspect
 import io
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from diffusers import SchedulerMixin
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from PIL import Image
 
@@ -32,9 +33,11 @@ from serving.engine.band_decode import BandDecodeUnsupported, check_band_decodab
 from serving.engine.cfg import CFGWorker
 from serving.engine.denoisers import denoiser_for
 from serving.engine.prompts import prompt_encoder
-from serving.engine.request import LoRAActivation, PendingLoRA, RequestState
+from serving.engine.request import Inpainting, LoRAActivation, PendingLoRA, RequestState
 from serving.engine.rows import RowBatch
-from serving.engine.types import GenerationParams, ModelInfo
+from serving.engine.schedulers import SchedulerChoices, edit_start, edit_timesteps, noised, step_kwargs
+from serving.engine.types import EditImage, GenerationParams, ModelInfo
+from serving.engine.vae import to_denoiser_latents, to_images, to_vae_latents, vae_shift
 from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
@@ -74,8 +77,10 @@ class DiffusionEngine:
                  dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
                  cfg_worker: CFGWorker | None = None, metrics: Metrics = NO_METRICS) -> None:
+        self.schedulers = SchedulerChoices(components.scheduler)
         self.info = ModelInfo(name=name, default_size=components.default_size,
-                              size_multiple=components.size_multiple, family=components.family)
+                              size_multiple=components.size_multiple, family=components.family,
+                              schedulers=self.schedulers.names, default_scheduler=self.schedulers.default)
         self.max_side = components.max_side
         self.device, self.dtype = device, dtype
         # SDXL's VAE overflows in float16 (``force_upcast``): it decodes in float32, as diffusers' SDXL pipeline.
@@ -88,10 +93,7 @@ class DiffusionEngine:
                 module.to(module_dtype)
         self.denoiser = denoiser_for(components.denoiser, controlled=controlnets is not None)
         self.vae, self.text_encoder = components.vae, components.text_encoder
-        self.base_scheduler = components.scheduler
         self.vae_scale_factor = components.vae_scale_factor
-        # SD3 decodes ``latents / scaling + shift`` and its ControlNets take ``(image latents - shift) * scaling``
-        self._vae_shift = self.vae.config.get("shift_factor") or 0.0
         self.lora_targets = LoRATargets.from_modules(components.denoiser, self.text_encoder, components.text_encoder_2)
         # The denoiser runs every step: a merged copy can pay off. A text encoder runs once per request: never merge.
         self._denoiser_loras = LoRAHooks(self.denoiser.module, merged_cache_bytes=merged_lora_bytes,
@@ -102,9 +104,8 @@ class DiffusionEngine:
         self.cfg_worker = cfg_worker
         self.metrics = metrics
         self._band_decodable = _band_decodable(self.vae)  # with a CFG worker, set now or later
-        step_parameters = set(inspect.signature(self.base_scheduler.step).parameters)
-        self._step_takes_eta = "eta" in step_parameters
-        self._step_takes_generator = "generator" in step_parameters
+        #: an inpainting checkpoint: its denoiser takes the mask and the masked image's latents beside the latents
+        self.inpainting_denoiser = self.denoiser.in_channels == 2 * self.vae.config.latent_channels + 1
 
     @classmethod
     def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None,
@@ -122,47 +123,143 @@ class DiffusionEngine:
                     config.name, source, device, config.dtype, time.perf_counter() - started, placement())
         return engine
 
+    @property
+    def base_scheduler(self) -> SchedulerMixin:
+        """The model's own scheduler, which every request's is made from."""
+        return self.schedulers.base
+
     # -- request lifecycle -------------------------------------------------------------------------
 
     def validate(self, params: GenerationParams) -> None:
-        """Refuses what this model cannot serve: ``InvalidImageSize``, ``ControlNetNotFound``."""
+        """Refuses what this model cannot serve: ``InvalidImageSize``, ``ControlNetNotFound``, an unknown scheduler,
+        an edit it cannot make, anything but inpainting on an inpainting checkpoint (400s naming the field)."""
         multiple = self.info.size_multiple
         if params.width % multiple or params.height % multiple:
             raise InvalidImageSize(f"width and height must be multiples of {multiple}")
         if self.max_side is not None and max(params.width, params.height) > self.max_side:
             raise InvalidImageSize(f"width and height must be at most {self.max_side} for this model")
+        if self.inpainting_denoiser:
+            _validate_for_inpainting_denoiser(params)
         served = set(self.controlnets.names()) if self.controlnets is not None else set()
         for spec in params.controlnets:
             if spec.name not in served:
                 raise ControlNetNotFound(spec.name)
+        if params.scheduler is not None and params.scheduler not in self.schedulers.names:
+            raise _invalid("scheduler", f"unknown scheduler {params.scheduler!r}; this model offers: "
+                                        f"{', '.join(self.schedulers.names)}")
+        if params.edit is not None:
+            self._validate_edit(params, params.edit)
+
+    def _validate_edit(self, params: GenerationParams, edit: EditImage) -> None:
+        """Refuses an edit whose image or mask is not at the request's size, whose strength leaves no step (as
+        diffusers' pipelines do), or whose scheduler diffusers' edit pipelines of this family cannot run."""
+        size = (params.height, params.width)
+        if edit.image.shape != (*size, 3):
+            raise _invalid("image", f"the image must be {params.width}x{params.height} RGB, as the request")
+        if edit.mask is not None and edit.mask.shape != size:
+            raise _invalid("mask", f"the mask must be {params.width}x{params.height}, as the image")
+        if not 0.0 < edit.strength <= 1.0:
+            raise _invalid("strength", "strength must be in (0, 1]")
+        steps = params.num_inference_steps
+        if edit_start(steps, edit.strength, flow=self.schedulers.flow) >= steps:
+            raise _invalid("strength", f"strength {edit.strength} leaves no denoising step of {steps}; raise "
+                                       "strength or the number of steps")
+        if not self.schedulers.can_edit(params.scheduler):
+            editing = [name for name in self.schedulers.names if self.schedulers.can_edit(name)]
+            raise _invalid("scheduler", f"scheduler {params.scheduler!r} cannot edit images on this model; use one "
+                                        f"of: {', '.join(editing)}")
 
     @torch.inference_mode()
     def start(self, params: GenerationParams, loras: Sequence[PendingLoRA] = (),
               lora_wait_fraction: float = 0.4) -> RequestState:
-        """Tokenise and encode the prompts, draw the initial noise, set up the request's own scheduler. The request
-        waits for LoRAs still loading at step ``lora_wait_fraction * steps`` (``async``) or 0 (``exact``)."""
+        """Tokenise and encode the prompts, set up the request's own scheduler (an edit's cut by its strength), draw
+        its initial latents. The request waits for LoRAs still loading at ``lora_wait_fraction`` of its steps
+        (``async``) or at once (``exact``)."""
         self.validate(params)
-        scheduler = type(self.base_scheduler).from_config(self.base_scheduler.config)
-        scheduler.set_timesteps(params.num_inference_steps, device=self.device, **self._timestep_kwargs(params))
+        scheduler, timesteps = self._schedule(params, self.device)
         generators = [torch.Generator("cpu").manual_seed(params.seed + i) for i in range(params.n)]
         prompt_embeds, negative_embeds = self.prompts.encode(params)
-        shape = (1, self.denoiser.in_channels, params.height // self.vae_scale_factor,
-                 params.width // self.vae_scale_factor)
-        noise = [torch.randn(shape, generator=g, dtype=self.dtype) for g in generators]
-        # flow-matching schedulers start from unit noise and have no ``init_noise_sigma``
-        latents = torch.cat(noise).to(self.device) * getattr(scheduler, "init_noise_sigma", 1.0)
+        if params.edit is None:
+            # flow-matching schedulers start from unit noise and have no ``init_noise_sigma``
+            initial = _Start(self._noise(params, generators) * getattr(scheduler, "init_noise_sigma", 1.0))
+        elif params.edit.mask is None:
+            initial = _Start(self._image_to_image(params, params.edit, scheduler, timesteps, generators))
+        else:
+            initial = self._inpaint(params, params.edit, scheduler, timesteps, generators)
         return RequestState(
             params=params,
             scheduler=scheduler,
-            timesteps=scheduler.timesteps,
-            latents=latents,
+            timesteps=timesteps,
+            latents=initial.latents,
             generators=generators,
             prompt_embeds=prompt_embeds,
             negative_embeds=negative_embeds,
             controls=[(spec.name, self._control_input(spec.image, params), spec.scale) for spec in params.controlnets],
             loras=list(loras),
-            lora_step=_lora_deadline(params, lora_wait_fraction),
+            lora_step=_lora_deadline(params, len(timesteps), lora_wait_fraction),
+            inpainting=initial.inpainting,
+            denoiser_inputs=initial.denoiser_inputs,
         )
+
+    def denoising_steps(self, params: GenerationParams) -> int:
+        """The denoiser forwards (engine steps) ``params`` takes: its scheduler's timesteps, an edit's cut by its
+        strength (a second-order scheduler such as ``heun`` takes about two per step)."""
+        return len(self._schedule(params, torch.device("cpu"))[1])
+
+    def _schedule(self, params: GenerationParams, device: torch.device) -> tuple[SchedulerMixin, torch.Tensor]:
+        """The request's own scheduler, set to its steps, and the timesteps it runs (an edit's from its start)."""
+        scheduler = self.schedulers.build(params.scheduler)
+        scheduler.set_timesteps(params.num_inference_steps, device=device, **self._timestep_kwargs(scheduler, params))
+        if params.edit is None:
+            return scheduler, scheduler.timesteps
+        start = edit_start(params.num_inference_steps, params.edit.strength, flow=self.schedulers.flow)
+        return scheduler, edit_timesteps(scheduler, start)
+
+    def _noise(self, params: GenerationParams, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """Unit noise at the request's latent size, image ``i``'s drawn from generator ``i`` [n, C, h, w]."""
+        shape = (1, self.vae.config.latent_channels, params.height // self.vae_scale_factor,
+                 params.width // self.vae_scale_factor)
+        return torch.cat([torch.randn(shape, generator=g, dtype=self.dtype) for g in generators]).to(self.device)
+
+    def _image_latents(self, pixels: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """``pixels`` [1, 3, H, W] in [-1, 1] as denoiser latents, one sample of the VAE's latent distribution per
+        generator (``retrieve_latents``) [len(generators), C, h, w]: ``(sample - shift) * scaling``."""
+        distribution = self.vae.encode(pixels.to(self.device, self.vae_dtype)).latent_dist
+        samples = torch.cat([distribution.sample(generator) for generator in generators]).to(self.dtype)
+        return to_denoiser_latents(self.vae, samples)
+
+    def _image_to_image(self, params: GenerationParams, edit: EditImage, scheduler: SchedulerMixin,
+                        timesteps: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+        """The initial latents of an img2img request, as diffusers' img2img pipelines draw them: image ``i``'s
+        latents sampled with generator ``i``, then its noise, noised to the first timestep."""
+        image = self._image_latents(_pixels(edit.image), generators)
+        return noised(scheduler, image, self._noise(params, generators), timesteps[:1].repeat(params.n))
+
+    def _inpaint(self, params: GenerationParams, edit: EditImage, scheduler: SchedulerMixin, timesteps: torch.Tensor,
+                 generators: Sequence[torch.Generator]) -> _Start:
+        """An inpainting request's start, as diffusers' inpainting pipelines draw it: the image's latents sampled
+        once with the first generator (a 4-channel denoiser blends them back after each step; an inpainting
+        denoiser takes them only to start below strength 1), every image's noise, then the masked image's latents
+        with the first generator again (an inpainting denoiser's input beside the mask; for a 4-channel one only
+        the draw is made). Strength 1 starts from the noise alone."""
+        assert edit.mask is not None
+        pixels, mask = _pixels(edit.image), _binary_mask(edit.mask)
+        takes_mask = self.inpainting_denoiser
+        image = None
+        if not takes_mask or edit.strength < 1.0:
+            image = self._image_latents(pixels, generators[:1]).repeat(params.n, 1, 1, 1)
+        noise = self._noise(params, generators)
+        if edit.strength == 1.0:
+            latents = noise * getattr(scheduler, "init_noise_sigma", 1.0)
+        else:
+            latents = noised(scheduler, image, noise, timesteps[:1].repeat(params.n))
+        small = torch.nn.functional.interpolate(mask, size=noise.shape[-2:]).to(self.device, self.dtype)
+        if takes_mask:
+            masked = self._image_latents(pixels * (mask < 0.5), generators[:1])
+            return _Start(latents, denoiser_inputs=torch.cat([small, masked], dim=1).repeat(params.rows, 1, 1, 1))
+        torch.randn((1, *noise.shape[1:]), generator=generators[0], dtype=self.vae_dtype)  # the masked image's draw
+        assert image is not None
+        return _Start(latents, Inpainting(image, noise, small.repeat(params.n, 1, 1, 1)))
 
     @torch.inference_mode()
     def prepare_loras(self, state: RequestState) -> LoRAActivation:
@@ -230,10 +327,12 @@ class DiffusionEngine:
             if state.params.uses_cfg:
                 uncond, cond = prediction.chunk(2)
                 prediction = uncond + state.params.guidance_scale * (cond - uncond)
-            state.latents = state.scheduler.step(
-                prediction, state.timesteps[state.step_index], state.latents,
-                **self._step_kwargs(state), return_dict=False,
-            )[0]
+            output = state.scheduler.step(prediction, state.timesteps[state.step_index], state.latents,
+                                          **step_kwargs(state.scheduler, state.generators), return_dict=True)
+            state.latents = output.prev_sample
+            state.x0_estimate = getattr(output, "pred_original_sample", None)
+            if state.inpainting is not None:
+                _put_back_kept(state, state.inpainting)
             state.step_index += 1
 
     @torch.inference_mode()
@@ -252,7 +351,7 @@ class DiffusionEngine:
     def decode(self, state: RequestState) -> np.ndarray:
         """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker, its device decodes the lower
         half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
-        latents = state.latents.to(self.vae_dtype) / self.vae.config.scaling_factor + self._vae_shift
+        latents = to_vae_latents(self.vae, state.latents, self.vae_dtype)
         images = None
         if self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2:
             try:
@@ -265,7 +364,7 @@ class DiffusionEngine:
                 self.metrics.band_decode("split")
         if images is None:
             images = self.vae.decode(latents, return_dict=False)[0]
-        return (images / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).float().cpu().numpy()
+        return to_images(images)
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -292,7 +391,7 @@ class DiffusionEngine:
                                   context_rows=[batch.context_rows[row] for row, _, _ in entries],
                                   scales=torch.tensor([scale for _, _, scale in entries]), images=images,
                                   added={key: value[index] for key, value in batch.added.items()},
-                                  latent_shift=self._vae_shift * self.vae.config.scaling_factor)
+                                  latent_shift=vae_shift(self.vae) * self.vae.config.scaling_factor)
             pending.append((name, index, self.controlnets.submit(name, call)))
 
         def summed() -> ControlNetResiduals:
@@ -322,7 +421,7 @@ class DiffusionEngine:
         if self.info.family != "sd3":
             return pixels
         latents = self.vae.encode((pixels * 2 - 1).to(self.vae_dtype)).latent_dist.mode()
-        return ((latents - self._vae_shift) * self.vae.config.scaling_factor).to(self.dtype)
+        return to_denoiser_latents(self.vae, latents).to(self.dtype)
 
     def lora_on_device(self, weights: LoRAWeights) -> LoRAWeights:
         """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group).
@@ -336,10 +435,10 @@ class DiffusionEngine:
         self._device_loras.move_to_end(id(weights))
         return entry[1]
 
-    def _timestep_kwargs(self, params: GenerationParams) -> dict:
-        """SD3.5-style dynamic shifting: the schedule's shift ``mu`` from the image's token count, as diffusers'
-        SD3 pipeline computes it."""
-        config = self.base_scheduler.config
+    def _timestep_kwargs(self, scheduler: SchedulerMixin, params: GenerationParams) -> dict:
+        """SD3.5-style dynamic shifting, where ``scheduler`` shifts dynamically: the schedule's shift ``mu`` from the
+        image's token count, as diffusers' SD3 pipeline computes it."""
+        config = scheduler.config
         if not config.get("use_dynamic_shifting"):
             return {}
         patch = getattr(self.denoiser.module.config, "patch_size", 1)
@@ -347,14 +446,6 @@ class DiffusionEngine:
         return {"mu": calculate_shift(tokens, config.get("base_image_seq_len", 256),
                                       config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
                                       config.get("max_shift", 1.16))}
-
-    def _step_kwargs(self, state: RequestState) -> dict:
-        kwargs: dict = {}
-        if self._step_takes_eta:
-            kwargs["eta"] = 0.0
-        if self._step_takes_generator:
-            kwargs["generator"] = state.generators
-        return kwargs
 
 
 def _band_decodable(vae: torch.nn.Module) -> bool:
@@ -371,8 +462,58 @@ def _zero_rows(rows: int, part: torch.Tensor, like: torch.Tensor) -> torch.Tenso
     return torch.zeros((rows, *part.shape[1:]), device=like.device, dtype=like.dtype)
 
 
-def _lora_deadline(params: GenerationParams, lora_wait_fraction: float) -> int:
-    """The step at which a request stops for LoRAs that are still loading."""
+class _Start(NamedTuple):
+    """A request's initial latents [n, C, h, w] and, for inpainting, what it blends in after each step (a
+    4-channel denoiser) or what its denoiser takes beside them (an inpainting one)."""
+
+    latents: torch.Tensor
+    inpainting: Inpainting | None = None
+    denoiser_inputs: torch.Tensor | None = None
+
+
+def _lora_deadline(params: GenerationParams, steps: int, lora_wait_fraction: float) -> int:
+    """The step at which a request of ``steps`` scheduler steps stops for LoRAs that are still loading."""
     if params.lora_mode == "exact":
         return 0
-    return math.floor(lora_wait_fraction * params.num_inference_steps + 1e-9)
+    return math.floor(lora_wait_fraction * steps + 1e-9)
+
+
+def _invalid(param: str, message: str) -> APIError:
+    """A 400 for a request field this model cannot take."""
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _validate_for_inpainting_denoiser(params: GenerationParams) -> None:
+    """An inpainting checkpoint's denoiser needs a mask and a masked image every step: it only inpaints, and takes
+    no ControlNet."""
+    if params.edit is None or params.edit.mask is None:
+        raise _invalid("mask" if params.edit else "image", "this is an inpainting model: a request needs an image "
+                                                             "and a mask")
+    if params.controlnets:
+        raise _invalid("controlnets", "ControlNets do not condition this inpainting model")
+
+
+def _pixels(image: np.ndarray) -> torch.Tensor:
+    """An RGB uint8 image [H, W, 3] as diffusers' ``VaeImageProcessor.preprocess`` makes it: [1, 3, H, W] in
+    [-1, 1], float32."""
+    scaled = torch.from_numpy(image.astype(np.float32) / 255.0).permute(2, 0, 1).unsqueeze(0)
+    return 2.0 * scaled - 1.0
+
+
+def _binary_mask(mask: np.ndarray) -> torch.Tensor:
+    """A uint8 mask [H, W] (255: repaint) as diffusers' inpainting ``mask_processor`` makes it: [1, 1, H, W], 1
+    where it is at least half way to 255, else 0, float32."""
+    scaled = torch.from_numpy(mask.astype(np.float32) / 255.0)[None, None]
+    return (scaled >= 0.5).to(torch.float32)
+
+
+def _put_back_kept(state: RequestState, inpainting: Inpainting) -> None:
+    """After a scheduler step (``state.step_index`` not yet advanced), the kept region of the source image noised
+    to the next timestep (clean after the last step) replaces the latents' (diffusers' 4-channel inpainting); the
+    clean-latent estimate keeps the source there too, so a preview shows it."""
+    kept, mask = inpainting.image_latents, inpainting.mask
+    following = state.timesteps[state.step_index + 1:state.step_index + 2]
+    proper = noised(state.scheduler, kept, inpainting.noise, following) if len(following) else kept
+    state.latents = (1 - mask) * proper + mask * state.latents
+    if state.x0_estimate is not None:
+        state.x0_estimate = (1 - mask) * kept + mask * state.x0_estimate

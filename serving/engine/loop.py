@@ -3,9 +3,15 @@
 The loop thread only denoises. At every step boundary it admits requests whose preparation finished, applies
 LoRAs made ready, and runs one denoiser step for the requests ``serving.engine.scheduling`` picks. The stage thread
 does the rest, so the loop never waits on it: text encoding and initial noise (``DiffusionEngine.start``), LoRA
-device copies and text re-encoding (``prepare_loras``), VAE decoding and PNG encoding of finished requests.
+device copies and text re-encoding (``prepare_loras``), VAE decoding and PNG encoding of finished requests, and the
+previews a request asks for (``partial_images``: the loop thread only copies the latents at the steps
+``serving.engine.preview.preview_steps`` picks; the stage thread decodes them and calls the request's callback).
 A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
 A request that would wait too long for its first step is refused at submission (``serving.engine.admission``).
+A request whose future is cancelled is dropped where it is: still queued, its preparation is cancelled if not begun;
+denoising, its rows are freed at the next step boundary; denoised, its decode is skipped. Either way its LoRA loads
+that no other request waits for are dropped while still queued (``LoRACache.release``), and it is counted
+(``Metrics.request_cancelled``).
 """
 
 from __future__ import annotations
@@ -14,25 +20,30 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from serving.common.errors import RequestItemError
 from serving.common.logging import get_logger
-from serving.common.metrics import NO_METRICS, Metrics
+from serving.common.metrics import NO_METRICS, CancelStage, Metrics
 from serving.config import EngineConfig
 from serving.controlnet.client import ControlNetUnavailable
 from serving.engine.admission import EngineOverloaded, Work, wait_steps
 from serving.engine.diffusion_engine import DiffusionEngine, encode_png
+from serving.engine.preview import PreviewDecoder, PreviewKind, preview_decoder, preview_steps
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.scheduling import Slot, pick_batch, record_steps
-from serving.engine.types import GenerationParams, GenerationResult, LoRAReport
+from serving.engine.types import GenerationParams, GenerationResult, LoRAReport, PartialImage
 from serving.lora.cache import LoRACache
 from serving.lora.registry import LoRANotFound
 
 logger = get_logger("engine.loop")
 
 StepCallback = Callable[[RequestState], None]
+#: Called on the stage thread with each preview of a request, in order; it must not block.
+PreviewCallback = Callable[[PartialImage], None]
 
 
 class LoRALoadFailed(RequestItemError):
@@ -43,32 +54,38 @@ class LoRALoadFailed(RequestItemError):
                          code="lora_load_failed")
 
 
-@dataclass
+@dataclass(eq=False)
 class _Submission:
     params: GenerationParams
     loras: list[PendingLoRA]
     future: Future[GenerationResult]
     prepared: Future[RequestState]  # the stage thread's ``engine.start``
+    work: Work  # as the admission replay sees it before it starts
+    on_preview: PreviewCallback | None = None
     submitted: float = field(default_factory=time.perf_counter)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Active:
     submission: _Submission
     state: RequestState
     slot: Slot
+    previews: dict[int, int] = field(default_factory=dict)  # step after which to take a preview -> its index
 
 
 class EngineLoop:
     """Runs ``engine`` in a background thread; ``submit`` is thread-safe and returns a future."""
 
     def __init__(self, engine: DiffusionEngine, config: EngineConfig, lora_cache: LoRACache | None = None,
-                 *, on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> None:
+                 *, on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS,
+                 preview: PreviewKind = "approx") -> None:
         self.engine = engine
         self.config = config
         self.lora_cache = lora_cache
         self._on_step = on_step
         self._metrics = metrics
+        self._preview_kind = preview
+        self._preview_decoder: PreviewDecoder | None = None  # made on the stage thread at the first preview
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
         self._step_s: float | None = None  # moving average of one step's wall time
@@ -79,11 +96,14 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="diffusion-engine-loop", daemon=True)
         self._thread.start()
 
-    def submit(self, params: GenerationParams) -> Future[GenerationResult]:
-        """Queue a request. LoRA name errors (invalid, unknown) and ``EngineOverloaded`` raise here, before any
-        work starts."""
+    def submit(self, params: GenerationParams,
+               on_preview: PreviewCallback | None = None) -> Future[GenerationResult]:
+        """Queue a request; ``on_preview`` gets its previews (``params.partial_images`` per image), all before the
+        future's result. Cancelling the future cancels the request. LoRA name errors (invalid, unknown) and
+        ``EngineOverloaded`` raise here, before any work starts."""
         self.engine.validate(params)
-        self._check_admission(params)
+        work = Work(params.rows, self.engine.denoising_steps(params), (params.height, params.width))
+        self._check_admission(work)
         loras = [self._request_lora(spec.name, spec.scale) for spec in params.loras]
         if loras and self.engine.cfg_worker is not None:  # the worker loads them while this replica does
             self.engine.cfg_worker.prefetch([pending.name for pending in loras])
@@ -92,23 +112,43 @@ class EngineLoop:
         with self._wakeup:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
-            submission = _Submission(params, loras, Future(), self._stage.submit(self._start, params, loras))
+            submission = _Submission(params, loras, Future(), self._stage.submit(self._start, params, loras), work,
+                                     on_preview if params.partial_images > 0 else None)
             submission.prepared.add_done_callback(lambda _: self._notify())
             self._queue.append(submission)
             self._wakeup.notify()
+        submission.future.add_done_callback(lambda future: self._on_cancel(submission) if future.cancelled() else None)
         return submission.future
 
-    def _check_admission(self, params: GenerationParams) -> None:
+    def _on_cancel(self, submission: _Submission) -> None:
+        """On the cancelling thread: a queued request is dropped now; the loop thread drops an admitted one."""
+        with self._wakeup:
+            queued = submission in self._queue
+            if queued:
+                self._queue.remove(submission)
+            self._wakeup.notify()
+        if queued:
+            submission.prepared.cancel()
+            self._dropped(submission, "queued")
+
+    def _dropped(self, submission: _Submission, stage: CancelStage) -> None:
+        """Releases a cancelled request's LoRA loads, then counts it."""
+        if self.lora_cache is not None:
+            for pending in submission.loras:
+                self.lora_cache.release(pending.name, pending.load)
+        self._metrics.request_cancelled(stage)
+
+    def _check_admission(self, work: Work) -> None:
         fraction = self.config.admission_wait_fraction
         if fraction is None:
             return
         with self._wakeup:
-            queued = [_work(s.params) for s in self._queue]
+            queued = [s.work for s in self._queue]
         running = [Work(active.state.rows, active.state.steps_left, active.state.size, active.slot.skipped)
                    for active in list(self._active)]
-        waited = wait_steps(running, queued, _work(params), self.config.max_batch_rows,
+        waited = wait_steps(running, queued, work, self.config.max_batch_rows,
                             self.config.continuous_batching, self.config.max_skipped_steps)
-        allowed = fraction * params.num_inference_steps
+        allowed = fraction * work.steps_left
         if waited > allowed:
             raise EngineOverloaded(waited, allowed, waited * (self._step_s or 0.0))
 
@@ -135,13 +175,17 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._wakeup:
-                while not (self._stopping or self._admissible() or self._runnable() or self._loras_ready()):
+                while not (self._stopping or self._admissible() or self._runnable() or self._loras_ready()
+                           or self._cancelled()):
                     self._wakeup.wait()
                 if self._stopping:
                     break
                 admitted = self._take_admissible()
             for submission in admitted:
                 self._admit(submission)
+            for active in self._cancelled():
+                self._active.remove(active)
+                self._dropped(active.submission, "denoising")
             self._apply_finished_loras()
             batch = self._next_batch()
             if batch:
@@ -163,8 +207,12 @@ class EngineLoop:
             self._queue.remove(submission)
         return admitted
 
+    def _cancelled(self) -> list[_Active]:
+        return [active for active in self._active if active.submission.future.cancelled()]
+
     def _admit(self, submission: _Submission) -> None:
-        if submission.future.cancelled():
+        if submission.future.cancelled():  # cancelled as it left the queue
+            self._dropped(submission, "queued")
             return
         error = submission.prepared.exception()
         if error is not None:  # bad request that slipped through validation: fail it alone
@@ -172,9 +220,12 @@ class EngineLoop:
             return
         state = submission.prepared.result()
         state.admitted = time.perf_counter()
-        self._active.append(_Active(submission, state, Slot(state.rows, state.size)))
+        previews = preview_steps(len(state.timesteps), state.params.partial_images) if submission.on_preview else []
+        active = _Active(submission, state, Slot(state.rows, state.size),
+                         {step: index for index, step in enumerate(previews)})
+        self._active.append(active)
         for pending in state.loras:
-            pending.load.add_done_callback(lambda _, state=state: self._prepare_loras(state))
+            pending.load.add_done_callback(lambda _, active=active: self._prepare_loras(active))
 
     def _start(self, params: GenerationParams, loras: list[PendingLoRA]) -> RequestState:
         """On the stage thread: the request's state, with its LoRAs prepared already when they are in memory."""
@@ -184,9 +235,11 @@ class EngineLoop:
             state.lora_activation.set_result(self.engine.prepare_loras(state))
         return state
 
-    def _prepare_loras(self, state: RequestState) -> None:
-        """Once every LoRA of ``state`` has loaded, hands their preparation to the stage thread (at most once)."""
-        if not state.loras_ready_to_prepare:
+    def _prepare_loras(self, active: _Active) -> None:
+        """Once every LoRA of the request has loaded, hands their preparation to the stage thread (at most once;
+        never for a cancelled request)."""
+        state = active.state
+        if not state.loras_ready_to_prepare or active.submission.future.cancelled():
             return
         with self._wakeup:
             if state.lora_activation is not None or self._stopping:
@@ -231,9 +284,6 @@ class EngineLoop:
         return [active for active in self._active if not active.state.blocked]
 
     def _next_batch(self) -> list[_Active]:
-        for active in list(self._active):
-            if active.submission.future.cancelled():
-                self._active.remove(active)
         runnable = self._runnable()
         slots = [active.slot for active in runnable]
         batch = pick_batch(slots, self.config.max_batch_rows, self.config.max_skipped_steps)
@@ -265,11 +315,40 @@ class EngineLoop:
         for active in batch:
             if self._on_step is not None:
                 self._on_step(active.state)
+            self._take_preview(active)
             if active.state.done:
                 active.state.denoised = time.perf_counter()
                 self._finish(active)
             elif active.state.blocked:  # at its LoRA deadline without its LoRAs applied: it waits from now
                 active.state.blocked_since = time.perf_counter()
+
+    def _take_preview(self, active: _Active) -> None:
+        """After a step the request wants a preview of: copies its latents for the stage thread to decode."""
+        partial_index = active.previews.get(active.state.step_index)
+        if partial_index is None or active.submission.future.cancelled():
+            return
+        latents = active.state.preview_latents.detach().clone()
+        self._stage.submit(self._preview, active.submission, latents, active.state.step_index, partial_index)
+
+    def _preview(self, submission: _Submission, latents: torch.Tensor, step: int, partial_index: int) -> None:
+        """On the stage thread: decode a preview of every image of the request and hand each to its callback. A
+        preview that fails is logged and left out; the request goes on."""
+        if submission.future.done() or submission.on_preview is None:
+            return
+        try:
+            images = self._previews().decode(latents, submission.params.height, submission.params.width)
+            for image_index, image in enumerate(images):
+                submission.on_preview(PartialImage(image_index, partial_index, step, encode_png(image)))
+        except Exception:
+            logger.exception("preview after step %d failed", step)
+
+    def _previews(self) -> PreviewDecoder:
+        """On the stage thread: the preview decoder, made (``approx``: fitted) at the first preview."""
+        if self._preview_decoder is None:
+            engine = self.engine
+            self._preview_decoder = preview_decoder(self._preview_kind, engine.vae, engine.vae_scale_factor,
+                                                    engine.vae_dtype)
+        return self._preview_decoder
 
     def _finish(self, active: _Active, error: BaseException | None = None) -> None:
         self._active.remove(active)
@@ -282,6 +361,7 @@ class EngineLoop:
         """On the stage thread: decode the finished request's images and answer it."""
         state, submission = active.state, active.submission
         if submission.future.cancelled():
+            self._dropped(submission, "decoding")
             return
         try:
             decode_started = time.perf_counter()
@@ -310,12 +390,17 @@ class EngineLoop:
             },
             lora=report,
         )
-        if not submission.future.cancelled() and not submission.future.done():
-            submission.future.set_result(result)
+        if not _resolve(submission.future, result):  # cancelled while it decoded
+            self._dropped(submission, "decoding")
 
 
-def _work(params: GenerationParams) -> Work:
-    return Work(params.rows, params.num_inference_steps, (params.height, params.width))
+def _resolve(future: Future, result: GenerationResult) -> bool:
+    """Sets the result unless the future was cancelled meanwhile (False then)."""
+    try:
+        future.set_result(result)
+    except InvalidStateError:
+        return False
+    return True
 
 
 def _fail(future: Future, error: BaseException) -> None:

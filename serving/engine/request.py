@@ -42,6 +42,17 @@ class LoRAActivation:
     embeds: tuple[TextEmbeddings, TextEmbeddings | None] | None
 
 
+@dataclass(frozen=True)
+class Inpainting:
+    """What an inpainting request puts back after each scheduler step, as diffusers' inpainting pipelines do with a
+    4-channel denoiser: the kept region of the source image's latents [n, C, h, w], noised to the next timestep with
+    the request's initial noise [n, C, h, w]. ``mask`` [n, 1, h, w] is 1 where the image is repainted, 0 where kept."""
+
+    image_latents: torch.Tensor
+    noise: torch.Tensor
+    mask: torch.Tensor
+
+
 @dataclass
 class RequestState:
     """Everything one request carries between denoising steps. Owned by the engine loop thread."""
@@ -64,6 +75,11 @@ class RequestState:
     blocked_since: float | None = None
     admitted: float = field(default_factory=time.perf_counter)  # joined the engine loop
     denoised: float | None = None  # took its last step
+    x0_estimate: torch.Tensor | None = None  # the scheduler's prediction of the clean latents at the last step
+    # (``pred_original_sample``; inpainting: the source's latents where the mask keeps them), None where it has none
+    inpainting: Inpainting | None = None  # an inpainting request's kept region, blended in after each step
+    denoiser_inputs: torch.Tensor | None = None  # channels after each row's latents (an inpainting denoiser's mask
+    # and masked-image latents) [rows, c, h, w]
     _context: tuple[torch.Tensor, dict[str, torch.Tensor], TextEmbeddings, TextEmbeddings | None] | None = field(
         default=None, init=False, repr=False)  # (context, added, the prompt and negative embeddings they came from)
 
@@ -89,6 +105,12 @@ class RequestState:
                 added = {name: torch.cat([negative.added[name], value]) for name, value in prompt.added.items()}
             built = self._context = (context, added, prompt, negative)
         return built[0], built[1]
+
+    @property
+    def preview_latents(self) -> torch.Tensor:
+        """What a preview of the request shows now: the last step's clean-latent estimate where the scheduler gives
+        one, else the current latents [n, C, h, w]."""
+        return self.x0_estimate if self.x0_estimate is not None else self.latents
 
     @property
     def done(self) -> bool:

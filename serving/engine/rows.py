@@ -24,7 +24,7 @@ RowControls = tuple[tuple[str, torch.Tensor, float], ...]  # (ControlNet name, [
 
 @dataclass
 class RowBatch:
-    sample: torch.Tensor  # model input, already scaled by each request's scheduler [R, C, h, w]
+    sample: torch.Tensor  # model input: latents scaled by each request's scheduler (+ inpainting inputs) [R, C, h, w]
     timestep: torch.Tensor  # [R]
     context: torch.Tensor  # text embeddings [R, S, D]
     context_rows: list[ContextRow]  # where each row of ``context`` comes from
@@ -64,7 +64,10 @@ class RowBatch:
             t = state.timesteps[state.step_index]
             latents = torch.cat([state.latents] * 2) if state.params.uses_cfg else state.latents
             scale = getattr(state.scheduler, "scale_model_input", None)  # flow matching: none
-            samples.append(scale(latents, t) if scale is not None else latents)
+            sample = scale(latents, t) if scale is not None else latents
+            if state.denoiser_inputs is not None:  # an inpainting denoiser's mask and masked image, unscaled
+                sample = torch.cat([sample, state.denoiser_inputs], dim=1)
+            samples.append(sample)
             timesteps.append(t.expand(state.rows))
             context = state.context
             contexts.append(context)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,9 +29,22 @@ class ControlNetSpec:
     scale: float = 1.0
 
 
+@dataclass(frozen=True, eq=False)
+class EditImage:
+    """What an edit starts from: the RGB image as uint8 [H, W, 3] and an optional mask as uint8 [H, W] (255:
+    repaint, 0: keep), both already at the request's size, and ``strength`` in (0, 1]: how far into the noise
+    schedule it starts (1.0: from pure noise, as text-to-image, keeping only what the mask keeps)."""
+
+    image: np.ndarray
+    mask: np.ndarray | None = None
+    strength: float = 0.8
+
+
 @dataclass(frozen=True)
 class GenerationParams:
-    """One validated text-to-image request, in engine terms. Image ``i`` starts from seed ``seed + i``."""
+    """One validated request, in engine terms: text-to-image, or an edit of ``edit``'s image. Image ``i`` starts
+    from seed ``seed + i``. ``scheduler``: a name of ``ModelInfo.schedulers`` (None: the model's own).
+    ``partial_images``: previews streamed per image while it denoises (0-3)."""
 
     prompt: str
     width: int
@@ -43,6 +57,9 @@ class GenerationParams:
     loras: tuple[LoRASpec, ...] = ()
     controlnets: tuple[ControlNetSpec, ...] = ()
     lora_mode: LoRAMode = "async"
+    scheduler: str | None = None
+    edit: EditImage | None = None
+    partial_images: int = 0
 
     @property
     def uses_cfg(self) -> bool:
@@ -77,6 +94,21 @@ class GenerationResult:
 
 
 @dataclass(frozen=True)
+class PartialImage:
+    """A preview of image ``image_index`` of a request after denoising step ``step`` (1-based): the request's
+    ``partial_index``-th (0-based) of its ``partial_images``, as PNG bytes at the request's size."""
+
+    image_index: int
+    partial_index: int
+    step: int
+    png: bytes
+
+
+#: What a streamed generation yields: previews, then exactly one ``GenerationResult`` last.
+GenerationEvent = PartialImage | GenerationResult
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the API needs to validate requests for a model without loading it."""
 
@@ -84,6 +116,8 @@ class ModelInfo:
     default_size: int
     size_multiple: int
     family: str = "sd"  # ``serving.presets.ModelFamily``: which LoRAs and ControlNets fit it
+    schedulers: tuple[str, ...] = ()  # what a request's ``scheduler`` may name
+    default_scheduler: str = ""  # the model's own scheduler, used when a request names none
 
 
 class ImageGenerationBackend(ABC):
@@ -104,4 +138,9 @@ class ImageGenerationBackend(ABC):
 
     @abstractmethod
     async def generate(self, params: GenerationParams) -> GenerationResult:
-        """Runs one request to its images."""
+        """Runs one request to its images. Cancelling the call cancels the request: it takes no further step."""
+
+    @abstractmethod
+    def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        """Runs one request, yielding its ``PartialImage`` previews as they are decoded and its result last.
+        Closing the iterator early (a client that went away) cancels the request."""

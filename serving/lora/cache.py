@@ -3,6 +3,8 @@
 ``get`` never blocks on I/O: it answers a future that is already done (a hit), the future of a load in
 flight (requests for the same LoRA share one read), or the future of a new load on the worker pool. An
 entry is keyed by name and by the file's identity (real path, size, mtime), so a replaced file is reloaded.
+A caller that no longer needs a load says so (``release``): a load nobody waits for any more is dropped while it is
+still queued for a worker; one already reading finishes and is cached.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -36,10 +38,14 @@ class _Entry:
     weights: LoRAWeights
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Load:
+    """A load in flight: the future its callers share, the worker pool's task, how many callers still wait."""
+
     key: _FileKey
     future: Future[LoRAWeights]
+    task: Future[None] | None = None
+    waiters: int = 1
 
 
 class LoRACache:
@@ -73,7 +79,7 @@ class LoRACache:
         self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recently used first
         self._loads: dict[str, _Load] = {}
         self._bytes = 0
-        self._hits = self._misses = self._shared = self._loads_failed = self._evictions = 0
+        self._hits = self._misses = self._shared = self._loads_failed = self._loads_cancelled = self._evictions = 0
 
     def get(self, name: str) -> Future[LoRAWeights]:
         """The LoRA's weights, now or later. ``InvalidLoRAName`` / ``LoRANotFound`` raise here, synchronously."""
@@ -98,14 +104,29 @@ class LoRACache:
         load = self._loads.get(name)
         if load is not None and load.key == key:
             self._shared += 1
+            load.waiters += 1
             return load.future, "shared"
         future: Future[LoRAWeights] = Future()
-        future.set_running_or_notify_cancel()  # shared by many callers: none of them may cancel it
+        future.set_running_or_notify_cancel()  # shared by many callers: none of them may cancel it (``release``)
         load = _Load(key, future)
-        self._pool.submit(self._run, name, load)
+        load.task = self._pool.submit(self._run, name, load)
         self._loads[name] = load
         self._misses += 1
         return future, "new"
+
+    def release(self, name: str, future: Future[LoRAWeights]) -> None:
+        """A caller of ``get`` no longer needs ``future``. Once no caller waits for that load and no worker has
+        begun it, it is dropped (its future fails with ``CancelledError``); a load a worker has begun is kept."""
+        with self._lock:
+            load = self._loads.get(name)
+            if load is None or load.future is not future:  # a hit, or finished
+                return
+            load.waiters -= 1
+            if load.waiters > 0 or load.task is None or not load.task.cancel():
+                return
+            del self._loads[name]
+            self._loads_cancelled += 1
+        load.future.set_exception(CancelledError(f"the load of LoRA {name!r} was dropped: no request waits for it"))
 
     def names(self) -> list[str]:
         """The registry's LoRAs this model may take: those whose file header shows no other family's LoRA (a
@@ -136,6 +157,7 @@ class LoRACache:
                 "misses": self._misses,
                 "shared_loads": self._shared,
                 "loads_failed": self._loads_failed,
+                "loads_cancelled": self._loads_cancelled,
                 "loading": len(self._loads),
                 "entries": len(self._entries),
                 "bytes": self._bytes,

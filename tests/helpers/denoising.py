@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from serving.engine import DiffusionEngine, GenerationParams
 from serving.engine.request import PendingLoRA
@@ -23,7 +25,8 @@ def loaded_lora(engine: DiffusionEngine, path: Path, scale: float = 0.8) -> Pend
 
 def denoise_together(engine: DiffusionEngine,
                      requests: Sequence[tuple[GenerationParams, Sequence[PendingLoRA]]]) -> list[np.ndarray]:
-    """The requests (each with its LoRAs applied from its first step) stepped as one batch to the end, decoded."""
+    """The requests (each with its LoRAs applied from its first step) stepped as one batch to the end, decoded; a
+    request with fewer steps (an edit, another scheduler) leaves the batch when done."""
     states = []
     for params, loras in requests:
         state = engine.start(params, list(loras))
@@ -31,15 +34,23 @@ def denoise_together(engine: DiffusionEngine,
             engine.activate_loras(state)
         states.append(state)
     while not all(state.done for state in states):
-        engine.step(states)
+        engine.step([state for state in states if not state.done])
     return [engine.decode(state) for state in states]
 
 
-def pipeline_images(pipe, params: GenerationParams, **extra) -> np.ndarray:
-    """The request through a diffusers text-to-image pipeline (``extra``: its other arguments, e.g. ControlNet
-    images) with the engine's generators (seed + i for image i), as float [n, H, W, 3]."""
+def pipeline_images(pipe, params: GenerationParams, output_type: str = "np", **extra) -> np.ndarray:
+    """The request through a diffusers pipeline (``extra``: its other arguments, e.g. ControlNet images) with the
+    engine's generators (seed + i for image i), as float [n, H, W, 3] (``output_type="latent"``: its latents). An
+    edit's image, mask (as PIL images) and strength go to an img2img or inpainting pipeline."""
     pipe.set_progress_bar_config(disable=True)
+    if params.edit is not None:
+        edit = params.edit
+        extra |= {"image": Image.fromarray(edit.image), "strength": edit.strength}
+        if edit.mask is not None:
+            extra["mask_image"] = Image.fromarray(edit.mask)
+    if "width" in inspect.signature(pipe.__call__).parameters:  # the img2img pipelines of SD and SDXL take none
+        extra |= {"width": params.width, "height": params.height}
     return pipe(prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
-                width=params.width, height=params.height, num_inference_steps=params.num_inference_steps,
-                guidance_scale=params.guidance_scale, output_type="np",
+                num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
+                output_type=output_type,
                 generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)], **extra).images

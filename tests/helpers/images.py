@@ -9,11 +9,16 @@ import numpy as np
 from PIL import Image
 
 
-def encode_b64(image: np.ndarray, fmt: str = "PNG") -> str:
-    """``image`` (HxW or HxWx3 uint8) as base64 of a ``fmt`` file."""
+def encode_png(image: np.ndarray, fmt: str = "PNG") -> bytes:
+    """``image`` (HxW, HxWx3 or HxWx4 uint8) as the bytes of a ``fmt`` file."""
     buffer = io.BytesIO()
     Image.fromarray(image).save(buffer, format=fmt)
-    return base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
+
+
+def encode_b64(image: np.ndarray, fmt: str = "PNG") -> str:
+    """``image`` (HxW or HxWx3 uint8) as base64 of a ``fmt`` file."""
+    return base64.b64encode(encode_png(image, fmt)).decode()
 
 
 def square(size: int = 64) -> np.ndarray:

@@ -12,15 +12,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import ray
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
 
 from disagg.api.codec import encode_infer_request
 from disagg.spec import preset_spec
@@ -29,6 +25,7 @@ from serving.common.metrics import (
     ALL_METRICS,
     BAND_DECODES,
     BATCH_SIZE,
+    CANCELLED_REQUESTS,
     CFG_LOCAL_FALLBACKS,
     CFG_LORA_LOCAL_ROWS,
     CONTROLNET_CALL_LATENCY,
@@ -47,12 +44,12 @@ from serving.common.metrics import (
 )
 from tests.helpers.images import encode_b64, square
 from tests.helpers.lora_files import write_lora
+from tests.helpers.prometheus import metric_value, scrape
 from tests.helpers.replicas import kill_replica, named_replicas
 from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
 
-RAY_PREFIX = "ray_"
 DEADLINE_S = 120.0  # two report intervals at Ray's default, plus traffic on a slow machine
 PROBE_LORA = "metrics-probe"  # used by no other test: its first request is a cache miss whatever ran before
 
@@ -80,35 +77,6 @@ EXPECTED: list[tuple[MetricSpec, dict[str, str]]] = [
     (EMBEDDING_CACHE_LOOKUPS, {"application": "dlrm-secure", "outcome": "miss"}),  # the app with a cache
     (EMBEDDING_CACHE_LOOKUPS, {"application": "dlrm-secure", "outcome": "hit"}),
 ]
-
-
-def _scrape() -> dict[str, list[Sample]]:
-    """The swiftserve samples of every alive node's metrics agent, by sample name without Ray's prefix."""
-    samples: dict[str, list[Sample]] = defaultdict(list)
-    for node in ray.nodes():
-        if not node["Alive"]:
-            continue
-        try:
-            text = httpx.get(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics",
-                             timeout=10).text
-        except httpx.HTTPError:  # an agent restarting: the next scrape asks again
-            continue
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name = sample.name.removeprefix(RAY_PREFIX)
-                if name.startswith("swiftserve_"):
-                    samples[name].append(sample)
-    return samples
-
-
-def _value(samples: dict[str, list[Sample]], metric: MetricSpec, labels: dict[str, str]) -> float:
-    """A counter's total, a histogram's observation count or a gauge's largest value, over the samples that
-    carry ``labels`` (summed across replicas)."""
-    name = {"counter": f"{metric.name}_total", "histogram": f"{metric.name}_count", "gauge": metric.name}[metric.kind]
-    values = [s.value for s in samples.get(name, []) if all(s.labels.get(k) == v for k, v in labels.items())]
-    if metric.kind == "gauge":
-        return max(values, default=0.0)
-    return sum(values)
 
 
 @pytest.fixture(scope="module")
@@ -145,16 +113,17 @@ def _send_traffic(http: httpx.Client, lora: str, seed: int) -> None:
 def test_every_swiftserve_metric_is_exported_non_zero_after_traffic(http, probe_lora):
     # failovers and CFG fallbacks need a replica killed: the two tests below; CFG rows left for a LoRA still loading
     # on the worker need a load slower than the replica's (the unit tests hold one back)
+    # cancellations need a client that goes away: test_images_streaming.py
     assert {metric for metric, _ in EXPECTED} == set(ALL_METRICS) - {
-        EMBEDDING_FAILOVERS, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS}
+        EMBEDDING_FAILOVERS, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, CANCELLED_REQUESTS}
     missing = list(EXPECTED)
     deadline = time.monotonic() + DEADLINE_S
     seed = 0
     while missing:
         _send_traffic(http, probe_lora, seed)  # the first is a LoRA miss, the next ones hits
         seed += 1
-        samples = _scrape()
-        missing = [(metric, labels) for metric, labels in missing if _value(samples, metric, labels) <= 0]
+        samples = scrape()
+        missing = [(metric, labels) for metric, labels in missing if metric_value(samples, metric, labels) <= 0]
         if missing and time.monotonic() > deadline:
             found = {name: [(s.labels, s.value) for s in group] for name, group in samples.items()}
             pytest.fail(f"not exported non-zero within {DEADLINE_S:.0f} s: "
@@ -169,7 +138,7 @@ def test_a_killed_shard_replica_is_counted_as_embedding_failovers(http):
         assert time.monotonic() < deadline, "shard 0 has not two replicas"
         time.sleep(1.0)
     time.sleep(3.0)  # the dense replica has both addresses (announced every discovery period)
-    before = _value(_scrape(), EMBEDDING_FAILOVERS, shard)
+    before = metric_value(scrape(), EMBEDDING_FAILOVERS, shard)
 
     statuses: list[int] = []
     stop = threading.Event()
@@ -192,7 +161,7 @@ def test_a_killed_shard_replica_is_counted_as_embedding_failovers(http):
     assert statuses, "no request was sent"
 
     deadline = time.monotonic() + DEADLINE_S
-    while (after := _value(_scrape(), EMBEDDING_FAILOVERS, shard)) <= before:
+    while (after := metric_value(scrape(), EMBEDDING_FAILOVERS, shard)) <= before:
         assert time.monotonic() < deadline, f"failovers stayed at {after} (statuses {sorted(set(statuses))})"
         time.sleep(1.0)
 
@@ -201,7 +170,7 @@ def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
     """Guided requests to the parallel-CFG app while its CFGWorker replica is killed: every one is answered 200 (the
     model replicas compute the unconditional rows themselves until the replacement answers), and it is counted."""
     app = {"application": "diffusion-cfg"}
-    before = _value(_scrape(), CFG_LOCAL_FALLBACKS, app)
+    before = metric_value(scrape(), CFG_LOCAL_FALLBACKS, app)
     body = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 6, "guidance_scale": 5.0}
     statuses: list[int] = []
     stop = threading.Event()
@@ -226,7 +195,7 @@ def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
     assert statuses and set(statuses) == {200}, sorted(set(statuses))
 
     deadline = time.monotonic() + DEADLINE_S
-    while (after := _value(_scrape(), CFG_LOCAL_FALLBACKS, app)) <= before:
+    while (after := metric_value(scrape(), CFG_LOCAL_FALLBACKS, app)) <= before:
         assert time.monotonic() < deadline, f"CFG fallbacks stayed at {after}"
         time.sleep(1.0)
 

@@ -2,6 +2,7 @@
 
 import base64
 import io
+import json
 import time
 
 import pytest
@@ -53,13 +54,17 @@ def test_same_seed_gives_same_image_over_http(client):
     assert first == second
 
 
-def test_models_lists_the_served_model(client):
-    """Its LoRAs are those of its directory whose header it can read (``corrupt`` is not listed)."""
+def test_models_lists_the_served_model(client, tiny_engine):
+    """Its LoRAs are those of its directory whose header it can read (``corrupt`` is not listed); its schedulers are
+    the engine's."""
+    info = tiny_engine.info
+    schedulers = {"schedulers": list(info.schedulers)} if info.schedulers else {}
+    schedulers |= {"default_scheduler": info.default_scheduler} if info.default_scheduler else {}
     response = client.get("/v1/models")
     assert response.status_code == 200
     assert response.json() == {"object": "list", "data": [
         {"id": "tiny", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "base-model",
-         "family": "sd", "size": "64x64"},
+         "family": "sd", "size": "64x64", **schedulers},
         {"id": "edges", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "controlnet",
          "model": "tiny"},
         {"id": "outlined", "object": "model", "created": 0, "owned_by": "swiftserve", "kind": "lora",
@@ -70,7 +75,7 @@ def test_models_lists_the_served_model(client):
 def test_health_and_openapi(client):
     assert client.get("/health").json() == {"status": "ok"}
     paths = client.get("/openapi.json").json()["paths"]
-    assert {"/v1/images/generations", "/v1/models", "/health"} <= set(paths)
+    assert {"/v1/images/generations", "/v1/images/edits", "/v1/models", "/health"} <= set(paths)
 
 
 @pytest.mark.parametrize("keyed", [False, True], ids=["open", "with-key"])
@@ -81,16 +86,20 @@ def test_openapi_documents_each_routes_statuses_in_openai_error_shape(client, ke
                  for path, operations in schema["paths"].items() for method, operation in operations.items()}
     assert {route: set(statuses) for route, statuses in responses.items()} == {
         ("post", "/v1/images/generations"): {"200", "400", "404", "413", "422", "503"} | unauthorized,
+        ("post", "/v1/images/edits"): {"200", "400", "404", "413", "422", "503"} | unauthorized,
         ("get", "/v1/models"): {"200"} | unauthorized,
         ("get", "/health"): {"200"},
     }
-    generation = responses["post", "/v1/images/generations"]
-    for status in {"400", "404", "413", "422", "503"} | unauthorized:
-        assert generation[status]["content"]["application/json"]["schema"] == {
-            "$ref": "#/components/schemas/ErrorResponse"}
-    assert generation["503"]["headers"]["Retry-After"]["required"] is True
+    for path in ("/v1/images/generations", "/v1/images/edits"):
+        images = responses["post", path]
+        assert set(images["200"]["content"]) == {"application/json", "text/event-stream"}
+        for status in {"400", "404", "413", "422", "503"} | unauthorized:
+            assert images[status]["content"]["application/json"]["schema"] == {
+                "$ref": "#/components/schemas/ErrorResponse"}
+        assert images["503"]["headers"]["Retry-After"]["required"] is True
+        if keyed:
+            assert "WWW-Authenticate" in images["401"]["headers"]
     if keyed:
-        assert "WWW-Authenticate" in generation["401"]["headers"]
         assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
     assert "HTTPValidationError" not in schema["components"]["schemas"]
 
@@ -248,6 +257,45 @@ def test_controlnet_request_changes_the_image_and_resizes_its_input(client):
     assert controlled.json()["data"] != plain
 
 
+def _sse(text: str) -> list[tuple[str, dict]]:
+    frames = [frame.split("\n") for frame in text.split("\n\n")[:-1]]
+    return [(event.removeprefix("event: "), json.loads(data.removeprefix("data: "))) for event, data in frames]
+
+
+def test_a_streamed_generation_ends_with_the_images_a_plain_request_gives(client):
+    body = {"prompt": "a red circle", "n": 2, "size": "32x48", "seed": 11, "num_inference_steps": 4}
+    plain = client.post("/v1/images/generations", json=body).json()["data"]
+    streamed = client.post("/v1/images/generations", json={**body, "stream": True, "partial_images": 2})
+    assert streamed.status_code == 200, streamed.text
+    events = _sse(streamed.text)
+    previews = [data for name, data in events if name == "image_generation.partial_image"]
+    completed = [data for name, data in events if name == "image_generation.completed"]
+    assert [name for name, _ in events][-2:] == ["image_generation.completed"] * 2
+    assert sorted((p["image_index"], p["partial_image_index"]) for p in previews) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(Image.open(io.BytesIO(base64.b64decode(p["b64_json"]))).size == (32, 48) for p in previews)
+    assert [c["b64_json"] for c in completed] == [item["b64_json"] for item in plain]
+    assert [c["seed"] for c in completed] == [11, 12]
+
+
+def test_an_edit_over_the_engine_is_seeded_and_starts_from_the_image(client):
+    image = io.BytesIO()
+    Image.fromarray(SQUARE).save(image, format="PNG")
+
+    def edit(**data) -> list[str]:
+        response = client.post("/v1/images/edits", files=[("image", ("square.png", image.getvalue(), "image/png"))],
+                               data={"prompt": "a red square", "seed": "3", "num_inference_steps": "4", **data})
+        assert response.status_code == 200, response.text
+        return [item["b64_json"] for item in response.json()["data"]]
+
+    light = edit(strength="0.3")
+    assert Image.open(io.BytesIO(base64.b64decode(light[0]))).size == (64, 64)
+    assert edit(strength="0.3") == light
+    assert edit(strength="0.9") != light
+    plain = client.post("/v1/images/generations", json={"prompt": "a red square", "seed": 3,
+                                                        "num_inference_steps": 4}).json()["data"]
+    assert light != [item["b64_json"] for item in plain]
+
+
 @pytest.mark.parametrize(
     ("controlnet", "status", "param"),
     [
@@ -315,8 +363,8 @@ def test_every_route_but_health_and_docs_needs_the_key(keyed_client):
               for method in getattr(route, "methods", set()) - {"HEAD"}}
     routes |= {(method.upper(), path) for path, operations in keyed_client.app.openapi()["paths"].items()
                for method in operations}
-    assert {("POST", "/v1/images/generations"), ("GET", "/v1/models"), ("GET", "/health"),
-            ("GET", "/openapi.json")} <= routes
+    assert {("POST", "/v1/images/generations"), ("POST", "/v1/images/edits"), ("GET", "/v1/models"),
+            ("GET", "/health"), ("GET", "/openapi.json")} <= routes
     for method, path in routes:
         status = keyed_client.request(method, path).status_code
         assert (status == 401) == (path not in open_paths), (method, path, status)

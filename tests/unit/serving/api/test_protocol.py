@@ -1,8 +1,10 @@
+import base64
+
 import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from serving.api.protocol import MAX_SEED, ImageGenerationRequest
+from serving.api.protocol import MAX_SEED, ImageEditRequest, ImageGenerationRequest
 from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, GenerationDefaults, ImageLimits
 from serving.engine import ModelInfo
@@ -97,3 +99,85 @@ def test_the_configured_image_side_limit_applies_to_conditioning_images():
     assert refused.value.status_code == 400 and refused.value.param == "controlnets[0].image"
     assert "256" in refused.value.message
     assert _params(**body).controlnets[0].image.shape[:2] == (8, 300)  # the default side cap (8192) admits it
+
+
+# --- streaming, schedulers and edits --------------------------------------------------------------------------
+
+SCHEDULED = ModelInfo(name="tiny", default_size=64, size_multiple=8, schedulers=("ddim", "euler"),
+                      default_scheduler="pndm")
+
+
+def test_partial_images_go_to_the_engine_only_with_stream():
+    assert _params(stream=True, partial_images=3).partial_images == 3
+    assert _params(stream=True).partial_images == _params(partial_images=0).partial_images == 0
+    with pytest.raises(APIError) as refused:
+        _params(partial_images=1)
+    assert (refused.value.status_code, refused.value.param) == (400, "partial_images")
+    assert "`stream: true`" in refused.value.message
+
+
+@pytest.mark.parametrize("partial_images", [-1, 4, True, "2"])
+def test_partial_images_outside_0_to_3_are_refused_by_the_schema(partial_images):
+    with pytest.raises(ValidationError) as caught:
+        ImageGenerationRequest.model_validate({"prompt": "x", "stream": True, "partial_images": partial_images})
+    assert caught.value.errors()[0]["loc"] == ("partial_images",)
+
+
+def _scheduled(scheduler: str | None, info: ModelInfo = SCHEDULED) -> str | None:
+    return ImageGenerationRequest.model_validate({"prompt": "x", "scheduler": scheduler}).to_params(
+        info, CONFIG).scheduler
+
+
+def test_a_scheduler_is_one_of_the_models_and_its_own_is_the_default():
+    assert [_scheduled(name) for name in (None, "pndm", "ddim", "euler")] == [None, None, "ddim", "euler"]
+
+
+@pytest.mark.parametrize(("info", "choices"), [(SCHEDULED, "pndm, ddim, euler"), (INFO, "none")])
+def test_an_unknown_scheduler_is_400_listing_the_choices(info, choices):
+    with pytest.raises(APIError) as refused:
+        _scheduled("karras", info)
+    assert refused.value.param == "scheduler"
+    assert refused.value.message == f"scheduler: unknown scheduler 'karras'; choices: {choices}"
+
+
+def _png(image: np.ndarray) -> bytes:
+    return base64.b64decode(encode_b64(image))
+
+
+def _edit(image: np.ndarray, mask: np.ndarray | None = None, **body):
+    request = ImageEditRequest.model_validate({"prompt": "a red circle", **body})
+    return request.to_params(INFO, CONFIG, _png(image), None if mask is None else _png(mask))
+
+
+def test_an_edit_shares_the_generation_fields_and_their_limits():
+    assert set(ImageGenerationRequest.model_fields) - set(ImageEditRequest.model_fields) == {"controlnets"}
+    assert set(ImageEditRequest.model_fields) - set(ImageGenerationRequest.model_fields) == {"strength"}
+    with pytest.raises(APIError) as refused:
+        _edit(np.zeros((16, 16, 3), np.uint8), n=3)
+    assert refused.value.param == "n"
+
+
+def test_an_edits_strength_defaults_as_diffusers_and_to_the_config():
+    image, mask = np.zeros((16, 24, 3), np.uint8), np.full((16, 24), 255, np.uint8)
+    assert (_edit(image).edit.strength, _edit(image, mask).edit.strength) == (0.8, 1.0)
+    assert _edit(image, mask, strength=0.3).edit.strength == 0.3
+    configured = CONFIG.model_copy(update={"defaults": CONFIG.defaults.model_copy(update={"edit_strength": 0.6})})
+    request = ImageEditRequest.model_validate({"prompt": "x"})
+    assert request.to_params(INFO, configured, _png(image), None).edit.strength == 0.6
+
+
+@pytest.mark.parametrize("strength", [0, -0.5, 1.01, float("nan"), "0.5"])
+def test_strength_outside_0_to_1_is_refused_by_the_schema(strength):
+    with pytest.raises(ValidationError) as caught:
+        ImageEditRequest.model_validate({"prompt": "x", "strength": strength})
+    assert caught.value.errors()[0]["loc"] == ("strength",)
+
+
+def test_an_edit_at_the_images_size_keeps_its_pixels_and_a_mask_without_alpha_is_white_to_repaint():
+    image = np.arange(16 * 24 * 3, dtype=np.uint8).reshape(16, 24, 3)
+    mask = np.zeros((16, 24), np.uint8)
+    mask[4:8, 8:16] = 200
+    params = _edit(image, mask)
+    assert (params.width, params.height) == (24, 16)
+    np.testing.assert_array_equal(params.edit.image, image)
+    np.testing.assert_array_equal(params.edit.mask, np.where(mask > 0, 255, 0))

@@ -1,5 +1,5 @@
 """How the ingress answers what the model deployment's handle raises: overload, a dead replica, an API error; and
-which model's handle it calls."""
+which model's handle it calls; the streaming call: its events, errors and cancellation."""
 
 import asyncio
 
@@ -13,7 +13,7 @@ from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.controlnet.client import ControlNetNotFound
 from serving.deployments.ingress import DeploymentBackend, served_models
-from serving.engine import GenerationParams, GenerationResult, ModelInfo
+from serving.engine import GenerationParams, GenerationResult, ModelInfo, PartialImage
 from tests.helpers.images import encode_b64, square
 
 
@@ -146,3 +146,120 @@ def test_the_ingress_sends_each_request_to_the_handle_of_the_model_it_names():
     error = mismatch.json()["error"]
     assert (error["code"], error["param"]) == ("model_mismatch", "controlnets[0].name")
     assert "served with model 'sdxl-tiny' and needs the sdxl family; model 'tiny' is sd" in error["message"]
+
+
+# -- streaming ---------------------------------------------------------------------------------------
+
+
+class _Stream:
+    """A ``DeploymentResponseGenerator``: yields ``events`` (raising an exception among them), then, with ``hang``,
+    waits forever; records ``cancel``."""
+
+    def __init__(self, events: list[object], hang: bool = False) -> None:
+        self._events = iter(events)
+        self._hang = hang
+        self.cancelled = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        event = next(self._events, None)
+        if isinstance(event, BaseException):
+            raise event
+        if event is not None:
+            return event
+        if self._hang:
+            await asyncio.Event().wait()
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _StreamingMethod:
+    def __init__(self, stream: _Stream) -> None:
+        self.stream = stream
+        self.calls: list[GenerationParams] = []
+
+    def remote(self, params: GenerationParams) -> _Stream:
+        self.calls.append(params)
+        return self.stream
+
+
+class _StreamingHandle:
+    """A ``DiffusionModel`` handle whose ``generate_stream`` answers ``stream``; records its ``options``."""
+
+    def __init__(self, stream: _Stream) -> None:
+        self.generate_stream = _StreamingMethod(stream)
+        self.stream = stream
+        self.options_given: list[dict] = []
+
+    def options(self, **options) -> "_StreamingHandle":
+        self.options_given.append(options)
+        return self
+
+
+PREVIEW = PartialImage(image_index=0, partial_index=0, step=1, png=b"preview")
+RESULT = GenerationResult(images=[b"png"], seed=1)
+
+
+async def _events(backend: DeploymentBackend) -> list[object]:
+    return [event async for event in backend.generate_stream(PARAMS)]
+
+
+def test_a_stream_passes_the_replicas_events_through_and_is_not_cancelled_when_it_ends():
+    handle = _StreamingHandle(_Stream([PREVIEW, RESULT]))
+    assert asyncio.run(_events(DeploymentBackend(handle))) == [PREVIEW, RESULT]
+    assert (handle.options_given, handle.generate_stream.calls) == ([{"stream": True}], [PARAMS])
+    assert not handle.stream.cancelled
+
+
+@pytest.mark.parametrize("answer", [
+    APIError(422, "LoRA 'x' could not be loaded", param="loras[0].name", code="lora_load_failed"),  # as a value
+    RayTaskError("generate_stream", "traceback", APIError(400, "bad", code="invalid_value")),  # raised
+])
+def test_a_stream_raises_the_api_error_the_replica_answers(answer):
+    handle = _StreamingHandle(_Stream([PREVIEW, answer]))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(_events(DeploymentBackend(handle)))
+    assert raised.value is (answer.cause if isinstance(answer, RayTaskError) else answer)
+
+
+@pytest.mark.parametrize(("error", "code"), [
+    (BackPressureError(num_queued_requests=8, max_queued_requests=8, status_code=503), "overloaded"),
+    (ActorDiedError(), "replica_failed"),
+])
+def test_a_stream_maps_serves_backpressure_and_a_dead_replica_to_503s(error, code):
+    with pytest.raises(APIError) as raised:
+        asyncio.run(_events(DeploymentBackend(_StreamingHandle(_Stream([error])))))
+    assert (raised.value.status_code, raised.value.code) == (503, code)
+
+
+def test_leaving_a_stream_early_cancels_the_replica_call():
+    closed = _StreamingHandle(_Stream([PREVIEW, RESULT]))
+
+    async def close_after_the_first() -> None:
+        stream = DeploymentBackend(closed).generate_stream(PARAMS)
+        assert await anext(stream) == PREVIEW
+        await stream.aclose()
+
+    asyncio.run(close_after_the_first())
+    assert closed.stream.cancelled
+    waiting = _StreamingHandle(_Stream([PREVIEW], hang=True))
+
+    async def cancel_while_waiting() -> None:
+        seen = asyncio.Event()
+
+        async def consume() -> None:
+            async for _ in DeploymentBackend(waiting).generate_stream(PARAMS):
+                seen.set()
+
+        task = asyncio.create_task(consume())
+        await seen.wait()
+        task.cancel()  # the HTTP client went away while the replica is denoising
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(cancel_while_waiting())
+    assert waiting.stream.cancelled
