@@ -27,6 +27,8 @@ from serving.images import ImageDecodeError, decode_image, decode_image_bytes, d
 
 _SIZE = re.compile(r"^([1-9][0-9]{0,4})x([1-9][0-9]{0,4})$")
 MAX_SEED = 2**63 - 1
+#: OpenAI's ``size`` for "the default": the model's native size, an edit's image's own.
+AUTO_SIZE = "auto"
 #: Previews a streamed request may ask for per image (OpenAI's ``partial_images``).
 MAX_PARTIAL_IMAGES = 3
 #: Request models take JSON types as the schema states them: no `true` for 1, no `"2"` for 2.
@@ -61,8 +63,12 @@ class _ImageRequest(BaseModel):
     prompt: str = Field(..., min_length=1, description="What to draw.")
     model: str | None = Field(None, description="Model id from GET /v1/models; default: the served model.")
     n: int = Field(1, ge=1, description="Number of images.")
-    size: str | None = Field(None, description="`WIDTHxHEIGHT` in pixels; default: the model's native size.")
+    size: str | None = Field(
+        None, description="`WIDTHxHEIGHT` in pixels; default (or `auto`): the model's native size.")
     response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNG is returned.")
+    output_format: Literal["png"] = Field("png", description="Only PNG is returned (OpenAI's field).")
+    quality: Literal["auto"] = Field("auto", description="OpenAI's field: only `auto` (steps set the effort).")
+    background: Literal["auto", "opaque"] = Field("auto", description="OpenAI's field: images are opaque.")
     user: str | None = Field(None, description="Accepted for OpenAI compatibility; unused.")
     stream: bool = Field(False, description="Answer with server-sent events: previews, then each image.")
     partial_images: int | None = Field(
@@ -146,8 +152,8 @@ class ImageEditRequest(_ImageRequest):
     values, validated as the JSON route validates its body (``serving.api.edits`` converts them)."""
 
     size: str | None = Field(
-        None, description="`WIDTHxHEIGHT` in pixels, the image resized to it; default: the image's size, scaled "
-                          "down to fit `limits.max_side` and rounded down to the model's size multiple.")
+        None, description="`WIDTHxHEIGHT` in pixels, the image resized to it; default (or `auto`): the image's "
+                          "size, scaled down to fit `limits.max_side` and rounded down to the model's size multiple.")
     strength: float | None = Field(
         None, gt=0.0, le=1.0,
         description="How far into the noise schedule the edit starts: 1.0 starts from pure noise (keeping only "
@@ -237,7 +243,7 @@ def _check_scheduler(name: str | None, info: ModelInfo) -> str | None:
 def _edit_size(size: str | None, image: np.ndarray, info: ModelInfo, max_side: int) -> tuple[int, int]:
     """The requested ``size``, else the image's: scaled down to fit ``max_side``, rounded down to the model's
     size multiple."""
-    if size is not None:
+    if size not in (None, AUTO_SIZE):
         return _parse_size(size, info, max_side)
     height, width = image.shape[:2]
     longest, multiple = max(width, height), info.size_multiple
@@ -249,7 +255,7 @@ def _edit_size(size: str | None, image: np.ndarray, info: ModelInfo, max_side: i
 
 
 def _parse_size(size: str | None, info: ModelInfo, max_side: int) -> tuple[int, int]:
-    if size is None:
+    if size in (None, AUTO_SIZE):
         return info.default_size, info.default_size
     match = _SIZE.match(size)
     if match is None:

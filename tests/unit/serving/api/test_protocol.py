@@ -80,6 +80,9 @@ def test_limits_name_the_field(body, param):
         ({"prompt": "x", "n": 0}, "n"),
         ({"prompt": "x", "n": "two"}, "n"),
         ({"prompt": "x", "response_format": "url"}, "response_format"),
+        ({"prompt": "x", "output_format": "jpeg"}, "output_format"),
+        ({"prompt": "x", "quality": "high"}, "quality"),
+        ({"prompt": "x", "background": "transparent"}, "background"),
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "guidence_scale": 3}, "guidence_scale"),
     ],
@@ -181,3 +184,10 @@ def test_an_edit_at_the_images_size_keeps_its_pixels_and_a_mask_without_alpha_is
     assert (params.width, params.height) == (24, 16)
     np.testing.assert_array_equal(params.edit.image, image)
     np.testing.assert_array_equal(params.edit.mask, np.where(mask > 0, 255, 0))
+
+
+def test_openais_auto_size_and_png_output_are_the_defaults():
+    params = _params(size="auto", output_format="png", quality="auto", background="opaque")
+    assert (params.width, params.height) == (INFO.default_size, INFO.default_size)
+    image = np.zeros((16, 24, 3), np.uint8)
+    assert (_edit(image, size="auto").width, _edit(image, size="auto").height) == (24, 16)
