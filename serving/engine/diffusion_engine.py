@@ -37,7 +37,7 @@ from serving.engine.request import Inpainting, LoRAActivation, PendingLoRA, Requ
 from serving.engine.rows import RowBatch
 from serving.engine.schedulers import SchedulerChoices, edit_start, edit_timesteps, noised, step_kwargs
 from serving.engine.types import EditImage, GenerationParams, ModelInfo
-from serving.engine.vae import to_denoiser_latents, to_images, to_vae_latents, vae_shift
+from serving.engine.vae import encode_mode, to_denoiser_latents, to_images, to_vae_latents, vae_shift
 from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
@@ -420,8 +420,7 @@ class DiffusionEngine:
         pixels = to_controlnet_input(image, params.width, params.height).to(self.device)
         if self.info.family != "sd3":
             return pixels
-        latents = self.vae.encode((pixels * 2 - 1).to(self.vae_dtype)).latent_dist.mode()
-        return to_denoiser_latents(self.vae, latents).to(self.dtype)
+        return encode_mode(self.vae, pixels, self.vae_dtype).to(self.dtype)
 
     def lora_on_device(self, weights: LoRAWeights) -> LoRAWeights:
         """One device copy per cached LoRA, shared by the requests using it (same objects: same batch group).

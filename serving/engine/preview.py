@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKL
 
-from serving.engine.vae import to_denoiser_latents, to_images, to_vae_latents
+from serving.engine.vae import encode_mode, to_images, to_vae_latents
 
 #: Which decoder makes the previews: the fitted linear map, or the model's VAE.
 PreviewKind = Literal["approx", "vae"]
@@ -43,11 +43,6 @@ def preview_steps(steps: int, partial_images: int) -> list[int]:
     k = partial_images
     chosen = {math.floor((j + 1) * steps / (k + 1) + 0.5) for j in range(k)}
     return sorted(step for step in chosen if 1 <= step < steps)
-
-
-def _vae_latents(vae: AutoencoderKL, pixels: torch.Tensor) -> torch.Tensor:
-    """Images [N, 3, H, W] in [0, 1] as the engine's latents (their VAE distribution's mode)."""
-    return to_denoiser_latents(vae, vae.encode(pixels * 2 - 1).latent_dist.mode())
 
 
 def fit_images(side: int, seed: int = _FIT_SEED) -> np.ndarray:
@@ -90,7 +85,7 @@ class LatentRGBPreview:
         """The least-squares map from ``vae``'s latents of the fit images to their decodes pooled to latent size."""
         parameter = next(vae.parameters())
         pixels = torch.from_numpy(fit_images(_FIT_LATENT_SIDE * vae_scale_factor))
-        latents = _vae_latents(vae, pixels.to(parameter.device, parameter.dtype))
+        latents = encode_mode(vae, pixels.to(parameter.device), parameter.dtype)
         decoded = torch.from_numpy(VAEPreview(vae, parameter.dtype).decode(latents, *pixels.shape[2:]))
         targets = F.avg_pool2d(decoded.permute(0, 3, 1, 2), vae_scale_factor)  # [N, 3, h, w], as the latents
         latents = latents.float().cpu()

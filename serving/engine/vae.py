@@ -18,6 +18,12 @@ def to_denoiser_latents(vae: AutoencoderKL, encoded: torch.Tensor) -> torch.Tens
     return (encoded - vae_shift(vae)) * vae.config.scaling_factor
 
 
+def encode_mode(vae: AutoencoderKL, pixels: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Images [N, 3, H, W] in [0, 1] as the denoiser's latents of their VAE distribution's mode (one latent per
+    image, no generator), encoded in ``dtype`` (the VAE's)."""
+    return to_denoiser_latents(vae, vae.encode((pixels * 2 - 1).to(dtype)).latent_dist.mode())
+
+
 def to_vae_latents(vae: AutoencoderKL, latents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The denoiser's latents as the VAE decodes them, in ``dtype``: ``z / scaling + shift``."""
     return latents.to(dtype) / vae.config.scaling_factor + vae_shift(vae)
