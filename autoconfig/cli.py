@@ -97,11 +97,11 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         except SpaceError as error:
             raise SpaceError(f"{args.space or kind + ' space'}: {error}") from None
         profiling = args.command == "profile"  # the whole grid, recorded as a bank entry
+        if args.repeat_best < 0 or args.repeats < 1:
+            raise ValueError(f"--repeat-best must be >= 0 and --repeats >= 1, got {args.repeat_best} and "
+                             f"{args.repeats}")
         if profiling:
             ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
-            if args.repeat_best < 0 or args.repeats < 1:
-                raise ValueError(f"--repeat-best must be >= 0 and --repeats >= 1, got {args.repeat_best} and "
-                                 f"{args.repeats}")
             args.searcher, args.budget, args.seed = "grid", space.size, 0
         study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
         prior = load_bank(args.bank) if args.bank and not profiling else []
@@ -147,6 +147,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     owns_cluster = not ray.is_initialized() and args.address is None  # a local cluster of our own: ours to stop
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
+    confirmed = None  # tune's best configuration by the mean of its repeated runs
     try:
         with _sigterm_as_interrupt(), Progress(console=console) as progress:
             bar = progress.add_task("profiling", total=args.budget, completed=min(done, args.budget))
@@ -162,14 +163,18 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                 progress.console.print(f"trial {number}: {config.as_dict()} -> {_outcome(record)}")
 
             outcome = tune(study, searcher, profile, budget=args.budget, limits=limits, on_trial=report)
-            if profiling and len(outcome.history) == space.size and args.repeats > 1:
+            complete = len(outcome.history) == space.size if profiling else outcome.best is not None
+            if complete and args.repeats > 1 and args.repeat_best > 0:
                 progress.update(bar, total=args.budget + args.repeat_best * (args.repeats - 1))
 
                 def repeated(config, run, record):
                     progress.advance(bar)
                     progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {_outcome(record)}")
 
-                repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats, on_repeat=repeated)
+                measured = repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats,
+                                       on_repeat=repeated)
+                if not profiling:
+                    confirmed = _print_confirmation(console, measured, outcome.best)
     except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
         console.print(f"[yellow]stopped:[/yellow] study {study.name!r} in {args.storage} keeps its "
                       f"{len(study.history())} finished trial(s); run the same command to resume")
@@ -205,11 +210,34 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                       + (f"; the lowest p99 seen was {closest['p99_ms']:.1f} ms at {closest['config']}"
                          if closest and closest.get("p99_ms") else ""))
         return 1
-    tuned = configure_serve_config(template, args.app, outcome.best.config.as_dict(), accelerator=args.accelerator)
+    best, measure = outcome.best, "objective"
+    if confirmed is not None:
+        best, measure = confirmed, f"mean objective over {int(confirmed.metrics['runs'])} runs"
+    tuned = configure_serve_config(template, args.app, best.config.as_dict(), accelerator=args.accelerator)
     write_serve_config(tuned, args.out)
-    console.print(f"[green]best:[/green] {outcome.best.config.as_dict()} (objective {outcome.best.value:.2f}); "
+    console.print(f"[green]best:[/green] {best.config.as_dict()} ({measure} {best.value:.2f}); "
                   f"wrote {args.out} (deploy with `serve deploy {args.out}`)")
     return 0
+
+
+def _print_confirmation(console: Console, measured: dict, single_best) -> object:
+    """Print each repeated configuration's runs and mean; return ``confirmed_best`` of them."""
+    from rich.table import Table
+
+    from autoconfig.tuner import confirmed_best
+
+    table = Table(title="the best configurations, measured again (a run that held no rate counts 0)")
+    for column in ("configuration", "objectives", "mean"):
+        table.add_column(column)
+    for config, runs in measured.items():
+        table.add_row(str(config.as_dict()), ", ".join("-" if v is None else f"{v:.2f}" for v in runs),
+                      f"{sum(v or 0.0 for v in runs) / len(runs):.2f}")
+    console.print(table)
+    confirmed = confirmed_best(measured)
+    if confirmed is not None and confirmed.config != single_best.config:
+        console.print(f"the best single run ({single_best.config.as_dict()}, {single_best.value:.2f}) did not hold "
+                      f"up: {confirmed.config.as_dict()} has the best mean")
+    return confirmed
 
 
 class _Terminated(KeyboardInterrupt):
@@ -375,6 +403,13 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
                              "in place; Serve restarts replicas only when resources or threads change)")
 
 
+def _repeat_arguments(parser: argparse.ArgumentParser, runs: int, why: str) -> None:
+    parser.add_argument("--repeat-best", type=int, default=3, help=f"configurations measured again (the best ones) "
+                        f"{why}")
+    parser.add_argument("--repeats", type=int, default=runs, help="measurements of each of them, the first "
+                        "included (1: none repeated)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoconfig", description="Configure swiftserve deployments.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -396,16 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--max-memory-mib", type=float, default=None, help="limit: a configuration whose replicas "
                       "hold more resident memory than this (measured after its load) counts as not met")
     tune.add_argument("--front-out", default=None, help="JSON file for the Pareto front (objective, p99, memory)")
+    _repeat_arguments(tune, runs=2, why="after the budget; the one with the best mean is written to --out (the best "
+                      "single run is often a lucky one)")
     tune.set_defaults(run=_tune)
 
     profile = commands.add_parser("profile", help="profile every configuration of the space into a bank entry")
     _trial_arguments(profile)
     profile.add_argument("--bank", required=True, help="profile bank directory to write MODEL_NAME.json into")
     profile.add_argument("--model-name", required=True, help="name of the bank entry (letters, digits, ._-)")
-    profile.add_argument("--repeat-best", type=int, default=3, help="configurations measured again after the grid "
-                         "(the best ones), to state the measurement noise in the entry")
-    profile.add_argument("--repeats", type=int, default=3, help="measurements of each of them, the first included "
-                         "(1: none repeated)")
+    _repeat_arguments(profile, runs=3, why="after the grid, to state the measurement noise in the entry")
     profile.set_defaults(run=_tune, max_memory_mib=None, front_out=None)  # a profile records every trial as is
 
     evaluate = commands.add_parser("evaluate", help="replay searchers on a profile bank (leave-one-model-out)")

@@ -3,6 +3,8 @@
 Resuming is the same call: the study's finished trials are the history, so a restarted ``tune`` continues
 where it stopped and never repeats a finished configuration. A trial stopped before it was stored leaves nothing
 (its configuration may be profiled again); one stored but not yet passed to ``on_trial`` counts as finished.
+After the budget, ``repeat_best`` measures the best configurations again and ``confirmed_best`` picks the one with
+the best mean: on a noisy machine the best single measurement is often a lucky one.
 """
 
 from __future__ import annotations
@@ -87,3 +89,14 @@ def repeat_best(
                 on_repeat(observation.config, run + 1, record)
     measured = study.repeated_objectives()
     return {o.config: measured.get(o.config, [o.value]) for o in ranked}
+
+
+def confirmed_best(measured: dict[Configuration, list[float | None]]) -> Observation | None:
+    """Of ``repeat_best``'s configurations, the one with the highest mean objective over its runs (a run that held
+    no rate counting 0, so a configuration that holds the SLO only sometimes loses; earliest on ties), as an
+    observation valued at that mean; None when there is none."""
+    means = {config: sum(value or 0.0 for value in runs) / len(runs) for config, runs in measured.items() if runs}
+    if not means:
+        return None
+    config = max(means, key=means.__getitem__)
+    return Observation(config, means[config], {"runs": float(len(measured[config]))})

@@ -1,6 +1,7 @@
 """Replay benchmark of the autoconfig searchers on the committed profile bank (measured on real deployments).
 
-    .venv/bin/python -m benchmarks.bench_autoconfig [--seeds 10] [--bank benchmarks/results/autoconfig_bank]
+    .venv/bin/python -m benchmarks.bench_autoconfig [--seeds 10] [--bank benchmarks/results/autoconfig_bank_v2]
+        [--second-bank benchmarks/results/autoconfig_bank_v2_second]
 
 Leave-one-model-out: every searcher runs on every profiled model's recorded surface with the other models as its
 prior (the meta-learned searcher trains on those over the same knobs), for ``--seeds`` seeds each. Reported:
@@ -12,8 +13,13 @@ with the other models' best trials. ``summary`` (issue 21): ``meta_median_trials
 ``meta_median_fraction_of_space`` (goal <= 0.05), ``best_baseline_median_trials`` (best of best-on-average, prior-
 only, tpe-warm, TPE, GP) and ``ratio_best_baseline_to_meta`` (goal >= 2); the same for ``rgpe`` (a GP ensemble
 with expected improvement, its models first weighted by how alike their descriptions are, its GPs smoothed by the
-bank's measurement noise), with its ablation (``rgpe-noiseless``, ``rgpe-no-context``, ``rgpe-late``).
-Writes results/bench_autoconfig.{json,md,png}.
+bank's measurement noise), with its ablation (``rgpe-noiseless``, ``rgpe-no-context``, ``rgpe-late``); and the same
+goals counted to within each model's measurement noise of its optimum (``*_within_noise``).
+
+How far a measured optimum can be found at all (``autoconfig.reproducibility``): how often two runs of an entry's
+repeated configurations name the same one best, against chance; and, for the models profiled a second time
+(``--second-bank``), the trials to one profile's optimum in the order of the other (``same_model_*``), the floor
+under what learning from other models can reach. Writes results/bench_autoconfig.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -25,11 +31,12 @@ import time
 import numpy as np
 from rich.console import Console
 
-from autoconfig.bank import load_bank
+from autoconfig.bank import BankEntry, load_bank
 from autoconfig.evaluate import plot_progress, replay_table
 from autoconfig.replay import replay
+from autoconfig.reproducibility import best_agreement, same_model_trials, surface_rank_correlation
 from autoconfig.searchers import SEARCHERS, RGPESearcher, SearcherFactory
-from benchmarks.records import RESULTS, provenance
+from benchmarks.records import REPO, RESULTS, provenance
 
 BASELINES = ("random", "tpe", "gp", "best-on-average", "prior-only", "tpe-warm")
 #: RGPE with its parts taken out (the ablation): without measurement noise in its GPs, without the likeness of
@@ -62,6 +69,62 @@ def surface_facts(entries) -> list[dict[str, object]]:
     return facts
 
 
+def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[str, object]:
+    """Per model: how often its repeats agree on the best (and chance), and, where it was profiled twice, the
+    trials to each profile's optimum in the other's order and the two surfaces' rank correlation."""
+    seconds = {entry.name: entry for entry in second}
+    models = []
+    for entry in entries:
+        row: dict[str, object] = {"model": entry.name, "agreement": None, "chance": None}
+        if (agreement := best_agreement(entry)) is not None:
+            row["agreement"], row["chance"] = agreement
+        if (other := seconds.get(entry.name)) is not None:
+            row["trials_first_to_second"] = same_model_trials(entry, other)
+            row["trials_second_to_first"] = same_model_trials(other, entry)
+            row["rank_correlation"] = surface_rank_correlation(entry, other)
+            row["optima"] = [entry.surface()[0][int(np.nanargmax(e.surface()[1]))].as_dict() for e in (entry, other)]
+        models.append(row)
+    agreements = [row for row in models if row["agreement"] is not None]
+    twice = [row for row in models if "rank_correlation" in row]
+    same_model = [row[key] for row in twice for key in ("trials_first_to_second", "trials_second_to_first")]
+    return {
+        "models": models,
+        "mean_agreement": float(np.mean([row["agreement"] for row in agreements])) if agreements else None,
+        "mean_chance": float(np.mean([row["chance"] for row in agreements])) if agreements else None,
+        "profiled_twice": len(twice),
+        "same_model_trials": same_model,
+        "same_model_median_trials": float(np.median(same_model)) if same_model else None,
+    }
+
+
+def reproducibility_lines(facts: dict[str, object]) -> list[str]:
+    lines = ["How reproducible the optimum is: of each model's repeated configurations (its best three, measured "
+             "three times), how often the two runs after the first (which picked them) name the same one best; "
+             "where the model was profiled a second time, the trials to each profile's optimum in the order the "
+             "other measured the configurations (first to second, second to first) and the two surfaces' rank "
+             "correlation.", "",
+             "| model | repeat runs agreeing on the best | chance | trials, first's order to second's optimum | "
+             "second's to first's | rank correlation |", "|---|---|---|---|---|---|"]
+    for row in facts["models"]:
+        cells = [row["model"], "-" if row["agreement"] is None else f"{row['agreement']:.2f}",
+                 "-" if row["chance"] is None else f"{row['chance']:.2f}"]
+        if "rank_correlation" in row:
+            cells += [str(row["trials_first_to_second"]), str(row["trials_second_to_first"]),
+                      f"{row['rank_correlation']:.2f}"]
+        else:
+            cells += ["-", "-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    if facts["mean_agreement"] is not None:
+        lines.append(f"Repeat runs agree on the best repeated configuration in {facts['mean_agreement']:.0%} of pairs "
+                     f"(chance {facts['mean_chance']:.0%}).")
+    if facts["same_model_median_trials"] is not None:
+        lines.append(f"A searcher that knew another full profile of the very model needs "
+                     f"{facts['same_model_median_trials']:.1f} trials (median of {len(facts['same_model_trials'])} "
+                     f"orders over {facts['profiled_twice']} models profiled twice) to this profile's optimum.")
+    return [*lines, ""]
+
+
 def family_medians(entries, result) -> dict[str, dict]:
     """Per family of models (same knobs: DLRM, diffusion), each searcher's median and mean trials to within the
     tolerance over that family's models x seeds."""
@@ -80,13 +143,16 @@ def family_medians(entries, result) -> dict[str, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bank", default=str(RESULTS / "autoconfig_bank"))
+    parser.add_argument("--bank", default=str((RESULTS / "autoconfig_bank_v2").relative_to(REPO)))
+    parser.add_argument("--second-bank", default=str((RESULTS / "autoconfig_bank_v2_second").relative_to(REPO)),
+                        help="second profiles of some of the bank's models (skipped when the folder is missing)")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--tolerance", type=float, default=0.05)
     args = parser.parse_args()
     source = provenance()  # before this run writes its own results into the tree
     console = Console()
-    entries = load_bank(args.bank)
+    entries = load_bank(REPO / args.bank)
+    second = load_bank(REPO / args.second_bank) if (REPO / args.second_bank).is_dir() else []
     names = ["meta", "rgpe", *ABLATIONS, *BASELINES]
     started = time.monotonic()
     result = replay({name: ABLATIONS.get(name) or SEARCHERS[name] for name in names}, entries, seeds=range(args.seeds),
@@ -107,6 +173,8 @@ def main() -> None:
     meta = summary["meta"]["within_median"]
     ratios = {name: summary[name]["within_median"] / meta for name in BASELINES}
     best_baseline = min(STRONG_BASELINES, key=lambda name: summary[name]["optimum_median"])
+    best_in_noise = min(STRONG_BASELINES, key=lambda name: summary[name]["within_noise_median"])
+    repro = reproducibility(entries, second)
     goals = {
         "meta_median_trials_to_optimum": summary["meta"]["optimum_median"],
         "meta_median_fraction_of_space": float(np.median(result.searchers["meta"].trials_to_optimum / sizes)),
@@ -117,6 +185,17 @@ def main() -> None:
         "rgpe_mean_trials_to_optimum": summary["rgpe"]["optimum_mean"],
         "meta_mean_trials_to_optimum": summary["meta"]["optimum_mean"],
         "best_baseline_mean_trials": summary[best_baseline]["optimum_mean"],
+        "meta_median_trials_within_noise": summary["meta"]["within_noise_median"],
+        "meta_median_fraction_of_space_within_noise": float(np.median(
+            result.trials_to_within("meta", noise_tolerances) / sizes)),
+        "best_baseline_within_noise": best_in_noise,
+        "best_baseline_median_trials_within_noise": summary[best_in_noise]["within_noise_median"],
+        "ratio_best_baseline_to_meta_within_noise": (summary[best_in_noise]["within_noise_median"]
+                                                     / summary["meta"]["within_noise_median"]),
+        "rgpe_median_trials_within_noise": summary["rgpe"]["within_noise_median"],
+        "optimum_repeat_agreement": repro["mean_agreement"],
+        "optimum_repeat_agreement_chance": repro["mean_chance"],
+        "same_model_median_trials_to_optimum": repro["same_model_median_trials"],
     }
     families = family_medians(entries, result)
     facts = surface_facts(entries)
@@ -144,17 +223,25 @@ def main() -> None:
         f"({100 * goals['meta_median_fraction_of_space']:.1f}% of the space; goal <= 5%); best baseline "
         f"{best_baseline} {goals['best_baseline_median_trials']:.1f}, "
         f"{goals['ratio_best_baseline_to_meta']:.2f}x meta's (goal >= 2x).", "",
+        f"Trials to within the noise, median: meta {goals['meta_median_trials_within_noise']:.1f} "
+        f"({100 * goals['meta_median_fraction_of_space_within_noise']:.1f}% of the space); best baseline "
+        f"{best_in_noise} {goals['best_baseline_median_trials_within_noise']:.1f}, "
+        f"{goals['ratio_best_baseline_to_meta_within_noise']:.2f}x meta's; rgpe "
+        f"{goals['rgpe_median_trials_within_noise']:.1f}.", "",
+        *reproducibility_lines(repro),
         "Per family (models over the same knobs; the meta searcher learns only from its own family):", "",
         "| family | models | " + " | ".join(f"{name}: median (mean)" for name in names) + " | meta, % of space |",
         "|---|---|" + "---|" * len(names) + "---|",
         *(f"| {family} | {f['models']} | " + " | ".join(f"{f[name][0]:.1f} ({f[name][1]:.1f})" for name in names)
           + f" | {100 * f['meta'][0] / f['space']:.1f}% |" for family, f in families.items()), "",
-        f"Command: `.venv/bin/python -m benchmarks.bench_autoconfig --seeds {args.seeds}` ({elapsed:.0f} s).",
+        f"Command: `.venv/bin/python -m benchmarks.bench_autoconfig --seeds {args.seeds} --bank {args.bank} "
+        f"--second-bank {args.second_bank}` ({elapsed:.0f} s).",
     ]
     table = "\n".join(lines)
     console.print(table)
     plot = plot_progress(result, RESULTS / "bench_autoconfig.png", trials=40)
-    payload = {**source, "summary": goals, "bank": args.bank, "seeds": args.seeds,
+    payload = {**source, "summary": goals, "bank": args.bank, "second_bank": args.second_bank,
+               "reproducibility": repro, "seeds": args.seeds,
                "tolerance": args.tolerance, "models": facts,
                "families": families,
                "machine": entries[0].machine if entries else {}, "searchers": summary,

@@ -19,6 +19,17 @@ from autoconfig.bank import BankEntry, ProfileRecord
 from autoconfig.space import KNOB_NAMES, Configuration, SearchSpace
 
 
+def grid_entry(name: str, values: list[float], space: SearchSpace) -> BankEntry:
+    """A full-grid entry of ``space`` whose objective follows ``values`` in enumeration order (NaN: SLO violated)."""
+    trials = [
+        ProfileRecord(config=c, status="slo_violated")
+        if np.isnan(v)
+        else ProfileRecord(config=c, status="ok", rps=v, p50_ms=1.0, p99_ms=2.0, error_rate=0.0, objective=v)
+        for c, v in zip(space.configurations(), values, strict=True)
+    ]
+    return BankEntry(model={"name": name, "preset": "tiny"}, machine={"cpus": 2}, space=space, trials=trials)
+
+
 def shortcuts(*values: float) -> Configuration:
     """A configuration of the shortcut knobs, in ``KNOB_NAMES`` order (``torch_threads`` only when given)."""
     return Configuration(dict(zip(KNOB_NAMES, values, strict=False)))

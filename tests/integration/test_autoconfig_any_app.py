@@ -68,6 +68,9 @@ def test_tune_any_serve_app_from_a_workload_file_and_dotted_knobs(base_url, tmp_
     assert [(r["config"]["Echo.user_config.delay_ms"], r["status"]) for r in records] == [
         (2, "ok"), (400, "slo_violated")]  # a 400 ms answer cannot meet a 200 ms p99
     assert records[0]["sustainable_rps"] >= 4 and records[0]["error_rate"] == 0
+    # The one configuration that held the SLO was measured again before it was written (--repeats 2, the default).
+    repeated = TuningStudy.open(storage, "echo", SearchSpace.parse(SPACE)).repeats()
+    assert [(config["Echo.user_config.delay_ms"], len(runs)) for config, runs in repeated.items()] == [(2, 1)]
     tuned = next(app for app in load_serve_config(out).applications if app.name == "echo")
     echo = next(d for d in tuned.deployments if d.name == "Echo")
     assert echo.user_config == {"delay_ms": 2} and echo.num_replicas == 1

@@ -33,7 +33,7 @@ def test_tune_sizes_both_pools_counts_every_cpu_writes_a_deployable_config_and_r
     argv = ["tune", "--config", str(REPO / "deploy" / "serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "1000",
             "--budget", "2", "--searcher", "grid", "--space", str(space_file), "--storage", storage,
             "--study", "it", "--probe-s", "1", "--min-requests", "10", "--warmup-s", "1", "--start-rps", "4",
-            "--max-probes", "3", "--tolerance", "0.5", "--out", str(out)]
+            "--max-probes", "3", "--tolerance", "0.5", "--repeats", "1", "--out", str(out)]
     code = main(argv)
 
     records = TuningStudy.open(storage, "it", SearchSpace.parse(SPACE)).records()

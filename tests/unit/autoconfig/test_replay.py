@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 
-from autoconfig.bank import BankEntry, BankError, ProfileRecord, Repeats, load_bank, save_bank
+from autoconfig.bank import BankEntry, BankError, Repeats, load_bank, save_bank
 from autoconfig.replay import replay
 from autoconfig.searchers import SEARCHERS, GridSearcher, MetaParams, meta_factory
 from autoconfig.space import SearchSpace
-from tests.helpers.surfaces import synthetic_bank
+from tests.helpers.surfaces import grid_entry, synthetic_bank
 
 TINY = SearchSpace.parse(
     {
@@ -24,14 +24,7 @@ TINY = SearchSpace.parse(
 
 
 def entry(name: str, values: list[float], space: SearchSpace = TINY) -> BankEntry:
-    """A full-grid entry whose objective follows ``values`` in enumeration order (NaN: SLO violated)."""
-    trials = [
-        ProfileRecord(config=c, status="slo_violated")
-        if np.isnan(v)
-        else ProfileRecord(config=c, status="ok", rps=v, p50_ms=1.0, p99_ms=2.0, error_rate=0.0, objective=v)
-        for c, v in zip(space.configurations(), values, strict=True)
-    ]
-    return BankEntry(model={"name": name, "preset": "tiny"}, machine={"cpus": 2}, space=space, trials=trials)
+    return grid_entry(name, values, space)
 
 
 def test_bank_round_trip_and_surface(tmp_path):

@@ -13,7 +13,7 @@ from autoconfig.searchers import GridSearcher, RandomSearcher
 from autoconfig.space import Configuration, SearchSpace
 from autoconfig.study import StudyError, TuningStudy, sqlite_url
 from autoconfig.trial import TrialRecord
-from autoconfig.tuner import repeat_best, tune
+from autoconfig.tuner import confirmed_best, repeat_best, tune
 from tests.helpers import REPO
 
 SPACE = SearchSpace.parse({"knobs": {
@@ -103,6 +103,56 @@ def test_profile_refuses_a_bad_model_name_before_any_trial(tmp_path, capsys):
     assert main(argv) == 2
     assert "name" in capsys.readouterr().out and not list(tmp_path.glob("*.json"))
 
+
+
+def test_the_confirmed_best_has_the_best_mean_a_run_without_a_rate_counting_zero():
+    lucky, steady, tied = SPACE.configurations()[:3]
+    best = confirmed_best({lucky: [10.0, None], steady: [9.0, 8.0], tied: [8.5, 8.5]})
+    assert best.config == steady and best.value == pytest.approx(8.5) and best.metrics["runs"] == 2
+    assert confirmed_best({steady: [4.0, 4.0], tied: [4.0, 4.0]}).config == steady  # the earlier on a tie
+    assert confirmed_best({}) is None
+
+
+def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_run(tmp_path, monkeypatch, capsys):
+    """Two best single runs are measured again (``--repeat-best 2 --repeats 2``): the luckiest then holds no rate,
+    so the Serve config written is the runner-up's, and the table shows both configurations' runs."""
+    import ray
+
+    import autoconfig.trial
+    from autoconfig.cli import main
+    from autoconfig.knobs import configure_serve_config, write_serve_config
+    from autoconfig.serve_config import load_serve_config
+
+    configs = SPACE.configurations()
+    runs = {configs[0]: [2.0], configs[1]: [10.0, None], configs[2]: [9.0, 9.0], configs[3]: [1.0]}
+    calls: list[Configuration] = []
+
+    def profile(template, app, config, *args, **kwargs) -> TrialRecord:
+        config = SPACE.configuration(config)
+        value = runs[config][sum(call == config for call in calls)]
+        calls.append(config)
+        return TrialRecord(app_name="dlrm", configuration=config.as_dict(),
+                           status="ok" if value else "slo_violated", objective_name="max_rate",
+                           objective=value or 0.0, sustainable_rps=value or 0.0, p99_ms=12.5, duration_s=0.1)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(autoconfig.trial, "run_trial", profile)
+    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    template = REPO / "deploy/serve_config.yaml"
+    argv = ["tune", "--config", str(template), "--app", "dlrm", "--slo-p99-ms", "50", "--space", str(space),
+            "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "4", "--searcher", "grid",
+            "--repeat-best", "2", "--repeats", "2", "--out", str(tmp_path / "tuned.yaml")]
+    assert main(argv) == 0
+    assert calls == [*configs[:4], configs[1], configs[2]]
+    out = capsys.readouterr().out
+    assert "10.00, -" in out and "9.00, 9.00" in out and "did not hold up" in out
+    write_serve_config(configure_serve_config(load_serve_config(template), "dlrm", configs[2].as_dict(),
+                                              accelerator="cpu"), tmp_path / "expected.yaml")
+    assert (tmp_path / "tuned.yaml").read_text() == (tmp_path / "expected.yaml").read_text()
+    assert main([*argv[:-2], "--repeats", "0", "--out", str(tmp_path / "x.yaml")]) == 2
+    assert "--repeats" in capsys.readouterr().out and not (tmp_path / "x.yaml").exists()
 
 
 def _noisy(calls: list[Configuration]):
@@ -225,6 +275,6 @@ def test_tune_describes_the_model_to_the_bank_searchers_which_start_where_the_al
     space.write_text(yaml.safe_dump(SPACE.to_dict()))
     argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
             "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "1",
-            "--searcher", "rgpe", "--bank", str(bank), "--out", str(tmp_path / "tuned.yaml")]
+            "--searcher", "rgpe", "--bank", str(bank), "--out", str(tmp_path / "tuned.yaml"), "--repeats", "1"]
     code = main(argv)
     assert calls == [peak] and code == 0

@@ -1,0 +1,89 @@
+"""How reproducible a measured optimum is: agreement among an entry's repeats, and one profile's order on another."""
+
+import numpy as np
+import pytest
+
+from autoconfig.bank import BankError, Repeats
+from autoconfig.reproducibility import (
+    best_agreement,
+    same_model_trials,
+    surface_rank_correlation,
+    trials_in_order,
+)
+from autoconfig.space import SearchSpace
+from tests.helpers.surfaces import grid_entry
+
+SPACE = SearchSpace.parse(
+    {
+        "knobs": {
+            "max_batch_size": {"values": [1, 2, 4]},
+            "batch_wait_timeout_s": {"values": [0.0]},
+            "device_share": {"values": [1.0]},
+            "num_replicas": {"values": [1, 2]},
+        }
+    }
+)
+
+
+def with_repeats(runs: list[list[float | None]]):
+    """An entry whose first ``len(runs)`` configurations were measured again with these objectives."""
+    base = grid_entry("m", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], SPACE)
+    configs = SPACE.configurations()
+    repeats = [Repeats(config=configs[i], objectives=objectives) for i, objectives in enumerate(runs)]
+    return base.model_copy(update={"repeats": repeats})
+
+
+def test_repeat_runs_that_name_the_same_best_configuration_agree():
+    # The profile's own runs come first and are left out: they picked these configurations for being best.
+    # Repeat runs 1-3: the first configuration is best in runs 1 and 3, the second in run 2.
+    agreement, chance = best_agreement(with_repeats([[9.0, 5.0, 1.0, 4.0], [1.0, 3.0, 2.0, 3.5]]))
+    assert agreement == pytest.approx(1 / 3)  # of the pairs (1,2), (1,3), (2,3) only (1,3) agrees
+    assert chance == pytest.approx(1 / 2)
+
+
+def test_a_run_that_held_no_rate_counts_zero_and_runs_pair_up_to_the_shortest():
+    agreement, chance = best_agreement(with_repeats([[1.0, 5.0, None, 9.0], [1.0, 3.0, 2.0], [1.0, 1.0, 1.0, 1.0]]))
+    # Runs 1 and 2 only (the second configuration has three): best 0 then 1 (None counts 0 against 2.0 and 1.0).
+    assert agreement == 0.0
+    assert chance == pytest.approx(1 / 3)
+
+
+def test_agreement_needs_two_repeated_configurations_with_two_repeat_runs():
+    assert best_agreement(with_repeats([[5.0, 4.0, 3.0]])) is None
+    assert best_agreement(with_repeats([[5.0, 4.0], [3.0, 2.0]])) is None
+    assert best_agreement(grid_entry("m", [1.0] * 6, SPACE)) is None
+
+
+def test_trials_in_order_counts_to_the_targets_optimum_with_no_rate_last():
+    order = np.array([np.nan, 0.9, 0.2, 0.5, 0.8, 0.1])
+    target = np.array([7.0, 1.0, 2.0, 3.0, 4.0, np.nan])
+    # Profiled 1, 4, 3, 2, 5, then 0 (no rate in the order's profile): the target's optimum (0) is the sixth.
+    assert trials_in_order(order, target) == 6
+    assert trials_in_order(target, target) == 1
+    # A tie with the target's optimum reaches it as well.
+    assert trials_in_order(order, np.array([7.0, 1.0, 2.0, 3.0, 7.0, np.nan])) == 2
+
+
+def test_trials_in_order_refuses_mismatched_or_empty_surfaces():
+    with pytest.raises(ValueError, match="surfaces of"):
+        trials_in_order(np.ones(3), np.ones(4))
+    with pytest.raises(ValueError, match="no configuration with a positive objective"):
+        trials_in_order(np.ones(3), np.array([np.nan, 0.0, np.nan]))
+
+
+def test_two_profiles_of_one_model():
+    first = grid_entry("m", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], SPACE)
+    reversed_ = grid_entry("m", [6.0, 5.0, 4.0, 3.0, 2.0, 1.0], SPACE)
+    assert same_model_trials(first, first) == 1
+    assert same_model_trials(first, reversed_) == 6
+    assert surface_rank_correlation(first, first) == pytest.approx(1.0)
+    assert surface_rank_correlation(first, reversed_) == pytest.approx(-1.0)
+
+
+def test_profiles_of_two_models_or_two_spaces_are_refused():
+    first = grid_entry("m", [1.0] * 6, SPACE)
+    with pytest.raises(BankError, match="profiles of two models"):
+        same_model_trials(first, grid_entry("other", [1.0] * 6, SPACE))
+    smaller = SearchSpace.parse({"knobs": {**SPACE.model_dump()["knobs"], "max_batch_size": {"values": [1, 2]}}})
+    with pytest.raises(BankError, match="different search spaces"):
+        surface_rank_correlation(first, grid_entry("m", [1.0] * 4, smaller))
