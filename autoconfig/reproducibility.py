@@ -1,13 +1,17 @@
 """How reproducible a measured optimum is: the floor under any searcher's trials to it on a noisy machine.
 
-Two measures. From one entry's repeats: how often two runs name the same configuration best among those measured
+Three measures. From one entry's repeats: how often two runs name the same configuration best among those measured
 again. From two independent profiles of one model: the trials a searcher takes to the second profile's
 optimum when it profiles configurations in the order the first measured them, a prior that no other model's
-profile can better (docs/AUTOCONFIG.md, "When the optimum moves between runs").
+profile can better. Over a bank: the trials each model takes in the one fixed order that is best in hindsight (its
+configurations by how many of the bank's optima they are), the floor under any ranking that ignores the trials
+(docs/AUTOCONFIG.md, "When the optimum moves between runs").
 """
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from itertools import combinations
 
 import numpy as np
@@ -54,6 +58,22 @@ def surface_rank_correlation(first: BankEntry, second: BankEntry) -> float:
     _check_pair(first, second)
     a, b = (np.nan_to_num(entry.surface()[1], nan=0.0) for entry in (first, second))
     return float(spearmanr(a, b).statistic)
+
+
+def hindsight_order_trials(entries: Sequence[BankEntry]) -> list[int]:
+    """Per entry, the trials to its optimum when configurations go by how many of the entries' optima they are
+    (most first): no fixed order, even one that knows every optimum, has a smaller k-th smallest count."""
+    optima = [optimum_index(entry) for entry in entries]
+    if len({entry.space.configurations() for entry in entries}) > 1:
+        raise BankError("a fixed order needs the entries over one search space")
+    counts = Counter(optima)
+    order = sorted(counts, key=lambda index: (-counts[index], index))
+    return [order.index(optimum) + 1 for optimum in optima]
+
+
+def optimum_index(entry: BankEntry) -> int:
+    """The index (in enumeration order) of the entry's best configuration on its surface."""
+    return int(np.nanargmax(entry.surface()[1]))
 
 
 def _check_pair(first: BankEntry, second: BankEntry) -> None:

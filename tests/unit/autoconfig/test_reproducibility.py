@@ -6,6 +6,7 @@ import pytest
 from autoconfig.bank import BankError, Repeats
 from autoconfig.reproducibility import (
     best_agreement,
+    hindsight_order_trials,
     same_model_trials,
     surface_rank_correlation,
     trials_in_order,
@@ -87,3 +88,14 @@ def test_profiles_of_two_models_or_two_spaces_are_refused():
     smaller = SearchSpace.parse({"knobs": {**SPACE.model_dump()["knobs"], "max_batch_size": {"values": [1, 2]}}})
     with pytest.raises(BankError, match="different search spaces"):
         surface_rank_correlation(first, grid_entry("m", [1.0] * 4, smaller))
+
+
+def test_the_hindsight_order_puts_the_most_shared_optima_first():
+    peaks = [0, 3, 3, 5, 3, 0]  # the optimum's configuration of each model
+    entries = [grid_entry(f"m{i}", [2.0 if c == peak else 1.0 for c in range(6)], SPACE)
+               for i, peak in enumerate(peaks)]
+    # Order: configuration 3 (three optima), 0 (two), 5 (one).
+    assert hindsight_order_trials(entries) == [2, 1, 1, 3, 1, 2]
+    smaller = SearchSpace.parse({"knobs": {**SPACE.model_dump()["knobs"], "max_batch_size": {"values": [1, 2]}}})
+    with pytest.raises(BankError, match="one search space"):
+        hindsight_order_trials([entries[0], grid_entry("x", [1.0, 2.0, 1.0, 1.0], smaller)])
