@@ -64,6 +64,11 @@ class Repeats(BaseModel):
         return float(np.std(ok, ddof=1) / np.mean(ok))
 
 
+def mean_of_runs(objectives: Sequence[float | None]) -> float:
+    """The mean objective of a configuration's runs, a run that held no rate (None) counting 0."""
+    return float(np.mean([value or 0.0 for value in objectives]))
+
+
 class ModelDescription(BaseModel):
     """What was profiled; ``name`` identifies the entry (and its file), other fields are free-form."""
 
@@ -118,7 +123,7 @@ class BankEntry(BaseModel):
         each is likely a lucky one."""
         values = {trial.config: trial.objective or 0.0 for trial in self.trials}
         for repeat in self.repeats:
-            values[repeat.config] = float(np.mean([value or 0.0 for value in repeat.objectives]))
+            values[repeat.config] = mean_of_runs(repeat.objectives)
         return values
 
     def surface(self) -> tuple[tuple[Configuration, ...], np.ndarray]:

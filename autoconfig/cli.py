@@ -13,11 +13,16 @@ import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
 
 from autoconfig import __version__
+
+if TYPE_CHECKING:
+    from autoconfig.searchers.base import Observation
+    from autoconfig.space import Configuration
 
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
 SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm",
@@ -212,7 +217,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         return 1
     best, measure = outcome.best, "objective"
     if confirmed is not None:
-        best, measure = confirmed, f"mean objective over {int(confirmed.metrics['runs'])} runs"
+        best, measure = confirmed, f"mean objective over {len(measured[confirmed.config])} runs"
     tuned = configure_serve_config(template, args.app, best.config.as_dict(), accelerator=args.accelerator)
     write_serve_config(tuned, args.out)
     console.print(f"[green]best:[/green] {best.config.as_dict()} ({measure} {best.value:.2f}); "
@@ -220,10 +225,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _print_confirmation(console: Console, measured: dict, single_best) -> object:
+def _print_confirmation(console: Console, measured: dict[Configuration, list[float | None]],
+                        single_best: Observation) -> Observation | None:
     """Print each repeated configuration's runs and mean; return ``confirmed_best`` of them."""
-    from rich.table import Table
-
+    from autoconfig.bank import mean_of_runs
     from autoconfig.tuner import confirmed_best
 
     table = Table(title="the best configurations, measured again (a run that held no rate counts 0)")
@@ -231,7 +236,7 @@ def _print_confirmation(console: Console, measured: dict, single_best) -> object
         table.add_column(column)
     for config, runs in measured.items():
         table.add_row(str(config.as_dict()), ", ".join("-" if v is None else f"{v:.2f}" for v in runs),
-                      f"{sum(v or 0.0 for v in runs) / len(runs):.2f}")
+                      f"{mean_of_runs(runs):.2f}")
     console.print(table)
     confirmed = confirmed_best(measured)
     if confirmed is not None and confirmed.config != single_best.config:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autoconfig.bank import mean_of_runs
 from autoconfig.pareto import Limits
 from autoconfig.searchers.base import Observation, Searcher, SpaceExhausted
 from autoconfig.space import Configuration
@@ -95,8 +96,8 @@ def confirmed_best(measured: dict[Configuration, list[float | None]]) -> Observa
     """Of ``repeat_best``'s configurations, the one with the highest mean objective over its runs (a run that held
     no rate counting 0, so a configuration that holds the SLO only sometimes loses; earliest on ties), as an
     observation valued at that mean; None when there is none."""
-    means = {config: sum(value or 0.0 for value in runs) / len(runs) for config, runs in measured.items() if runs}
+    means = {config: mean_of_runs(runs) for config, runs in measured.items() if runs}
     if not means:
         return None
     config = max(means, key=means.__getitem__)
-    return Observation(config, means[config], {"runs": float(len(measured[config]))})
+    return Observation(config, means[config])
