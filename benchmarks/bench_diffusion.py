@@ -4,8 +4,13 @@ One core = one device (on CPU, as ``BENCHMARKING.md`` asks), every thread with o
 
 - device 0 (core 0): diffusers (the main thread); swiftserve's engine loop (UNet steps) and its stage thread
   (text encoder, VAE, PNG);
-- device 1 (core 1): swiftserve's ControlNet worker, its CFG worker (a second copy of the model: the unconditional
-  rows, and the lower band of the VAE decode) and its LoRA file loads (host work, kept off device 0's core).
+- device 1 (core 1): swiftserve's ControlNet worker, its CFG worker (a second engine: the unconditional rows, and
+  the lower band of the VAE decode) and its LoRA file loads (host work, kept off device 0's core).
+
+The model is built once; the CFG worker's engine and diffusers' pipelines run module copies of their own over its
+weight storage (``sharing_weights``), so an SDXL-sized model fits host memory once rather than three times (on CUDA
+each moves its own copy to the GPU). Nothing writes those weights but diffusers' ``fuse_lora``, in place: every
+diffusers case that fuses a LoRA unfuses it (untimed) before the next case runs.
 
 So swiftserve's ControlNet and parallel-CFG rows use two devices against diffusers' one, as Katz compare latency
 (the extra device is the technique). The pools' threads start during the warm-up and are pinned after it; the cores
@@ -45,6 +50,7 @@ import argparse
 import contextlib
 import itertools
 import os
+import resource
 import tempfile
 import threading
 import time
@@ -57,7 +63,13 @@ import torch
 from diffusers.utils import logging as diffusers_logging
 from PIL import Image
 
-from benchmarks.common import conditioning_image, diffusion_arguments, evict_from_page_cache, write_attention_lora
+from benchmarks.common import (
+    conditioning_image,
+    diffusion_arguments,
+    evict_from_page_cache,
+    sharing_weights,
+    write_attention_lora,
+)
 from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
 from serving.common.device import pin_process, resolve_device
 from serving.config import EngineConfig, LoRAConfig
@@ -71,7 +83,7 @@ from serving.lora.cache import LoRACache
 from serving.lora.format import LoRATargets, load_lora_file
 from serving.lora.registry import LoRARegistry
 from serving.lora.weights import LoRAWeights
-from serving.presets import build_preset
+from serving.presets import DiffusionComponents, build_preset
 
 NAME = "bench_diffusion"
 OURS, THEIRS = "swiftserve", "diffusers"
@@ -83,8 +95,8 @@ ENGINE_LOOP_THREAD = "diffusion-engine-loop"
 NATIVE = "native thread "  # how threads Python did not start are named in the device map
 GOALS = {"ratio_1c1l_to_0c0l": 1.10, "ratio_cfg_parallel": 0.65, "ratio_cold_lora_to_0c0l": 1.05}  # issue 19: <=
 
-#: One round, in order: each swiftserve row beside its diffusers counterpart; diffusers' LoRA cases grouped so its
-#: untimed LoRA set-up changes three times a round.
+#: One round, in order: each swiftserve row beside its diffusers counterpart; diffusers' adapter cases grouped, so
+#: its untimed LoRA set-up (a fused case unfuses after itself) changes as little as it can.
 ROUND: tuple[tuple[str, str], ...] = (
     (OURS, "0c-0l"), (THEIRS, "0c-0l"), (OURS, "0c-0l parallel CFG"),
     (OURS, "1c-0l"), (THEIRS, "1c-0l"),
@@ -119,10 +131,12 @@ SUMMARY: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
 
 @dataclass(frozen=True)
 class Case:
-    """One request of a row: ``prepare`` runs untimed before it, ``run`` is timed and returns what to record."""
+    """One request of a row: ``prepare`` runs untimed before it, ``run`` is timed and returns what to record,
+    ``finish`` runs untimed after it."""
 
     run: Callable[[], dict]
     prepare: Callable[[], None] = lambda: None
+    finish: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -205,7 +219,7 @@ class Devices:
             "device 0 (core 0)": "MainThread: diffusers; diffusion-engine-loop: swiftserve's UNet steps; "
                                  "diffusion-stage_*: its text encoder, VAE and PNG encoding",
             "device 1 (core 1)": "controlnet_*: swiftserve's ControlNet; cfg-worker_*: its CFG worker (a second "
-                                 "model copy: unconditional rows, the VAE decode's lower band); lora-load_*: its "
+                                 "engine: unconditional rows, the VAE decode's lower band); lora-load_*: its "
                                  "LoRA file loads (host work)",
             "threads_after_warmup": after_warmup,
             "threads_at_end": at_end,
@@ -214,16 +228,15 @@ class Devices:
 
 class Swiftserve:
     """The serving path in-process: engine loop, ControlNet and CFG worker clients, LoRA cache; the server's
-    default engine and LoRA settings, one LoRA loader thread."""
+    default engine and LoRA settings, one LoRA loader thread. The CFG worker's engine shares ``model``'s weights."""
 
-    def __init__(self, preset: str, device: torch.device, dtype: torch.dtype, controlnet: torch.nn.Module,
-                 files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
+    def __init__(self, preset: str, model: DiffusionComponents, device: torch.device, dtype: torch.dtype,
+                 controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
         lora = LoRAConfig(load_workers=1)
         controlnets = LocalControlNets({CONTROLNET: ControlNetRunner(controlnet, device, dtype)}, max_workers=1)
-        self.engine = DiffusionEngine(preset, build_preset(preset), device, dtype,
-                                      merged_lora_bytes=lora.merged_cache_bytes,
+        self.engine = DiffusionEngine(preset, model, device, dtype, merged_lora_bytes=lora.merged_cache_bytes,
                                       lora_merge_after=lora.merge_after_forwards, controlnets=controlnets)
-        self.cfg_worker = LocalCFGWorker(DiffusionEngine(preset, build_preset(preset), device, dtype))
+        self.cfg_worker = LocalCFGWorker(DiffusionEngine(preset, sharing_weights(model), device, dtype))
         def load(path: Path) -> LoRAWeights:  # the LoRA cache's own loader, after the remote store's fetch time
             files.fetch(path.stem)
             return load_lora_file(path, self.engine.lora_targets, max_file_bytes=lora.max_file_bytes)
@@ -276,13 +289,13 @@ class Swiftserve:
 
 
 class Diffusers:
-    """diffusers' pipelines over a model copy of their own, on the calling thread. The UNet's LoRA state (``none``;
-    ``adapter``: the warm LoRA loaded, active at ``SCALE``; ``fused``: it fused too; ``cold``: the cold case's LoRA
-    fused) changes untimed between cases."""
+    """diffusers' pipelines over ``components`` (modules of their own, which may share another model's weight
+    storage), on the calling thread. The UNet's LoRA state (``none``; ``adapter``: the warm LoRA loaded, active at
+    ``SCALE``; ``fused``: it fused too; ``cold``: the cold case's LoRA fused) changes untimed between cases; a
+    case that fuses unfuses after it, so shared weights are written only while a diffusers case runs."""
 
-    def __init__(self, preset: str, device: torch.device, dtype: torch.dtype, controlnet: torch.nn.Module,
-                 files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
-        components = build_preset(preset)
+    def __init__(self, components: DiffusionComponents, device: torch.device, dtype: torch.dtype,
+                 controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
         self.plain = components.as_pipeline().to(device=device, dtype=dtype)
         self.controlled = components.as_controlnet_pipeline([controlnet]).to(device=device, dtype=dtype)
         for pipe in (self.plain, self.controlled):
@@ -292,8 +305,10 @@ class Diffusers:
         self.cases = {
             "0c-0l": self._case(controlled=False, state="none"),
             "1c-0l": self._case(controlled=True, state="none"),
-            "0c-1l cold": Case(lambda: self._cold(COLD), prepare=lambda: self._prepare_cold(COLD)),
-            "0c-1l cold remote": Case(lambda: self._cold(REMOTE), prepare=lambda: self._prepare_cold(REMOTE)),
+            "0c-1l cold": Case(lambda: self._cold(COLD), prepare=lambda: self._prepare_cold(COLD),
+                               finish=self.unfuse),
+            "0c-1l cold remote": Case(lambda: self._cold(REMOTE), prepare=lambda: self._prepare_cold(REMOTE),
+                                      finish=self.unfuse),
             "0c-1l warm (adapter)": self._case(controlled=False, state="adapter"),
             "1c-1l (adapter)": self._case(controlled=True, state="adapter"),
             "0c-1l warm (fused)": self._case(controlled=False, state="fused"),
@@ -301,7 +316,12 @@ class Diffusers:
         }
 
     def _case(self, *, controlled: bool, state: str) -> Case:
-        return Case(lambda: self.generate(controlled), prepare=lambda: self.set_lora(state))
+        return Case(lambda: self.generate(controlled), prepare=lambda: self.set_lora(state),
+                    finish=self.unfuse if state == "fused" else lambda: None)
+
+    def unfuse(self) -> None:
+        """Back to no LoRA from a fused one (unfused, unloaded), restoring the UNet's weights."""
+        self.set_lora("none")
 
     def generate(self, controlled: bool) -> dict:
         p = self._params
@@ -348,10 +368,11 @@ class Diffusers:
 
 
 def run_case(case: Case) -> dict:
-    """``case`` once: its untimed preparation, then the timed request; its seconds and record."""
+    """``case`` once: its untimed preparation, the timed request, its untimed finish; its seconds and record."""
     case.prepare()
     record: dict = {}
     seconds = timed(lambda: record.update(case.run()), 1)[0]
+    case.finish()
     return {"seconds": seconds, **record}
 
 
@@ -381,12 +402,11 @@ def main() -> None:
         files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.denoiser, model.text_encoder, model.text_encoder_2),
                           args.rank, args.lora_store_mb_per_s * 2**20)
         family = model.family
-        del model
         lora_bytes = files.write(WARM)
         files.write(COLD)
         files.write(REMOTE)
-        vanilla = Diffusers(args.preset, device, dtype, controlnet, files, params, image)
-        ours = Swiftserve(args.preset, device, dtype, controlnet, files, params, image)
+        vanilla = Diffusers(sharing_weights(model), device, dtype, controlnet, files, params, image)
+        ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image)
         systems = {OURS: ours.cases, THEIRS: vanilla.cases}
         cases = {(system, row): systems[system][row] for system, row in ROUND}
         print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.guidance_scale}, rank-"
@@ -443,6 +463,7 @@ def main() -> None:
         "request": {"prompt": params.prompt, "size": args.size, "steps": args.steps,
                     "guidance_scale": params.guidance_scale, "seed": params.seed, "lora_scale": SCALE},
         "lora_file_bytes": lora_bytes,
+        "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # ru_maxrss: KiB
         "errors": 0,  # a failed request aborts the run
         "flags": flags,
         "rows": [{"system": system, "case": case, **stats[(system, case)], "repeats": runs[(system, case)]}
@@ -477,7 +498,8 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
         f"(min-max) of {args.repeats} interleaved runs. " + (
             "swiftserve runs its ControlNet, CFG worker and LoRA loads on device 1; diffusers runs on device 0 alone."
             if device.type == "cpu" else "One GPU: both systems and every swiftserve thread (ControlNet, CFG worker, "
-            "LoRA loads) share cuda:0, so nothing here runs on a second device."),
+            "LoRA loads) share cuda:0, so nothing here runs on a second device.") +
+        f" Peak host memory {payload['peak_host_memory_gib']:.1f} GiB (one copy of the weights, shared).",
         "",
         "| row | swiftserve (s) | diffusers (s) | diffusers case | diffusers / swiftserve | tie (ranges overlap) "
         "| swiftserve / its 0c-0l |",

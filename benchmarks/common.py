@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ from serving.lora.format import LoRATargets
 
 if TYPE_CHECKING:
     from autoconfig.workloads import Workload
+    from serving.presets import DiffusionComponents
 
 
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -52,6 +55,21 @@ def evict_from_page_cache(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+def sharing_weights(components: DiffusionComponents) -> DiffusionComponents:
+    """A second set of ``components`` over the same weight storage: module and parameter objects of its own (hooks,
+    LoRA adapters, device and dtype moves on one leave the other as it was), so a second model costs no weight
+    memory; an in-place write to a weight (diffusers' ``fuse_lora``) shows in both. Tokenizers are shared, the
+    scheduler (which diffusers' pipelines set per call) is copied."""
+    memo: dict[int, object] = {}
+    for module in components.modules().values():
+        for parameter in module.parameters():
+            memo[id(parameter)] = torch.nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
+        for buffer in module.buffers():
+            memo[id(buffer)] = buffer
+    modules = {name: copy.deepcopy(module, memo) for name, module in components.modules().items()}
+    return dataclasses.replace(components, **modules, scheduler=copy.deepcopy(components.scheduler))
 
 
 def conditioning_image(size: int, index: int) -> np.ndarray:
