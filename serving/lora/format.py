@@ -67,6 +67,13 @@ _UNSUPPORTED_MARKERS = (
     ("hada_", "LoHa"),
 )
 
+#: the down factor of a LoRA on a UNet's cross-attention key projection (whose input is the text conditioning), in
+#: diffusers' PEFT, diffusers' older and kohya's key styles
+_CROSS_ATTENTION_KEY_DOWN = re.compile(r"attn2[._](?:processor\.)?to_k(?:_lora)?[._](?:lora_A|lora_down|down)\.weight$")
+#: a diffusers-format LoRA factor on a module named in full: ``<component>.<module>.lora_A.weight`` (PEFT's down)
+#: or ``lora_B`` (up), or diffusers' older ``lora.down`` / ``lora.up``
+_MODULE_FACTOR_KEY = re.compile(r"(?P<module>.+)\.(?:lora_(?P<peft>[AB])|lora\.(?P<older>down|up))\.weight")
+
 _HEADER_LENGTH = struct.Struct("<Q")  # safetensors: little-endian u64 header size, then the JSON header
 _JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
 _JSON_DECODER = json.JSONDecoder()
@@ -233,12 +240,48 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
 
 def check_lora_family(path: Path, targets: LoRATargets, *, max_file_bytes: int,
                       max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES, max_tensors: int = DEFAULT_MAX_TENSORS) -> None:
-    """``LoRAFormatError`` when the file's tensor names alone (its header: no tensor is read) show a LoRA for another
-    family than ``targets``', or a file ``load_lora_file`` refuses unread. A file that passes may still not fit (its
-    modules and shapes are checked when it loads)."""
+    """``LoRAFormatError`` when the file's header (no tensor is read) shows a LoRA for another model than
+    ``targets``': another family's tensor names, a cross-attention key projection of another text-conditioning width
+    (any key style), or a diffusers-format denoiser key whose module this model lacks or whose factor shapes differ
+    from the module's; or a file ``load_lora_file`` refuses unread. A file that passes may still not fit (the rest
+    is checked when it loads)."""
     name = Path(path).name
-    _check_family(name, _tensor_names(name, _read_header(Path(path), max_file_bytes, max_header_bytes), max_tensors),
-                  targets)
+    shapes = _tensor_shapes(name, _read_header(Path(path), max_file_bytes, max_header_bytes), max_tensors)
+    _check_family(name, shapes, targets)
+    _check_conditioning_width(name, shapes, targets)
+    _check_denoiser_modules(name, shapes, targets)
+
+
+def _check_conditioning_width(name: str, shapes: Mapping[str, tuple[int, ...]], targets: LoRATargets) -> None:
+    """Refuse a LoRA on a UNet's cross-attention key projection whose input width is not this model's text
+    conditioning's (SD 1.x: 768, SD 2.x: 1024, SDXL: 2048)."""
+    widths = {shape.in_features for module, shape in targets.denoiser.items() if module.endswith("attn2.to_k")}
+    if len(widths) != 1:
+        return
+    (width,) = widths
+    for key, shape in shapes.items():
+        if _CROSS_ATTENTION_KEY_DOWN.search(key) and len(shape) == 2 and shape[1] != width:
+            raise LoRAFormatError(name, f"{key!r} takes a text conditioning {shape[1]} wide, and this "
+                                        f"{targets.family} model's is {width}: a LoRA for another model")
+
+
+def _check_denoiser_modules(name: str, shapes: Mapping[str, tuple[int, ...]], targets: LoRATargets) -> None:
+    """Refuse a diffusers-format denoiser key (``unet.<module>.lora_A.weight``, ``....lora.down.weight``) naming a
+    module this model lacks, or whose factor's width is not the module's (down: its input, up: its output)."""
+    prefix = f"{targets.denoiser_prefix}."
+    for key, shape in shapes.items():
+        match = _MODULE_FACTOR_KEY.fullmatch(key)
+        if not key.startswith(prefix) or match is None or len(shape) < 2:
+            continue
+        module, down = match["module"][len(prefix):], match["peft"] == "A" or match["older"] == "down"
+        target = targets.denoiser.get(module)
+        if target is None:
+            raise LoRAFormatError(name, f"{key!r}: this {targets.family} model has no module {module!r}: a LoRA "
+                                        "for another model")
+        width, expected = (shape[1], target.in_features) if down else (shape[0], target.out_features)
+        if width != expected:
+            raise LoRAFormatError(name, f"{key!r} is {width} wide where {module!r} is {target.describe()}: a LoRA "
+                                        "for another model")
 
 
 def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> None:
@@ -275,7 +318,7 @@ def _read_safetensors(path: Path, max_file_bytes: int, max_header_bytes: int,
     name = path.name
     if path.suffix != ".safetensors":
         raise LoRAFormatError(name, "only .safetensors LoRA files are accepted (pickle formats can run code)")
-    _tensor_names(name, _read_header(path, max_file_bytes, max_header_bytes), max_tensors)
+    _tensor_shapes(name, _read_header(path, max_file_bytes, max_header_bytes), max_tensors)
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             header = handle.metadata() or {}
@@ -320,27 +363,29 @@ def _read_header(path: Path, max_file_bytes: int, max_header_bytes: int) -> byte
         return file.read(length)
 
 
-def _tensor_names(name: str, header: bytes, max_tensors: int) -> list[str]:
-    """The tensor names a JSON header lists, refused when there are more than ``max_tensors`` (counting no further
-    than that: a header of a million entries costs what ``max_tensors`` entries do). The rest of the header is
-    safetensors' to check."""
-    names: list[str] = []
+def _tensor_shapes(name: str, header: bytes, max_tensors: int) -> dict[str, tuple[int, ...]]:
+    """The tensors a JSON header lists, with their shapes (empty where the entry states none as a list of ints),
+    refused when there are more than ``max_tensors`` (counting no further than that: a header of a million entries
+    costs what ``max_tensors`` entries do). The rest of the header is safetensors' to check."""
+    shapes: dict[str, tuple[int, ...]] = {}
     try:
-        for key in _top_level_keys(header.decode("utf-8")):
+        for key, entry in _top_level_items(header.decode("utf-8")):
             if key != "__metadata__":
-                names.append(key)
-            if len(names) > max_tensors:
+                shape = entry.get("shape") if isinstance(entry, dict) else None
+                valid = isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
+                shapes[key] = tuple(shape) if valid else ()
+            if len(shapes) > max_tensors:
                 break
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError; nested too deeply
         raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
-    if len(names) > max_tensors:
+    if len(shapes) > max_tensors:
         raise LoRAFormatError(name, f"the header lists more than {max_tensors} tensors (the limit)")
-    return names
+    return shapes
 
 
-def _top_level_keys(text: str) -> Iterator[str]:
-    """The keys of the JSON object ``text``, one at a time (each value parsed and dropped); ValueError if it is not
-    one. Parsing stops where the caller stops asking."""
+def _top_level_items(text: str) -> Iterator[tuple[str, Any]]:
+    """The keys and values of the JSON object ``text``, one at a time; ValueError if it is not one. Parsing stops
+    where the caller stops asking."""
     char, pos = _next_char(text, 0)
     if char != "{":
         raise ValueError("it does not start with '{'")
@@ -352,8 +397,8 @@ def _top_level_keys(text: str) -> Iterator[str]:
         char, pos = _next_char(text, pos)
         if char != ":":
             break
-        _, pos = _JSON_DECODER.raw_decode(text, _JSON_WHITESPACE.match(text, pos).end())
-        yield key
+        value, pos = _JSON_DECODER.raw_decode(text, _JSON_WHITESPACE.match(text, pos).end())
+        yield key, value
         char, pos = _next_char(text, pos)
         if char == "}":
             return

@@ -475,13 +475,14 @@ def test_text_encoder_lora_b_below_two_dimensions_is_refused_not_an_index_error(
 
 
 @pytest.mark.parametrize(("preset", "fits", "refused"), [
-    ("tiny", ["tiny", "sdxl-tiny"], {"sd3-tiny": "a LoRA for the sd or sdxl family"}),
+    ("tiny", ["tiny"], {"sdxl-tiny": "a LoRA for another model", "sd3-tiny": "a LoRA for the sd or sdxl family"}),
     ("sdxl-tiny", ["sdxl-tiny"], {"tiny": "a LoRA for the sdxl family", "sd3-tiny": "a LoRA for the sdxl family"}),
     ("sd3-tiny", ["sd3-tiny"], {"tiny": "a LoRA for the sd3 family", "sdxl-tiny": "a LoRA for the sd3 family"}),
 ])
 def test_the_family_check_reads_only_the_header(tmp_path, preset, fits, refused):
-    """``check_lora_family`` tells another family's LoRA by its tensor names: a file cut after its header still
-    passes where it may fit (no tensor is read), and is refused, naming the family, where it cannot."""
+    """``check_lora_family`` tells another model's LoRA by its header, names and shapes: a file cut after its header
+    still passes where it may fit (no tensor is read), and is refused where it cannot, naming the family when the
+    names tell it (a UNet-only SD LoRA's names are SDXL-like: its modules tell it apart)."""
     whole = write_lora(tmp_path / "style.safetensors", seed=1, text_encoder=True, preset=preset).read_bytes()
     (length,) = struct.unpack("<Q", whole[:8])
     cut = tmp_path / "cut.safetensors"
@@ -491,6 +492,23 @@ def test_the_family_check_reads_only_the_header(tmp_path, preset, fits, refused)
     for model, message in refused.items():
         with pytest.raises(LoRAFormatError, match=message):
             lora_format.check_lora_family(cut, _targets(model), max_file_bytes=2**30)
+
+
+@pytest.mark.parametrize(("factors", "message"), [
+    ({"lora_unet_down_blocks_1_attentions_0_transformer_blocks_0_attn2_to_k.lora_down.weight": (4, 768)},
+     "takes a text conditioning 768 wide, and this sd model's is 64"),  # kohya keys: an SD 1.x LoRA
+    ({"unet.down_blocks.1.attentions.0.transformer_blocks.0.attn2.to_k.lora_A.weight": (4, 2048)},
+     "takes a text conditioning 2048 wide"),  # PEFT keys: an SDXL LoRA
+    ({"unet.down_blocks.9.attentions.0.proj_in.lora.down.weight": (4, 32)},
+     "this sd model has no module 'down_blocks.9.attentions.0.proj_in'"),
+    ({"unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.weight": (128, 4)},
+     "is 128 wide where 'down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q' is Linear"),
+])
+def test_the_header_check_refuses_a_lora_whose_shapes_fit_another_model(targets, tmp_path, factors, message):
+    path = tmp_path / "other.safetensors"
+    save_file({key: torch.zeros(shape) for key, shape in factors.items()}, str(path))
+    with pytest.raises(LoRAFormatError, match=message):
+        lora_format.check_lora_family(path, targets, max_file_bytes=2**30)
 
 
 def _targets(preset: str) -> LoRATargets:
