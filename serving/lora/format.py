@@ -368,17 +368,19 @@ def _tensor_shapes(name: str, header: bytes, max_tensors: int) -> dict[str, tupl
     refused when there are more than ``max_tensors`` (counting no further than that: a header of a million entries
     costs what ``max_tensors`` entries do). The rest of the header is safetensors' to check."""
     shapes: dict[str, tuple[int, ...]] = {}
+    entries = 0  # counted apart from ``shapes``: a key listed twice still counts twice against the limit
     try:
         for key, entry in _top_level_items(header.decode("utf-8")):
             if key != "__metadata__":
+                entries += 1
                 shape = entry.get("shape") if isinstance(entry, dict) else None
                 valid = isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)
                 shapes[key] = tuple(shape) if valid else ()
-            if len(shapes) > max_tensors:
+            if entries > max_tensors:
                 break
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError, JSONDecodeError; nested too deeply
         raise LoRAFormatError(name, f"not a valid safetensors file: the header is not a JSON object: {exc}") from None
-    if len(shapes) > max_tensors:
+    if entries > max_tensors:
         raise LoRAFormatError(name, f"the header lists more than {max_tensors} tensors (the limit)")
     return shapes
 

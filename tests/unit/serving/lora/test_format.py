@@ -511,6 +511,15 @@ def test_the_header_check_refuses_a_lora_whose_shapes_fit_another_model(targets,
         lora_format.check_lora_family(path, targets, max_file_bytes=2**30)
 
 
+def test_a_key_listed_over_the_limit_times_counts_each_time(targets, tmp_path):
+    entry = '"unet.a.lora_A.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
+    header = ("{" + ", ".join([entry] * 5) + "}").encode()
+    path = tmp_path / "repeated.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(LoRAFormatError, match="more than 4 tensors"):
+        lora_format.check_lora_family(path, targets, max_file_bytes=2**30, max_tensors=4)
+
+
 def _targets(preset: str) -> LoRATargets:
     components = build_preset(preset)
     return LoRATargets.from_modules(components.denoiser, components.text_encoder, components.text_encoder_2)
