@@ -16,6 +16,7 @@ from tests.integration.conftest import DEFAULT_MODEL
 pytestmark = pytest.mark.integration
 
 MODEL, CONTROLNET = f"DiffusionModel_{DEFAULT_MODEL}", f"ControlNet_edges_{DEFAULT_MODEL}"  # what requests reach
+ACCEPTANCE_GRACE_S = 3.0  # time for a caller to take a replica's acceptance of a call it counts
 
 
 def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_recovers(http):
@@ -34,6 +35,11 @@ def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_rec
         request = pool.submit(http.post, "/v1/images/generations", json=body)
         _wait_for(lambda: ongoing_requests(replica) == 2, "the request's call never queued on the replica",
                   held, request)
+        # The replica counts the call, then sends its acceptance; Serve's router retries on another replica a
+        # call whose replica dies before the caller took that acceptance. It is sent at once; the grace covers
+        # a loaded machine, and the call is still queued behind the long one after it.
+        time.sleep(ACCEPTANCE_GRACE_S)
+        assert ongoing_requests(replica) == 2 and not held.done() and not request.done(), "the queue drained early"
         kill_replica(replica)
         with pytest.raises(RayActorError):  # still running when killed, so the request's call behind it was too
             held.result(timeout=60)
