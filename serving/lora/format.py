@@ -266,18 +266,23 @@ def _check_conditioning_width(name: str, shapes: Mapping[str, tuple[int, ...]], 
 
 
 def _check_denoiser_modules(name: str, shapes: Mapping[str, tuple[int, ...]], targets: LoRATargets) -> None:
-    """Refuse a diffusers-format denoiser key (``unet.<module>.lora_A.weight``, ``....lora.down.weight``) naming a
-    module this model lacks, or whose factor's width is not the module's (down: its input, up: its output)."""
+    """Refuse a diffusers-format denoiser key (``unet.<module>.lora_A.weight``, ``....lora.down.weight``) whose
+    module name resolves, as the loader resolves it, to no module of this model or to several, or whose factor's
+    width is not the module's (down: its input, up: its output)."""
     prefix = f"{targets.denoiser_prefix}."
     for key, shape in shapes.items():
         match = _MODULE_FACTOR_KEY.fullmatch(key)
         if not key.startswith(prefix) or match is None or len(shape) < 2:
             continue
         module, down = match["module"][len(prefix):], match["peft"] == "A" or match["older"] == "down"
-        target = targets.denoiser.get(module)
-        if target is None:
+        named = _modules_named(module, targets.denoiser)
+        if not named:
             raise LoRAFormatError(name, f"{key!r}: this {targets.family} model has no module {module!r}: a LoRA "
                                         "for another model")
+        if len(named) > 1:
+            raise LoRAFormatError(name, f"{key!r}: {module!r} is ambiguous in this {targets.family} model (it ends "
+                                        f"{len(named)} module names)")
+        target = targets.denoiser[named[0]]
         width, expected = (shape[1], target.in_features) if down else (shape[0], target.out_features)
         if width != expected:
             raise LoRAFormatError(name, f"{key!r} is {width} wide where {module!r} is {target.describe()}: a LoRA "
@@ -482,9 +487,7 @@ class _ComponentLoader:
 
     def _resolve_module(self, component: Component, key: str, shapes: Mapping[str, ModuleShape]) -> str:
         """Exact module name, else the unique module whose name ends with ``"." + key``."""
-        if key in shapes:
-            return key
-        matches = [name for name in shapes if name.endswith("." + key)]
+        matches = _modules_named(key, shapes)
         if len(matches) == 1:
             return matches[0]
         if matches:
@@ -545,6 +548,14 @@ class _ComponentLoader:
             if not torch.isfinite(tensor).all():
                 raise self.error(component, f"{module}.{factor}.weight", f"non-finite values (in {self.dtype})")
         return LoRALayer(down=down, up=up, scale=float(scale))
+
+
+def _modules_named(key: str, shapes: Mapping[str, ModuleShape]) -> list[str]:
+    """The modules a LoRA key's module name stands for: itself where the model has it, else each module whose name
+    ends with ``"." + key`` (how diffusers' loader resolves a key)."""
+    if key in shapes:
+        return [key]
+    return [name for name in shapes if name.endswith("." + key)]
 
 
 def _unparsed_key_reason(key: str) -> str:

@@ -511,6 +511,23 @@ def test_the_header_check_refuses_a_lora_whose_shapes_fit_another_model(targets,
         lora_format.check_lora_family(path, targets, max_file_bytes=2**30)
 
 
+def test_the_header_check_resolves_a_module_suffix_as_the_loader_does(targets, tmp_path):
+    """``linear_1`` ends one module name of the tiny UNet (``time_embedding.linear_1``): the file loads, so the
+    header check passes it; ``proj_in`` ends several, which the loader refuses, and so does the check."""
+    unique = tmp_path / "suffix.safetensors"
+    save_file({"unet.linear_1.lora_A.weight": torch.zeros(4, 32), "unet.linear_1.lora_B.weight": torch.zeros(128, 4)},
+              str(unique))
+    assert "time_embedding.linear_1" in load_lora_file(unique, targets, max_file_bytes=2**30).denoiser
+    lora_format.check_lora_family(unique, targets, max_file_bytes=2**30)
+    ambiguous = tmp_path / "ambiguous.safetensors"
+    save_file({"unet.proj_in.lora_A.weight": torch.zeros(4, 32), "unet.proj_in.lora_B.weight": torch.zeros(32, 4)},
+              str(ambiguous))
+    with pytest.raises(LoRAFormatError, match="ambiguous"):
+        load_lora_file(ambiguous, targets, max_file_bytes=2**30)
+    with pytest.raises(LoRAFormatError, match="'proj_in' is ambiguous in this sd model"):
+        lora_format.check_lora_family(ambiguous, targets, max_file_bytes=2**30)
+
+
 def test_a_key_listed_over_the_limit_times_counts_each_time(targets, tmp_path):
     entry = '"unet.a.lora_A.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}'
     header = ("{" + ", ".join([entry] * 5) + "}").encode()
