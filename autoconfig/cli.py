@@ -79,7 +79,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
-    from autoconfig.tuner import repeat_best, tune
+    from autoconfig.tuner import repeat_best, tune, unconfirmed
     from autoconfig.workloads import load_workload_file, parse_workload_options, workload_for_app
 
     try:
@@ -105,6 +105,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         if args.repeat_best < 0 or args.repeats < 1:
             raise ValueError(f"--repeat-best must be >= 0 and --repeats >= 1, got {args.repeat_best} and "
                              f"{args.repeats}")
+        if args.repeat_limit is None:
+            args.repeat_limit = 2 * args.repeat_best
+        if args.repeat_limit < args.repeat_best:
+            raise ValueError(f"--repeat-limit must be >= --repeat-best ({args.repeat_best}), got {args.repeat_limit}")
         if profiling:
             ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
             args.searcher, args.budget, args.seed = "grid", space.size, 0
@@ -170,14 +174,19 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             outcome = tune(study, searcher, profile, budget=args.budget, limits=limits, on_trial=report)
             complete = len(outcome.history) == space.size if profiling else outcome.best is not None
             if complete and args.repeats > 1 and args.repeat_best > 0:
-                progress.update(bar, total=args.budget + args.repeat_best * (args.repeats - 1))
+                progress.update(bar, total=args.budget + args.repeat_limit * (args.repeats - 1))  # at most
 
                 def repeated(config, run, record):
                     progress.advance(bar)
                     progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {_outcome(record)}")
 
                 measured = repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats,
-                                       on_repeat=repeated)
+                                       limit=args.repeat_limit, on_repeat=repeated)
+                progress.update(bar, total=progress.tasks[bar].completed)
+                for config in unconfirmed(study, configs=args.repeat_best, runs=args.repeats):
+                    progress.console.print(f"[yellow]warning:[/yellow] {config.as_dict()} ranks among the "
+                                           f"{args.repeat_best} best on fewer than {args.repeats} runs: "
+                                           f"--repeat-limit {args.repeat_limit} reached")
                 if not profiling:
                     confirmed = _print_confirmation(console, measured, outcome.best)
     except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
@@ -413,6 +422,9 @@ def _repeat_arguments(parser: argparse.ArgumentParser, runs: int, why: str) -> N
                         f"{why}")
     parser.add_argument("--repeats", type=int, default=runs, help="measurements of each of them, the first "
                         "included (1: none repeated)")
+    parser.add_argument("--repeat-limit", type=int, default=None, help="most configurations measured again "
+                        "(default: twice --repeat-best): after each one's runs the best are ranked again by their "
+                        "means, so one whose first run was lucky drops out and lets the next in")
 
 
 def build_parser() -> argparse.ArgumentParser:

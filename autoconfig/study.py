@@ -142,6 +142,22 @@ class TuningStudy:
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
+    def add_bank_entry(self, entry: BankEntry) -> None:
+        """Stores ``entry``'s trials and repeats in this empty study (over the entry's space), so that a resumed
+        ``profile`` measures only what its repeats still miss; ``to_bank_entry`` gives the entry back."""
+        if self.space.to_dict() != entry.space.to_dict():
+            raise StudyError(f"bank entry {entry.name!r} was profiled over another search space than study "
+                             f"{self.name!r}")
+        if self._finished() or self.repeats():
+            raise StudyError(f"study {self.name!r} already holds trials; add bank entry {entry.name!r} to a new one")
+        for trial in entry.trials:
+            measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
+            self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
+        for repeat in entry.repeats:
+            for value in repeat.objectives[1:]:
+                self.record_repeat(repeat.config, {"status": "ok", "objective": value} if value is not None
+                                   else {"status": "slo_violated"})
+
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""
         stored = self._study.user_attrs.get(_REPEATS_ATTR, [])

@@ -75,21 +75,39 @@ def repeat_best(
     *,
     configs: int,
     runs: int,
+    limit: int | None = None,
     on_repeat: Callable[[Configuration, int, TrialRecord], None] | None = None,
 ) -> dict[Configuration, list[float | None]]:
-    """Measures the study's ``configs`` best feasible configurations again until each has ``runs`` measurements
-    (its trial first), storing each as it finishes (a resumed call only runs what is missing); every one's
-    objectives (None: not ok) by configuration, best first."""
-    ranked = sorted((o for o in study.history() if o.value is not None), key=lambda o: -o.value)[:configs]
-    stored = study.repeats()
-    for observation in ranked:
-        for run in range(1 + len(stored.get(observation.config, [])), runs):
-            record = profile(observation.config)
-            study.record_repeat(observation.config, record.model_dump(exclude={"search", "configuration"}))
+    """Races the best: measures the best configuration with fewer than ``runs`` measurements (its trial first) until
+    it has them, re-ranks by the estimates (a repeated configuration's mean, a run that held no rate counting 0;
+    another's one run), and goes on until the study's ``configs`` best all have ``runs``, so a single lucky run
+    cannot stay on top (SMAC's intensification). At most ``limit`` configurations (default ``2 * configs``) are
+    repeated. Each run is stored as it finishes (a resumed call runs only what is missing). Returns every repeated
+    configuration's objectives (None: not ok), best mean first."""
+    limit = 2 * configs if limit is None else limit
+    while runs > 1:
+        measured = study.repeated_objectives()
+        pending = unconfirmed(study, configs=configs, runs=runs)
+        if not pending or (pending[0] not in measured and len(measured) >= limit):
+            break
+        config = pending[0]
+        for run in range(len(measured.get(config, [None])), runs):
+            record = profile(config)
+            study.record_repeat(config, record.model_dump(exclude={"search", "configuration"}))
             if on_repeat is not None:
-                on_repeat(observation.config, run + 1, record)
+                on_repeat(config, run + 1, record)
     measured = study.repeated_objectives()
-    return {o.config: measured.get(o.config, [o.value]) for o in ranked}
+    return dict(sorted(measured.items(), key=lambda item: -mean_of_runs(item[1])))
+
+
+def unconfirmed(study: TuningStudy, *, configs: int, runs: int) -> list[Configuration]:
+    """Of the study's ``configs`` best by their estimates (a repeated configuration's mean, a run that held no rate
+    counting 0; another's one run; earliest on ties), those with fewer than ``runs`` measurements, best first."""
+    measured = study.repeated_objectives()
+    estimates = {o.config: mean_of_runs(measured[o.config]) if o.config in measured else o.value
+                 for o in study.history() if o.value is not None}
+    best = sorted(estimates, key=lambda config: -estimates[config])[:configs]
+    return [config for config in best if len(measured.get(config, [None])) < runs]
 
 
 def confirmed_best(measured: dict[Configuration, list[float | None]]) -> Observation | None:

@@ -1,13 +1,16 @@
 """Profile the models of the committed autoconfig profile bank: every configuration of each model's space,
 measured on real Ray Serve deployments of this machine (``autoconfig profile``, one process per model), then
-the best three measured twice more (the entry's noise).
+raced: measured again until the three best by their means have three runs each (at most eight configurations
+repeated; the entry's noise).
 
-    .venv/bin/python -m benchmarks.profile_bank [--only NAME ...] [--storage URL] [--bank DIR]
+    .venv/bin/python -m benchmarks.profile_bank [--only NAME ...] [--storage URL] [--bank DIR] [--top-up DIR]
 
 A model already in the bank is skipped; an interrupted one resumes from its study (``--storage``), so the hours
-a bank takes can be spread over several runs. The templates and spaces are in ``benchmarks/autoconfig_bank/``;
-the bank goes to ``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured
-with unenforced shares and coarse probes).
+a bank takes can be spread over several runs. ``--top-up DIR`` keeps the grids of DIR's entries and measures only
+the repeats their racing still misses (``tuner.repeat_best``), writing the topped-up entries to ``--bank``.
+The templates and spaces are in ``benchmarks/autoconfig_bank/``; the bank goes to
+``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured with unenforced
+shares and coarse probes).
 """
 
 from __future__ import annotations
@@ -64,9 +67,22 @@ def profile_command(model: BankModel, storage: str, bank: Path) -> list[str]:
         "--config", str(TEMPLATES / "serve_config.yaml"), "--app", model.app,
         "--space", str(TEMPLATES / f"{model.space}_space.yaml"), "--workload", model.workload,
         "--slo-p99-ms", str(model.slo_p99_ms), "--start-rps", str(model.start_rps),
-        "--warmup-s", str(model.warmup_s), "--repeat-best", "3", "--repeats", "3",
+        "--warmup-s", str(model.warmup_s), "--repeat-best", "3", "--repeats", "3", "--repeat-limit", "8",
         "--storage", storage, "--study", model.name, "--bank", str(bank), "--model-name", model.name,
     ]
+
+
+def seed_study(storage: str, source: Path) -> None:
+    """Copies the bank entry ``source`` into a new study of its model's name, unless a study of that name (an
+    interrupted top-up) exists."""
+    from autoconfig.bank import BankEntry
+    from autoconfig.study import StudyError, TuningStudy
+
+    entry = BankEntry.load(source)
+    try:
+        TuningStudy.load(storage, entry.name)
+    except StudyError:
+        TuningStudy.open(storage, entry.name, entry.space).add_bank_entry(entry)
 
 
 def main() -> int:
@@ -74,6 +90,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="model names to profile (default: all)")
     parser.add_argument("--storage", default="sqlite:///out/autoconfig_bank_studies.db")
     parser.add_argument("--bank", type=Path, default=BANK)
+    parser.add_argument("--top-up", type=Path, metavar="DIR", help="a bank whose entries' grids are kept and whose "
+                        "missing repeats are measured")
     args = parser.parse_args()
     known = {model.name for model in MODELS}
     unknown = set(args.only or []) - known
@@ -86,6 +104,11 @@ def main() -> int:
         if (args.bank / f"{model.name}.json").exists():
             print(f"{model.name}: already in {args.bank}, skipped", flush=True)
             continue
+        if args.top_up:
+            if not (args.top_up / f"{model.name}.json").exists():
+                print(f"{model.name}: not in {args.top_up}, skipped", flush=True)
+                continue
+            seed_study(args.storage, args.top_up / f"{model.name}.json")
         started = time.monotonic()
         code = subprocess.call(profile_command(model, args.storage, args.bank))
         print(f"{model.name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)

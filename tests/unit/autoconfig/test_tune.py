@@ -13,7 +13,7 @@ from autoconfig.searchers import GridSearcher, RandomSearcher
 from autoconfig.space import Configuration, SearchSpace
 from autoconfig.study import StudyError, TuningStudy, sqlite_url
 from autoconfig.trial import TrialRecord
-from autoconfig.tuner import confirmed_best, repeat_best, tune
+from autoconfig.tuner import confirmed_best, repeat_best, tune, unconfirmed
 from tests.helpers import REPO
 
 SPACE = SearchSpace.parse({"knobs": {
@@ -199,6 +199,69 @@ def test_repeats_resume_where_they_stopped(tmp_path):
                            configs=2, runs=3)
     assert len(calls) == 1 + 2  # the first configuration's third run, the second one's second and third
     assert all(len(values) == 3 for values in measured.values())
+
+
+def _scripted(runs: dict[Configuration, list[float | None]], calls: list[Configuration]):
+    """Each configuration's objectives in the order measured (None: no rate held); counts its calls."""
+
+    def profile(config: Configuration) -> TrialRecord:
+        value = runs[config][sum(call == config for call in calls)]
+        calls.append(config)
+        return TrialRecord(app_name="dlrm", configuration=config.as_dict(),
+                           status="ok" if value else "slo_violated", objective_name="max_rate",
+                           objective=value or 0.0, sustainable_rps=value or 0.0, p99_ms=12.5, duration_s=0.1)
+
+    return profile
+
+
+#: A lucky first run (10, then 4 and 4), then three steady configurations, then a slow one.
+LUCKY, STEADY, NEXT, FOURTH, SLOW = SPACE.configurations()[:5]
+RACE = {LUCKY: [10.0, 4.0, 4.0], STEADY: [9.0, 8.5, 8.5], NEXT: [8.0, 8.0, 8.0], FOURTH: [7.5, 7.5, 7.5],
+        SLOW: [5.0]}
+
+
+def _graded(tmp_path) -> TuningStudy:
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "race", SPACE)
+    calls: list[Configuration] = []
+    tune(study, GridSearcher(SPACE), _scripted(RACE, calls), budget=len(RACE))
+    return study
+
+
+def test_racing_lets_the_next_best_in_when_a_lucky_run_does_not_hold_up(tmp_path):
+    """The two best single runs are LUCKY and STEADY; LUCKY's repeats bring its mean to 6, below NEXT's 8, so NEXT
+    is measured three times too and the two best by mean (STEADY, NEXT) rest on three runs each."""
+    study, calls = _graded(tmp_path), []
+    measured = repeat_best(study, _scripted({c: v[1:] for c, v in RACE.items()}, calls), configs=2, runs=3)
+    assert calls == [LUCKY, LUCKY, STEADY, STEADY, NEXT, NEXT]
+    assert list(measured) == [STEADY, NEXT, LUCKY]  # best mean first
+    assert measured[LUCKY] == pytest.approx([10.0, 4.0, 4.0])
+    assert confirmed_best(measured).config == STEADY
+    assert unconfirmed(study, configs=2, runs=3) == []
+
+
+def test_racing_stops_at_the_limit_and_names_what_rests_on_one_run(tmp_path):
+    study, calls = _graded(tmp_path), []
+    measured = repeat_best(study, _scripted({c: v[1:] for c, v in RACE.items()}, calls), configs=2, runs=3,
+                           limit=2)
+    assert calls == [LUCKY, LUCKY, STEADY, STEADY] and set(measured) == {LUCKY, STEADY}
+    assert unconfirmed(study, configs=2, runs=3) == [NEXT]  # 8.0 on one run beats LUCKY's mean of 6
+
+
+def test_a_bank_entry_added_to_a_study_comes_back_whole_and_its_racing_resumes(tmp_path):
+    study = _graded(tmp_path)
+    repeat_best(study, _scripted({c: v[1:] for c, v in RACE.items()}, []), configs=2, runs=3, limit=2)
+    entry = study.to_bank_entry({"name": "m"}, {}, "max_rate")
+    copy = TuningStudy.open(sqlite_url(tmp_path / "copy.db"), "m", SPACE)
+    copy.add_bank_entry(entry)
+    assert copy.to_bank_entry({"name": "m"}, {}, "max_rate") == entry
+    calls: list[Configuration] = []
+    repeat_best(copy, _scripted({NEXT: [8.0, 8.0]}, calls), configs=2, runs=3)
+    assert calls == [NEXT, NEXT]  # only what the limit left
+    with pytest.raises(StudyError, match="already holds trials"):
+        copy.add_bank_entry(entry)
+    other = SearchSpace.parse({"knobs": {**SPACE.to_dict()["knobs"], "max_batch_size": {"values": [1, 4]}}})
+    with pytest.raises(StudyError, match="another search space"):
+        TuningStudy.open(sqlite_url(tmp_path / "other.db"), "m", other).add_bank_entry(entry)
 
 
 def test_a_bank_entry_refuses_a_repeat_outside_its_space(tmp_path):
