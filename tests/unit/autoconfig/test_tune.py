@@ -156,6 +156,31 @@ def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_ru
     assert "--repeats" in capsys.readouterr().out and not (tmp_path / "x.yaml").exists()
 
 
+def test_tune_warns_when_the_repeat_limit_leaves_one_of_the_best_on_one_run(tmp_path, monkeypatch, capsys):
+    import ray
+
+    import autoconfig.trial
+    from autoconfig.cli import main
+
+    calls: list[Configuration] = []
+    profile = _scripted(RACE, calls)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
+        SPACE.configuration(config)))
+    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", str(len(RACE)),
+            "--searcher", "grid", "--repeat-best", "2", "--repeats", "3", "--repeat-limit", "2",
+            "--out", str(tmp_path / "tuned.yaml")]
+    assert main(argv) == 0
+    assert calls == [*RACE, LUCKY, LUCKY, STEADY, STEADY]
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"warning: {NEXT.as_dict()} ranks among the 2 best on fewer than 3 runs" in out
+    assert out.count("warning:") == 1  # LUCKY's mean (6) fell below NEXT's one run
+
+
 def _noisy(calls: list[Configuration]):
     """``fake_profile``'s objective times 1.0, 1.1, 0.9, ... on the configuration's 1st, 2nd, 3rd measurement."""
     base, seen = fake_profile([]), {}
@@ -304,6 +329,8 @@ def test_profile_writes_the_grid_and_the_repeats_with_their_noise(tmp_path, monk
     assert "measurement noise" in out and "10.0%" in out and out.count("repeat 3/3") == 2
     assert main([*argv[:-4], "--repeat-best", "-1", "--repeats", "3"]) == 2
     assert "--repeat-best" in capsys.readouterr().out
+    assert main([*argv, "--repeat-limit", "1"]) == 2  # fewer than the 2 best it must confirm
+    assert "--repeat-limit" in capsys.readouterr().out
     assert main([*argv, "--min-requests", "0"]) == 2  # refused before any trial, naming the setting
     assert "min_requests" in capsys.readouterr().out
 
