@@ -111,11 +111,11 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
 
 
 def reproducibility_lines(facts: dict[str, object]) -> list[str]:
-    lines = ["How reproducible the optimum is: of each model's repeated configurations (its best three, measured "
-             "three times), how often the two runs after the first (which picked them) name the same one best; "
-             "where the model was profiled a second time, the trials to each profile's optimum in the order the "
-             "other measured the configurations (first to second, second to first) and the two surfaces' rank "
-             "correlation.", "",
+    lines = ["How reproducible the optimum is: of each model's repeated configurations (its best, raced until the "
+             "three best by mean had three runs each), how often the two runs after the first (which picked them) "
+             "name the same one best; where the model was profiled a second time, the trials to each profile's "
+             "optimum in the order the other measured the configurations (first to second, second to first) and the "
+             "two surfaces' rank correlation.", "",
              "| model | repeat runs agreeing on the best | chance | trials, first's order to second's optimum | "
              "second's to first's | rank correlation |", "|---|---|---|---|---|---|"]
     for row in facts["models"]:
