@@ -75,16 +75,15 @@ def repeat_best(
     *,
     configs: int,
     runs: int,
-    limit: int | None = None,
+    limit: int,
     on_repeat: Callable[[Configuration, int, TrialRecord], None] | None = None,
 ) -> dict[Configuration, list[float | None]]:
     """Races the best: measures the best configuration with fewer than ``runs`` measurements (its trial first) until
     it has them, re-ranks by the estimates (a repeated configuration's mean, a run that held no rate counting 0;
     another's one run), and goes on until the study's ``configs`` best all have ``runs``, so a single lucky run
-    cannot stay on top (SMAC's intensification). At most ``limit`` configurations (default ``2 * configs``) are
-    repeated. Each run is stored as it finishes (a resumed call runs only what is missing). Returns every repeated
-    configuration's objectives (None: not ok), best mean first."""
-    limit = 2 * configs if limit is None else limit
+    cannot stay on top (SMAC's intensification). At most ``limit`` configurations are repeated. Each run is stored
+    as it finishes (a resumed call runs only what is missing). Returns every repeated configuration's objectives
+    (None: not ok), best mean first."""
     while runs > 1:
         measured = study.repeated_objectives()
         pending = unconfirmed(study, configs=configs, runs=runs)

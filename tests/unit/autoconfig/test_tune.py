@@ -4,6 +4,7 @@ Kills at many points (SIGKILL, SIGTERM, Ctrl-C of the CLI): test_durability.py.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -113,12 +114,25 @@ def test_the_confirmed_best_has_the_best_mean_a_run_without_a_rate_counting_zero
     assert confirmed_best({}) is None
 
 
-def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_run(tmp_path, monkeypatch, capsys):
-    """Two best single runs are measured again (``--repeat-best 2 --repeats 2``): the luckiest then holds no rate,
-    so the Serve config written is the runner-up's, and the table shows both configurations' runs."""
+def _cli_trials(monkeypatch, tmp_path, profile) -> Path:
+    """The CLI runs ``profile`` as its trials, as if connected to a cluster (it starts none); returns a space file
+    of ``SPACE``."""
     import ray
 
     import autoconfig.trial
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
+        SPACE.configuration(config)))
+    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
+    space = tmp_path / "space.yaml"
+    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    return space
+
+
+def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_run(tmp_path, monkeypatch, capsys):
+    """Two best single runs are measured again (``--repeat-best 2 --repeats 2``): the luckiest then holds no rate,
+    so the Serve config written is the runner-up's, and the table shows both configurations' runs."""
     from autoconfig.cli import main
     from autoconfig.knobs import configure_serve_config, write_serve_config
     from autoconfig.serve_config import load_serve_config
@@ -126,20 +140,7 @@ def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_ru
     configs = SPACE.configurations()
     runs = {configs[0]: [2.0], configs[1]: [10.0, None], configs[2]: [9.0, 9.0], configs[3]: [1.0]}
     calls: list[Configuration] = []
-
-    def profile(template, app, config, *args, **kwargs) -> TrialRecord:
-        config = SPACE.configuration(config)
-        value = runs[config][sum(call == config for call in calls)]
-        calls.append(config)
-        return TrialRecord(app_name="dlrm", configuration=config.as_dict(),
-                           status="ok" if value else "slo_violated", objective_name="max_rate",
-                           objective=value or 0.0, sustainable_rps=value or 0.0, p99_ms=12.5, duration_s=0.1)
-
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(autoconfig.trial, "run_trial", profile)
-    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    space = _cli_trials(monkeypatch, tmp_path, _scripted(runs, calls))
     template = REPO / "deploy/serve_config.yaml"
     argv = ["tune", "--config", str(template), "--app", "dlrm", "--slo-p99-ms", "50", "--space", str(space),
             "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "4", "--searcher", "grid",
@@ -157,19 +158,10 @@ def test_tune_writes_the_configuration_whose_repeats_hold_up_not_the_luckiest_ru
 
 
 def test_tune_warns_when_the_repeat_limit_leaves_one_of_the_best_on_one_run(tmp_path, monkeypatch, capsys):
-    import ray
-
-    import autoconfig.trial
     from autoconfig.cli import main
 
     calls: list[Configuration] = []
-    profile = _scripted(RACE, calls)
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
-        SPACE.configuration(config)))
-    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    space = _cli_trials(monkeypatch, tmp_path, _scripted(RACE, calls))
     argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
             "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", str(len(RACE)),
             "--searcher", "grid", "--repeat-best", "2", "--repeats", "3", "--repeat-limit", "2",
@@ -201,7 +193,8 @@ def test_the_best_configurations_are_measured_again_and_the_spread_is_the_entrys
     profile = _noisy(calls)
     tune(study, GridSearcher(SPACE), profile, budget=SPACE.size)
     seen = []
-    measured = repeat_best(study, profile, configs=2, runs=3, on_repeat=lambda c, run, r: seen.append((c, run)))
+    measured = repeat_best(study, profile, configs=2, runs=3, limit=4,
+                           on_repeat=lambda c, run, r: seen.append((c, run)))
     best = [config for config, _ in measured.items()]
     assert [(c["max_batch_size"], c["num_replicas"]) for c in best] == [(16, 2), (16, 2)]  # 32 rps, two of them
     assert len(set(best)) == 2
@@ -218,10 +211,10 @@ def test_the_best_configurations_are_measured_again_and_the_spread_is_the_entrys
 def test_repeats_resume_where_they_stopped(tmp_path):
     study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
     tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)
-    repeat_best(study, fake_profile([]), configs=1, runs=2)
+    repeat_best(study, fake_profile([]), configs=1, runs=2, limit=2)
     calls: list[Configuration] = []
     measured = repeat_best(TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE), fake_profile(calls),
-                           configs=2, runs=3)
+                           configs=2, runs=3, limit=4)
     assert len(calls) == 1 + 2  # the first configuration's third run, the second one's second and third
     assert all(len(values) == 3 for values in measured.values())
 
@@ -256,7 +249,7 @@ def test_racing_lets_the_next_best_in_when_a_lucky_run_does_not_hold_up(tmp_path
     """The two best single runs are LUCKY and STEADY; LUCKY's repeats bring its mean to 6, below NEXT's 8, so NEXT
     is measured three times too and the two best by mean (STEADY, NEXT) rest on three runs each."""
     study, calls = _graded(tmp_path), []
-    measured = repeat_best(study, _scripted({c: v[1:] for c, v in RACE.items()}, calls), configs=2, runs=3)
+    measured = repeat_best(study, _scripted({c: v[1:] for c, v in RACE.items()}, calls), configs=2, runs=3, limit=4)
     assert calls == [LUCKY, LUCKY, STEADY, STEADY, NEXT, NEXT]
     assert list(measured) == [STEADY, NEXT, LUCKY]  # best mean first
     assert measured[LUCKY] == pytest.approx([10.0, 4.0, 4.0])
@@ -280,7 +273,7 @@ def test_a_bank_entry_added_to_a_study_comes_back_whole_and_its_racing_resumes(t
     copy.add_bank_entry(entry)
     assert copy.to_bank_entry({"name": "m"}, {}, "max_rate") == entry
     calls: list[Configuration] = []
-    repeat_best(copy, _scripted({NEXT: [8.0, 8.0]}, calls), configs=2, runs=3)
+    repeat_best(copy, _scripted({NEXT: [8.0, 8.0]}, calls), configs=2, runs=3, limit=4)
     assert calls == [NEXT, NEXT]  # only what the limit left
     with pytest.raises(StudyError, match="already holds trials"):
         copy.add_bank_entry(entry)
@@ -306,18 +299,9 @@ def _saved(entry: BankEntry, path) -> str:
 
 
 def test_profile_writes_the_grid_and_the_repeats_with_their_noise(tmp_path, monkeypatch, capsys):
-    import ray
-
-    import autoconfig.trial
     from autoconfig.cli import main
 
-    profile = _noisy([])
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # as if connected: the CLI starts no cluster
-    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
-        Configuration(**config)))
-    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    space = _cli_trials(monkeypatch, tmp_path, _noisy([]))
     argv = ["profile", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
             "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--bank", str(tmp_path / "bank"),
             "--model-name", "m", "--repeat-best", "2", "--repeats", "3"]
@@ -339,9 +323,6 @@ def test_tune_describes_the_model_to_the_bank_searchers_which_start_where_the_al
         tmp_path, monkeypatch):
     """``tune --searcher rgpe`` tells the searcher what it tunes (app, arguments, workload, SLO): of two profiled
     models, the one described alike (same app and SLO) outweighs the bank's average for the first trial."""
-    import ray
-
-    import autoconfig.trial
     from autoconfig.bank import ProfileRecord
     from autoconfig.cli import main
 
@@ -358,12 +339,7 @@ def test_tune_describes_the_model_to_the_bank_searchers_which_start_where_the_al
     entry("alike", {"app": "dlrm", "slo_p99_ms": 50.0}, {peak: 1.0, elsewhere: 0.5}).save(bank / "alike.json")
     entry("unlike", {"app": "diffusion", "slo_p99_ms": 5000.0}, {elsewhere: 1.0}).save(bank / "unlike.json")
     calls: list[Configuration] = []
-    monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: fake_profile(calls)(
-        Configuration(**config)))
-    monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump(SPACE.to_dict()))
+    space = _cli_trials(monkeypatch, tmp_path, fake_profile(calls))
     argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
             "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "1",
             "--searcher", "rgpe", "--bank", str(bank), "--out", str(tmp_path / "tuned.yaml"), "--repeats", "1"]
