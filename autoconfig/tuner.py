@@ -86,7 +86,7 @@ def repeat_best(
     (None: not ok), best mean first."""
     while runs > 1:
         measured = study.repeated_objectives()
-        pending = unconfirmed(study, configs=configs, runs=runs)
+        pending = _unconfirmed(study, measured, configs, runs)
         if not pending or (pending[0] not in measured and len(measured) >= limit):
             break
         config = pending[0]
@@ -102,7 +102,12 @@ def repeat_best(
 def unconfirmed(study: TuningStudy, *, configs: int, runs: int) -> list[Configuration]:
     """Of the study's ``configs`` best by their estimates (a repeated configuration's mean, a run that held no rate
     counting 0; another's one run; earliest on ties), those with fewer than ``runs`` measurements, best first."""
-    measured = study.repeated_objectives()
+    return _unconfirmed(study, study.repeated_objectives(), configs, runs)
+
+
+def _unconfirmed(study: TuningStudy, measured: dict[Configuration, list[float | None]], configs: int,
+                 runs: int) -> list[Configuration]:
+    """``unconfirmed`` given the study's repeated objectives, already read."""
     estimates = {o.config: mean_of_runs(measured[o.config]) if o.config in measured else o.value
                  for o in study.history() if o.value is not None}
     best = sorted(estimates, key=lambda config: -estimates[config])[:configs]
