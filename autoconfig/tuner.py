@@ -84,8 +84,8 @@ def repeat_best(
     cannot stay on top (SMAC's intensification). At most ``limit`` configurations are repeated. Each run is stored
     as it finishes (a resumed call runs only what is missing). Returns every repeated configuration's objectives
     (None: not ok), best mean first."""
+    measured = study.repeated_objectives()
     while runs > 1:
-        measured = study.repeated_objectives()
         pending = _unconfirmed(study, measured, configs, runs)
         if not pending or (pending[0] not in measured and len(measured) >= limit):
             break
@@ -95,7 +95,7 @@ def repeat_best(
             study.record_repeat(config, record.model_dump(exclude={"search", "configuration"}))
             if on_repeat is not None:
                 on_repeat(config, run + 1, record)
-    measured = study.repeated_objectives()
+        measured = study.repeated_objectives()
     return dict(sorted(measured.items(), key=lambda item: -mean_of_runs(item[1])))
 
 
