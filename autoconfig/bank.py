@@ -37,6 +37,7 @@ class ProfileRecord(BaseModel):
     memory_mib: float | None = Field(None, ge=0.0, description="Resident memory of the app's replicas after the load.")
     status: Status
     objective: float | None = Field(None, ge=0.0, description="The objective; set exactly when status is ok.")
+    code: str | None = Field(None, description="The swiftserve commit that measured it (None: not recorded).")
 
     @model_validator(mode="after")
     def _objective_iff_ok(self) -> ProfileRecord:
@@ -55,6 +56,13 @@ class Repeats(BaseModel):
 
     config: ConfigurationField
     objectives: list[float | None] = Field(min_length=2)
+    codes: list[str | None] | None = Field(None, description="The swiftserve commit that measured each run.")
+
+    @model_validator(mode="after")
+    def _a_code_per_run(self) -> Repeats:
+        if self.codes is not None and len(self.codes) != len(self.objectives):
+            raise ValueError(f"codes: {len(self.codes)} for {len(self.objectives)} objectives")
+        return self
 
     def relative_spread(self) -> float | None:
         """Standard deviation over mean of the ok runs (None with fewer than two, or a mean of 0)."""
@@ -112,6 +120,14 @@ class BankEntry(BaseModel):
         repeats."""
         spreads = [spread for repeat in self.repeats if (spread := repeat.relative_spread()) is not None]
         return float(np.median(spreads)) if spreads else None
+
+    def code_versions(self) -> list[str | None]:
+        """The distinct swiftserve commits that measured the entry's trials and repeat runs, in order of first use;
+        None among them when some measurement did not record one."""
+        codes = [trial.code for trial in self.trials]
+        for repeat in self.repeats:
+            codes += repeat.codes or [None] * len(repeat.objectives)
+        return list(dict.fromkeys(codes))
 
     @property
     def name(self) -> str:

@@ -1,7 +1,9 @@
 """How reproducible a measured optimum is: the floor under any searcher's trials to it on a noisy machine.
 
-Three measures. From one entry's repeats: how often two runs name the same configuration best among those measured
-again. From two independent profiles of one model: the trials a searcher takes to the second profile's
+Four measures. From one entry's repeats: how often two runs name the same configuration best among those measured
+again; and, simulating profiles of the model with the noise those repeats show, the trials to each simulated
+profile's optimum in the order of the entry's own surface, the floor under a searcher that knew the model's surface
+exactly. From two independent profiles of one model: the trials a searcher takes to the second profile's
 optimum when it profiles configurations in the order the first measured them, a prior that no other model's
 profile can better. Over a bank: the trials each model takes in the one fixed order that is best in hindsight (its
 configurations by how many of the bank's optima they are), the floor under any ranking that ignores the trials
@@ -33,6 +35,36 @@ def best_agreement(entry: BankEntry) -> tuple[float, float] | None:
     best = values.argmax(axis=0)
     agreements = [best[a] == best[b] for a, b in combinations(range(runs - 1), 2)]
     return float(np.mean(agreements)), 1.0 / len(entry.repeats)
+
+
+def configuration_noise(entry: BankEntry) -> np.ndarray | None:
+    """Each configuration's relative measurement noise (std / mean of its objective), in enumeration order: the
+    entry's :meth:`~BankEntry.noise`, over the square root of the runs for a repeated configuration (its objective is
+    their mean); None without repeats to estimate it from."""
+    if (noise := entry.noise()) is None:
+        return None
+    runs = np.ones(entry.space.size)
+    for repeat in entry.repeats:
+        runs[entry.space.index(repeat.config)] = len(repeat.objectives)
+    return noise / np.sqrt(runs)
+
+
+def noise_floor_trials(entry: BankEntry, *, draws: int = 2000, seed: int = 0) -> np.ndarray | None:
+    """Trials to the optimum of ``draws`` simulated profiles of the entry's model, in the order of its own surface.
+
+    A simulated profile scales each configuration's objective by a lognormal factor of mean 1 and the relative spread
+    of :func:`configuration_noise` (no rate stays no rate). A searcher that knew the surface exactly ranks by it, so
+    these counts are the floor under searchers judged against one noisy profile. None without repeats."""
+    if (noise := configuration_noise(entry)) is None:
+        return None
+    values = np.nan_to_num(entry.surface()[1], nan=0.0)
+    spread = np.sqrt(np.log1p(noise**2))  # the lognormal's sigma whose std / mean is ``noise``
+    factors = np.exp(spread * np.random.default_rng(seed).standard_normal((draws, values.size)) - spread**2 / 2)
+    optima = (values * factors).argmax(axis=1)
+    order = np.argsort(-values, kind="stable")
+    position = np.empty(values.size, dtype=int)
+    position[order] = np.arange(1, values.size + 1)
+    return position[optima]
 
 
 def trials_in_order(order_values: np.ndarray, target_values: np.ndarray) -> int:

@@ -134,11 +134,17 @@ class TuningStudy:
                 memory_mib=record.get("memory_mib"),
                 status=record["status"],
                 objective=_objective(record),
+                code=record.get("code"),
             )
             for record in self.records()
         ]
-        repeats = [Repeats(config=config, objectives=objectives)
-                   for config, objectives in self.repeated_objectives().items()]
+        first = {self.space.configuration(record["config"]): record for record in self.records()}
+        runs = self.repeats()
+        repeats = []
+        for config, objectives in self.repeated_objectives().items():
+            codes = [first[config].get("code"), *(run.get("code") for run in runs[config])]
+            repeats.append(Repeats(config=config, objectives=objectives,
+                                   codes=codes if any(code is not None for code in codes) else None))
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
@@ -154,9 +160,10 @@ class TuningStudy:
             measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
             self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
         for repeat in entry.repeats:
-            for value in repeat.objectives[1:]:
-                self.record_repeat(repeat.config, {"status": "ok", "objective": value} if value is not None
-                                   else {"status": "slo_violated"})
+            codes = repeat.codes or [None] * len(repeat.objectives)
+            for value, code in zip(repeat.objectives[1:], codes[1:], strict=True):
+                run = {"status": "ok", "objective": value} if value is not None else {"status": "slo_violated"}
+                self.record_repeat(repeat.config, run | ({"code": code} if code is not None else {}))
 
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""

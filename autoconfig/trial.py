@@ -20,6 +20,7 @@ from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
+from autoconfig.provenance import code_version
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
 from autoconfig.space import shortcut_values
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
@@ -60,6 +61,7 @@ class TrialRecord(BaseModel):
     memory_mib: float | None = None
     duration_s: float
     error: str | None = None
+    code: str | None = None  # the swiftserve commit that measured it (autoconfig.provenance)
     search: RateSearchResult | None = None
 
 
@@ -333,6 +335,7 @@ def run_trial(
         objective_name=objective,
         objective=value if fields["status"] == "ok" else 0.0,
         duration_s=time.monotonic() - started,
+        code=code_version(),
         **fields,
     )
 

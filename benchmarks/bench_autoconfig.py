@@ -17,7 +17,9 @@ bank's measurement noise), with its ablation (``rgpe-noiseless``, ``rgpe-no-cont
 goals counted to within each model's measurement noise of its optimum (``*_within_noise``).
 
 How far a measured optimum can be found at all (``autoconfig.reproducibility``): how often two runs of an entry's
-repeated configurations name the same one best, against chance; and, for the models profiled a second time
+repeated configurations name the same one best, against chance; the noise floor (``noise_floor_*``): the trials to
+the optimum of profiles simulated with each model's measurement noise, in the order of its own recorded surface,
+the floor under a searcher that knew the model's surface exactly; for the models profiled a second time
 (``--second-bank``), the trials to one profile's optimum in the order of the other (``same_model_*``), the floor
 under what learning from other models can reach; and the trials in the one fixed order best in hindsight (the
 configurations by how many of the bank's optima they are), the floor under any ranking that ignores the trials.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 
 import numpy as np
@@ -39,6 +42,7 @@ from autoconfig.replay import replay
 from autoconfig.reproducibility import (
     best_agreement,
     hindsight_order_trials,
+    noise_floor_trials,
     optimum_index,
     same_model_trials,
     surface_rank_correlation,
@@ -60,8 +64,9 @@ STRONG_BASELINES = ("best-on-average", "prior-only", "tpe-warm", "tpe", "gp")
 
 
 def surface_facts(entries) -> list[dict[str, object]]:
-    """Per model: size, feasible share, optimum, how many configurations lie within 5% of it, and the measurement
-    noise of its entry (median std/mean of its repeated configurations; None without repeats)."""
+    """Per model: size, feasible share, optimum, how many configurations lie within 5% of it, the measurement
+    noise of its entry (median std/mean of its repeated configurations; None without repeats) and the swiftserve
+    commits that measured it (None: a measurement that did not record one)."""
     facts = []
     for entry in entries:
         configs, values = entry.surface()
@@ -72,9 +77,17 @@ def surface_facts(entries) -> list[dict[str, object]]:
             "feasible": int(np.isfinite(values).sum()),
             "within_5pct": int((feasible >= 0.95 * values[best]).sum()),
             "optimum": configs[best].as_dict(), "optimum_objective": float(values[best]),
-            "noise": entry.noise(),
+            "noise": entry.noise(), "code": entry.code_versions(),
         })
     return facts
+
+
+def short_code(code: str | None) -> str:
+    """A commit as its first 7 hex digits (``-dirty`` kept), another version as it is; None as not recorded."""
+    if code is None:
+        return "not recorded"
+    commit, dirty, rest = code.partition("-dirty")
+    return commit[:7] + dirty if re.fullmatch(r"[0-9a-f]{40}", commit) and not rest else code
 
 
 def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[str, object]:
@@ -82,10 +95,15 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
     trials to each profile's optimum in the other's order and the two surfaces' rank correlation."""
     seconds = {entry.name: entry for entry in second}
     models = []
+    floors = []
     for entry in entries:
-        row: dict[str, object] = {"model": entry.name, "agreement": None, "chance": None}
+        row: dict[str, object] = {"model": entry.name, "agreement": None, "chance": None, "noise_floor": None}
         if (agreement := best_agreement(entry)) is not None:
             row["agreement"], row["chance"] = agreement
+        if (floor := noise_floor_trials(entry)) is not None:
+            row["noise_floor"] = {"median": float(np.median(floor)), "mean": float(floor.mean()),
+                                  "at_first_trial": float(np.mean(floor == 1))}
+            floors.append(floor)
         if (other := seconds.get(entry.name)) is not None:
             row["trials_first_to_second"] = same_model_trials(entry, other)
             row["trials_second_to_first"] = same_model_trials(other, entry)
@@ -107,6 +125,8 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
         "profiled_twice": len(twice),
         "same_model_trials": same_model,
         "same_model_median_trials": float(np.median(same_model)) if same_model else None,
+        "noise_floor_median_trials": float(np.median(np.concatenate(floors))) if floors else None,
+        "noise_floor_mean_trials": float(np.mean(np.concatenate(floors))) if floors else None,
     }
 
 
@@ -115,12 +135,20 @@ def reproducibility_lines(facts: dict[str, object]) -> list[str]:
              "three best by mean had three runs each), how often the two runs after the first (which picked them) "
              "name the same one best; where the model was profiled a second time, the trials to each profile's "
              "optimum in the order the other measured the configurations (first to second, second to first) and the "
-             "two surfaces' rank correlation.", "",
-             "| model | repeat runs agreeing on the best | chance | trials, first's order to second's optimum | "
-             "second's to first's | rank correlation |", "|---|---|---|---|---|---|"]
+             "two surfaces' rank correlation. The noise floor: over 2000 profiles simulated with the model's "
+             "measurement noise (each configuration's objective times a lognormal factor of mean 1 and its entry's "
+             "noise, over the root of its runs where raced), the trials to each one's optimum in the order of the "
+             "recorded surface, the floor under a searcher that knew the model's surface exactly (median, mean, and "
+             "how often 1 trial is enough).", "",
+             "| model | repeat runs agreeing on the best | chance | noise floor: median | mean | at trial 1 | "
+             "trials, first's order to second's optimum | second's to first's | rank correlation |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in facts["models"]:
+        floor = row["noise_floor"]
         cells = [row["model"], "-" if row["agreement"] is None else f"{row['agreement']:.2f}",
-                 "-" if row["chance"] is None else f"{row['chance']:.2f}"]
+                 "-" if row["chance"] is None else f"{row['chance']:.2f}",
+                 *(["-"] * 3 if floor is None else [f"{floor['median']:.1f}", f"{floor['mean']:.2f}",
+                                                    f"{floor['at_first_trial']:.0%}"])]
         if "rank_correlation" in row:
             cells += [str(row["trials_first_to_second"]), str(row["trials_second_to_first"]),
                       f"{row['rank_correlation']:.2f}"]
@@ -135,6 +163,11 @@ def reproducibility_lines(facts: dict[str, object]) -> list[str]:
     if facts["mean_agreement"] is not None:
         lines.append(f"Repeat runs agree on the best repeated configuration in {facts['mean_agreement']:.0%} of pairs "
                      f"(chance {facts['mean_chance']:.0%}).")
+    if facts["noise_floor_median_trials"] is not None:
+        lines.append(f"A searcher that knew each model's surface exactly would need "
+                     f"{facts['noise_floor_median_trials']:.1f} trials (median; mean "
+                     f"{facts['noise_floor_mean_trials']:.2f}) to the optimum of a profile measured with the model's "
+                     "noise: no searcher is expected under that.")
     if facts["same_model_median_trials"] is not None:
         lines.append(f"A searcher that knew another full profile of the very model needs "
                      f"{facts['same_model_median_trials']:.1f} trials (median of {len(facts['same_model_trials'])} "
@@ -214,16 +247,19 @@ def main() -> None:
         "optimum_repeat_agreement_chance": repro["mean_chance"],
         "same_model_median_trials_to_optimum": repro["same_model_median_trials"],
         "hindsight_order_median_trials_to_optimum": repro["hindsight_order_median_trials"],
+        "noise_floor_median_trials_to_optimum": repro["noise_floor_median_trials"],
+        "noise_floor_mean_trials_to_optimum": repro["noise_floor_mean_trials"],
     }
     families = family_medians(entries, result)
     facts = surface_facts(entries)
     lines = [
         f"# autoconfig replay on the measured profile bank ({len(entries)} models, {args.seeds} seeds, "
         f"leave-one-model-out)", "",
-        "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise |",
-        "|---|---|---|---|---|---|---|",
+        "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise | measured at |",
+        "|---|---|---|---|---|---|---|---|",
         *(f"| {f['model']} | {f['configurations']} | {f['feasible']} | {f['within_5pct']} | {f['optimum']} | "
-          f"{f['optimum_objective']:.1f} | {'-' if f['noise'] is None else format(f['noise'], '.1%')} |"
+          f"{f['optimum_objective']:.1f} | {'-' if f['noise'] is None else format(f['noise'], '.1%')} | "
+          f"{', '.join(map(short_code, f['code']))} |"
           for f in facts), "",
         "| searcher | within 5%: median | p90 | mean | median / space | to optimum: median | p90 | mean | "
         "within the noise: median | mean |",

@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from autoconfig.provenance import code_version
 from autoconfig.serve_config import load_serve_config
 from autoconfig.stress import ClientSettings, SearchSettings
 from autoconfig.trial import TrialEvent, delete_trial_app, run_trial
@@ -69,6 +70,7 @@ def test_trial_of_the_tiny_dlrm_finds_a_rate_within_the_slo_and_removes_the_app(
     assert record.status == "ok", record.error
     assert record.sustainable_rps >= 5 and record.p99_ms <= SLO_MS and record.error_rate <= 0.01
     assert record.achieved_rps > 0
+    assert record.code == code_version()  # which swiftserve measured it
     assert record.resources == 0.25 and record.objective == pytest.approx(record.sustainable_rps / 0.25)
     assert record.deployment_resources == {"MonolithicDLRM": 0.25}  # the app's only deployment, as deployed
     assert [probe.result.rate for probe in record.search.probes][:2] == [5, 10]

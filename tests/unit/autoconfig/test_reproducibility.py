@@ -6,7 +6,9 @@ import pytest
 from autoconfig.bank import BankError, Repeats
 from autoconfig.reproducibility import (
     best_agreement,
+    configuration_noise,
     hindsight_order_trials,
+    noise_floor_trials,
     same_model_trials,
     surface_rank_correlation,
     trials_in_order,
@@ -99,3 +101,45 @@ def test_the_hindsight_order_puts_the_most_shared_optima_first():
     smaller = SearchSpace.parse({"knobs": {**SPACE.model_dump()["knobs"], "max_batch_size": {"values": [1, 2]}}})
     with pytest.raises(BankError, match="one search space"):
         hindsight_order_trials([entries[0], grid_entry("x", [1.0, 2.0, 1.0, 1.0], smaller)])
+
+
+def noisy_entry(values: list[float], runs: list[float]):
+    """An entry over ``values`` whose first configuration was measured again with ``runs`` (its noise)."""
+    entry = grid_entry("m", values, SPACE)
+    return entry.model_copy(update={"repeats": [Repeats(config=SPACE.configurations()[0], objectives=runs)]})
+
+
+def test_a_repeated_configuration_is_as_noisy_as_one_run_over_the_root_of_its_runs():
+    entry = with_repeats([[1.0, 1.2, 0.8], [2.0, 2.4, 1.6, 2.0]])  # spreads 0.2 and 0.163: median 0.182
+    noise = configuration_noise(entry)
+    spread = entry.noise()
+    assert spread == pytest.approx(0.1816, abs=1e-3)
+    np.testing.assert_allclose(noise, [spread / np.sqrt(3), spread / 2, spread, spread, spread, spread])
+    assert configuration_noise(grid_entry("m", [1.0] * 6, SPACE)) is None
+
+
+def test_the_noise_floor_is_one_trial_when_the_optimum_stands_far_above_the_noise():
+    trials = noise_floor_trials(noisy_entry([1.0, 1.0, 1.0, 1.0, 1.0, 100.0], [1.0, 1.02, 0.98]))
+    assert trials.shape == (2000,)
+    assert (trials == 1).all()
+
+
+def test_two_configurations_tied_at_the_top_each_hold_the_simulated_optimum_about_half_the_time():
+    # Configurations 4 and 5 tie: the entry's order profiles 4 first, so a draw whose optimum is 5 costs 2 trials.
+    trials = noise_floor_trials(noisy_entry([1.0, 1.0, 1.0, 1.0, 5.0, 5.0], [1.0, 1.2, 0.8]))
+    assert set(np.unique(trials)) == {1, 2}
+    assert 0.45 < np.mean(trials == 2) < 0.55
+    # Seeded: the same draws again, other draws with another seed.
+    entry = noisy_entry([1.0, 1.0, 1.0, 1.0, 5.0, 5.0], [1.0, 1.2, 0.8])
+    np.testing.assert_array_equal(noise_floor_trials(entry), noise_floor_trials(entry))
+    assert not np.array_equal(noise_floor_trials(entry, seed=1), noise_floor_trials(entry))
+
+
+def test_a_configuration_without_a_rate_is_never_the_simulated_optimum():
+    trials = noise_floor_trials(noisy_entry([1.0, np.nan, 1.1, 1.0, 1.0, 1.0], [1.0, 1.5, 0.5]), draws=500)
+    # Configuration 1 held no rate: it is last in the order and never anyone's optimum, however loud the noise.
+    assert trials.max() < 6
+
+
+def test_the_noise_floor_needs_repeats():
+    assert noise_floor_trials(grid_entry("m", [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], SPACE)) is None

@@ -282,6 +282,34 @@ def test_a_bank_entry_added_to_a_study_comes_back_whole_and_its_racing_resumes(t
         TuningStudy.open(sqlite_url(tmp_path / "other.db"), "m", other).add_bank_entry(entry)
 
 
+def test_each_trial_and_repeat_run_keeps_the_code_that_measured_it_through_the_bank(tmp_path):
+    """A profile taken at commit a and raced after an upgrade to b: the entry says so, run by run."""
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "race", SPACE)
+    at = lambda code, profile: lambda config: profile(config).model_copy(update={"code": code})  # noqa: E731
+    tune(study, GridSearcher(SPACE), at("a", _scripted(RACE, [])), budget=len(RACE))
+    repeat_best(study, at("b", _scripted({c: v[1:] for c, v in RACE.items()}, [])), configs=2, runs=3, limit=2)
+    entry = study.to_bank_entry({"name": "m"}, {}, "max_rate")
+    assert [trial.code for trial in entry.trials] == ["a"] * len(RACE)
+    assert [repeat.codes for repeat in entry.repeats] == [["a", "b", "b"]] * 2
+    assert entry.code_versions() == ["a", "b"]
+    assert BankEntry.load(_saved(entry, tmp_path / "m.json")) == entry
+    copy = TuningStudy.open(sqlite_url(tmp_path / "copy.db"), "m", SPACE)
+    copy.add_bank_entry(entry)
+    assert copy.to_bank_entry({"name": "m"}, {}, "max_rate") == entry
+    # Measurements from before the code was recorded: unknown, and said to be.
+    old = entry.model_copy(update={"trials": [entry.trials[0].model_copy(update={"code": None}), *entry.trials[1:]]})
+    assert old.code_versions() == [None, "a", "b"]
+    raw = entry.model_dump(mode="json")
+    raw["repeats"][0]["codes"] = ["a", "b"]
+    with pytest.raises(BankError, match=r"repeats\[0\]: codes: 2 for 3 objectives"):
+        BankEntry.load(_saved_raw(raw, tmp_path / "bad.json"))
+
+
+def _saved_raw(raw: dict, path: Path) -> Path:
+    path.write_text(json.dumps(raw))
+    return path
+
+
 def test_a_bank_entry_refuses_a_repeat_outside_its_space(tmp_path):
     study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "grid", SPACE)
     tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)
