@@ -182,6 +182,16 @@ def load_bank(directory: str | Path) -> list[BankEntry]:
     return entries
 
 
+def measured_by(entries: Sequence[BankEntry]) -> dict[str | None, list[str]]:
+    """The entries' names under each code version that measured some of them (None: measurements that recorded
+    none), in order of first use: more than one key means the bank compares systems measured at different code."""
+    names: dict[str | None, list[str]] = {}
+    for entry in entries:
+        for code in entry.code_versions():
+            names.setdefault(code, []).append(entry.name)
+    return names
+
+
 def save_bank(entries: Sequence[BankEntry], directory: str | Path) -> None:
     """Write each entry to ``directory/<model name>.json``."""
     directory = Path(directory)

@@ -287,7 +287,7 @@ def _machine() -> dict[str, object]:
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
-    from autoconfig.bank import BankError, load_bank
+    from autoconfig.bank import BankError, load_bank, measured_by
     from autoconfig.evaluate import plot_progress, replay_table, selected
     from autoconfig.replay import replay
     from autoconfig.searchers import SEARCHERS
@@ -302,6 +302,10 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]error:[/red] {args.bank}: leave-one-model-out needs at least 2 profiled models",
                       soft_wrap=True)
         return 2
+    if len(codes := measured_by(entries)) > 1:
+        versions = "; ".join(f"{code or 'not recorded'}: {', '.join(models)}" for code, models in codes.items())
+        console.print(f"[yellow]warning:[/yellow] {args.bank} was measured at {len(codes)} code versions, so its "
+                      f"surfaces may differ by more than the models ({versions})", soft_wrap=True)
     factories = {name: SEARCHERS[name] for name in names}
     with Progress(console=console) as progress:
         bar = progress.add_task("replaying", total=len(names) * len(entries) * args.seeds)

@@ -25,6 +25,23 @@ def test_evaluate_prints_each_searcher_and_writes_a_png(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_evaluate_warns_when_the_bank_was_measured_at_several_code_versions(tmp_path, capsys):
+    entries = synthetic_bank(3, SPACE, seed=5)
+    recorded = [entry.model_copy(update={"trials": [trial.model_copy(update={"code": code})
+                                                    for trial in entry.trials]})
+                for entry, code in zip(entries, ["abc", "abc", None], strict=True)]
+    save_bank(recorded, tmp_path / "mixed")
+    assert main(["evaluate", "--bank", str(tmp_path / "mixed"), "--searchers", "grid", "--seeds", "1",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    names = [entry.name for entry in entries]
+    assert "measured at 2 code versions" in out and f"abc: {names[0]}, {names[1]}; not recorded: {names[2]}" in out
+    save_bank(recorded[:2], tmp_path / "one")
+    assert main(["evaluate", "--bank", str(tmp_path / "one"), "--searchers", "grid", "--seeds", "1",
+                 "--plot", str(tmp_path / "p.png")]) == 0
+    assert "code versions" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--searchers", "random,annealing"], "unknown searcher(s) annealing"),
     (["--seeds", "1"], "at least 2 profiled models"),
