@@ -18,7 +18,7 @@ def code_version() -> str:
     try:
         commit = _git("rev-parse", "HEAD")
         return commit + ("-dirty" if _git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout, or git hung
         try:
             return f"swiftserve {version('swiftserve')}"
         except PackageNotFoundError:

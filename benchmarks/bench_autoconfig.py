@@ -13,8 +13,9 @@ with the other models' best trials. ``summary`` (issue 21): ``meta_median_trials
 ``meta_median_fraction_of_space`` (goal <= 0.05), ``best_baseline_median_trials`` (best of best-on-average, prior-
 only, tpe-warm, TPE, GP) and ``ratio_best_baseline_to_meta`` (goal >= 2); the same for ``rgpe`` (a GP ensemble
 with expected improvement, its models first weighted by how alike their descriptions are, its GPs smoothed by the
-bank's measurement noise), with its ablation (``rgpe-noiseless``, ``rgpe-no-context``, ``rgpe-late``); and the same
-goals counted to within each model's measurement noise of its optimum (``*_within_noise``).
+bank's measurement noise), with its ablation (``rgpe-noiseless``, ``rgpe-no-context``, ``rgpe-late``); meta and
+prior-only without their opening (``*-no-opening``: the surrogate's best first, not the most frequent optimum);
+and the same goals counted to within each model's measurement noise of its optimum (``*_within_noise``).
 
 How far a measured optimum can be found at all (``autoconfig.reproducibility``): how often two runs of an entry's
 repeated configurations name the same one best, against chance; the noise floor (``noise_floor_*``): the trials to
@@ -47,7 +48,7 @@ from autoconfig.reproducibility import (
     same_model_trials,
     surface_rank_correlation,
 )
-from autoconfig.searchers import SEARCHERS, RGPESearcher, SearcherFactory
+from autoconfig.searchers import SEARCHERS, MetaParams, RGPESearcher, SearcherFactory, meta_factory
 from benchmarks.records import REPO, RESULTS, provenance
 
 BASELINES = ("random", "tpe", "gp", "best-on-average", "prior-only", "tpe-warm")
@@ -58,6 +59,9 @@ ABLATIONS: dict[str, SearcherFactory] = {
                                                                            noise_aware=False),
     "rgpe-no-context": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior),
     "rgpe-late": lambda space, seed, prior, target=None: RGPESearcher(space, seed, prior, rank_from=5),
+    # Meta and its prior-only ranking opening with the surrogate's best instead of the bank's most frequent optimum.
+    "meta-no-opening": meta_factory(MetaParams(opening=False)),
+    "prior-only-no-opening": meta_factory(MetaParams(opening=False), adapt=False),
 }
 #: The baselines the meta searcher must beat (issue 21): the best of these is ``best_baseline_median_trials``.
 STRONG_BASELINES = ("best-on-average", "prior-only", "tpe-warm", "tpe", "gp")

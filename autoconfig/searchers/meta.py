@@ -1,7 +1,8 @@
 """The meta-learned searcher (Morphling): an MLP surrogate meta-trained with Reptile on past surfaces.
 
-Each suggestion adapts the meta-weights to the trials so far and maximises ``after + delta * |after - before|``
-(the prediction adapted to every trial, and to all but the latest); the algorithm: docs/AUTOCONFIG.md, "Searchers".
+The first suggestion is the configuration that is most often the optimum of the training surfaces (the opening);
+each later one adapts the meta-weights to the trials so far and maximises ``after + delta * |after - before|`` (the
+prediction adapted to every trial, and to all but the latest); the algorithm: docs/AUTOCONFIG.md, "Searchers".
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from autoconfig.bank import BankEntry
 from autoconfig.searchers.base import Observation, Searcher, SearcherFactory, comparable, objective_values
-from autoconfig.space import SearchSpace
+from autoconfig.space import Configuration, SearchSpace
 
 Surface = tuple[np.ndarray, np.ndarray]  # encoded configurations (n, d), objective values (n,) with failures 0
 WEIGHTS_FILE, PARAMS_FILE = "meta.safetensors", "meta.json"
@@ -36,6 +37,7 @@ class MetaParams(BaseModel):
     adapt_steps: int = Field(20, ge=1, description="Adam steps adapting to a task or to the trials so far.")
     adapt_lr: float = Field(0.02, gt=0, description="Adam learning rate of adaptation.")
     delta: float = Field(0.25, ge=0, description="Weight of the prediction change in the acquisition.")
+    opening: bool = Field(True, description="Open with the surfaces' most frequent optimum, not the surrogate's best.")
 
 
 class _SavedMeta(BaseModel):
@@ -43,18 +45,26 @@ class _SavedMeta(BaseModel):
 
     knobs: tuple[str, ...]
     params: MetaParams
+    opening: dict[str, Any] | None = None
 
 
 class MetaSearcher(Searcher):
     """Suggests by a surrogate adapted from meta-learned weights; deterministic given the weights."""
 
     def __init__(
-        self, space: SearchSpace, weights: dict[str, torch.Tensor], params: MetaParams, *, adapt: bool = True
+        self,
+        space: SearchSpace,
+        weights: dict[str, torch.Tensor],
+        params: MetaParams,
+        *,
+        adapt: bool = True,
+        opening: Configuration | None = None,
     ) -> None:
         super().__init__(space)
         self.weights = weights
         self.params = params
         self.adapt = adapt  # False: rank by the meta-learned prior alone, never adapting (the ablation baseline)
+        self.opening = opening  # the first suggestion; None: the prior's best
         self._features = torch.from_numpy(np.array(space.encode_all(), dtype=np.float32))
 
     @classmethod
@@ -93,14 +103,33 @@ class MetaSearcher(Searcher):
             adapted = _adapt(weights, features, targets, torch.ones_like(targets), params)
             epsilon = params.meta_lr * (1 - step / params.meta_iterations)
             weights = {k: w + epsilon * (adapted[k].mean(dim=0) - w) for k, w in weights.items()}
-        return cls(space, weights, params, adapt=adapt)
+        searcher = cls(space, weights, params, adapt=adapt)
+        if params.opening:
+            searcher.opening = searcher.most_frequent_optimum(surfaces)
+        return searcher
+
+    def most_frequent_optimum(self, surfaces: Sequence[Surface]) -> Configuration | None:
+        """The configuration of the space nearest to the most surfaces' optima (ties: the prior's best of them);
+        None when no surface has a positive value. Before any trial it is the likeliest optimum, which the
+        surrogate's best (a smoothed mean of the surfaces) need not be."""
+        counts = np.zeros(self.space.size)
+        nothing_observed = np.zeros(self.space.size, dtype=bool)
+        for features, values in surfaces:
+            if values.max() > 0:
+                counts[self.nearest_unobserved(features[int(np.argmax(values))], nothing_observed)] += 1
+        if not counts.any():
+            return None
+        tied = counts == counts.max()
+        score = np.where(tied, self._prior_scores(), -np.inf)
+        return self.space.configurations()[int(np.argmax(score))]
 
     def save(self, directory: str | Path) -> None:
         """Write the meta-weights (safetensors) and their hyperparameters (JSON) into ``directory``."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in self.weights.items()}, directory / WEIGHTS_FILE)
-        saved = _SavedMeta(knobs=self.space.knob_names, params=self.params)
+        saved = _SavedMeta(knobs=self.space.knob_names, params=self.params,
+                           opening=None if self.opening is None else self.opening.as_dict())
         (directory / PARAMS_FILE).write_text(saved.model_dump_json(indent=1) + "\n")
 
     @classmethod
@@ -114,9 +143,12 @@ class MetaSearcher(Searcher):
         expected = _initial_weights(len(saved.knobs), saved.params.hidden, torch.Generator())
         if {k: v.shape for k, v in weights.items()} != {k: v.shape for k, v in expected.items()}:
             raise ValueError(f"{directory}: {WEIGHTS_FILE} does not hold a {saved.params.hidden}-unit surrogate")
-        return cls(space, weights, saved.params)
+        return cls(space, weights, saved.params,
+                   opening=None if saved.opening is None else space.configuration(saved.opening))
 
     def _suggest(self, history: Sequence[Observation], observed: np.ndarray) -> int:
+        if not history and self.opening is not None:
+            return self.space.index(self.opening)
         if history and self.adapt:
             # Two adaptations in one batch: to every trial ("after") and to all but the latest ("before").
             values = objective_values(history)
@@ -129,11 +161,16 @@ class MetaSearcher(Searcher):
             adapted = _adapt(self.weights, features, targets, mask, self.params)
             after, before = _forward(adapted, self._features.expand(2, -1, -1))
             score = after + self.params.delta * (after - before).abs()
+            score = score.numpy().astype(np.float64)
         else:
-            score = _forward({k: v.unsqueeze(0) for k, v in self.weights.items()}, self._features.unsqueeze(0))[0]
-        score = score.numpy().astype(np.float64)
+            score = self._prior_scores()
         score[observed] = -np.inf
         return int(np.argmax(score))
+
+    def _prior_scores(self) -> np.ndarray:
+        """The meta-learned surrogate's prediction at every configuration, before any adaptation."""
+        weights = {k: v.unsqueeze(0) for k, v in self.weights.items()}
+        return _forward(weights, self._features.unsqueeze(0))[0].numpy().astype(np.float64)
 
 
 def bank_surfaces(entries: Sequence[BankEntry]) -> list[Surface]:

@@ -127,6 +127,7 @@ def test_meta_training_is_deterministic_and_weights_round_trip(tmp_path, space, 
     first.save(tmp_path / "meta")
     loaded = MetaSearcher.load(space, tmp_path / "meta")
     assert loaded.params == FAST_META
+    assert loaded.opening == first.opening is not None
     _, values = bank[0].surface()
     assert [o.config for o in run(loaded, values, 6)] == [o.config for o in run(first, values, 6)]
 
@@ -143,14 +144,41 @@ def test_meta_refuses_mismatched_weights_and_surfaces(tmp_path, space, bank):
         MetaSearcher.meta_train(space, [(features, np.where(values > 0, values, np.nan))], params=FAST_META)
 
 
-def test_meta_first_suggestion_is_the_learned_optimum(space):
-    """Surfaces of different scales sharing one peak: the meta-model alone should point at it."""
+def test_meta_prior_alone_points_at_the_learned_optimum(space):
+    """Surfaces of different scales sharing one peak: the meta-model alone, with no opening, should point at it."""
     features = np.asarray(space.encode_all())
     peak = space.index(shortcuts(16, 0.005, 0.5, 2))
     shape = 1.0 - np.linalg.norm(features - features[peak], axis=1) / 2
     surfaces = [(features, scale * shape) for scale in (1.0, 30.0, 500.0)]
-    searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=MetaParams(meta_iterations=60))
+    searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=MetaParams(meta_iterations=60, opening=False))
+    assert searcher.opening is None
     assert searcher.suggest([]) == space.configurations()[peak]
+
+
+def test_meta_opens_with_the_most_frequent_optimum_not_the_best_on_average(space):
+    """Three surfaces peak at A, two at B; a third configuration N is near-best on all five, so it is best on
+    average (0.92 against A's 0.64), but A is the likeliest optimum."""
+    features = np.asarray(space.encode_all())
+    a, b, n = (space.index(shortcuts(*knobs)) for knobs in ((64, 0.0, 1.0, 1), (4, 0.005, 0.5, 2), (16, 0.0, 1.0, 1)))
+
+    def surface(peak: int, near: float) -> np.ndarray:
+        values = np.full(space.size, 0.1)
+        values[peak], values[n] = 1.0, near
+        return values
+
+    surfaces = [(features, surface(a, 0.9))] * 3 + [(features, surface(b, 0.95))] * 2
+    assert np.mean([values for _, values in surfaces], axis=0).argmax() == n
+    searcher = MetaSearcher.meta_train(space, surfaces, seed=0, params=FAST_META)
+    configs = space.configurations()
+    assert searcher.opening == configs[a] and searcher.suggest([]) == configs[a]
+    assert searcher.suggest([Observation(configs[a], 1.0)]) != configs[a]  # then the surrogate takes over
+    # Tied counts go to the configuration the meta-learned prior rates higher.
+    tied = MetaSearcher.meta_train(space, surfaces[1:], seed=0, params=FAST_META)
+    prior = tied._prior_scores()
+    assert tied.opening == configs[a if prior[a] > prior[b] else b]
+    # Surfaces with no positive value name no optimum: the prior's best opens.
+    empty = MetaSearcher.meta_train(space, [(features, np.zeros(space.size))], seed=0, params=FAST_META)
+    assert empty.opening is None and empty.suggest([]) == configs[int(np.argmax(empty._prior_scores()))]
 
 
 DEPLOYMENT_SPACE = SearchSpace.parse(
