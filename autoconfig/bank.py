@@ -64,6 +64,10 @@ class Repeats(BaseModel):
             raise ValueError(f"codes: {len(self.codes)} for {len(self.objectives)} objectives")
         return self
 
+    def run_codes(self) -> list[str | None]:
+        """The commit that measured each run (None for each where not recorded)."""
+        return self.codes or [None] * len(self.objectives)
+
     def relative_spread(self) -> float | None:
         """Standard deviation over mean of the ok runs (None with fewer than two, or a mean of 0)."""
         ok = [value for value in self.objectives if value is not None]
@@ -126,7 +130,7 @@ class BankEntry(BaseModel):
         None among them when some measurement did not record one."""
         codes = [trial.code for trial in self.trials]
         for repeat in self.repeats:
-            codes += repeat.codes or [None] * len(repeat.objectives)
+            codes += repeat.run_codes()
         return list(dict.fromkeys(codes))
 
     @property

@@ -61,7 +61,7 @@ def noise_floor_trials(entry: BankEntry, *, draws: int = 2000, seed: int = 0) ->
     spread = np.sqrt(np.log1p(noise**2))  # the lognormal's sigma whose std / mean is ``noise``
     factors = np.exp(spread * np.random.default_rng(seed).standard_normal((draws, values.size)) - spread**2 / 2)
     optima = (values * factors).argmax(axis=1)
-    order = np.argsort(-values, kind="stable")
+    order = _profiling_order(values)
     position = np.empty(values.size, dtype=int)
     position[order] = np.arange(1, values.size + 1)
     return position[optima]
@@ -75,8 +75,13 @@ def trials_in_order(order_values: np.ndarray, target_values: np.ndarray) -> int:
     target = np.nan_to_num(target_values, nan=0.0)
     if not target.max() > 0:
         raise ValueError("the target surface has no configuration with a positive objective")
-    order = np.argsort(-np.nan_to_num(order_values, nan=0.0), kind="stable")
+    order = _profiling_order(order_values)
     return int(np.flatnonzero(target[order] >= target.max())[0]) + 1
+
+
+def _profiling_order(values: np.ndarray) -> np.ndarray:
+    """Configuration indices by descending value, NaN (no rate) as 0, ties in enumeration order."""
+    return np.argsort(-np.nan_to_num(values, nan=0.0), kind="stable")
 
 
 def same_model_trials(first: BankEntry, second: BankEntry) -> int:

@@ -123,6 +123,7 @@ class TuningStudy:
 
     def to_bank_entry(self, model: Mapping[str, Any], machine: Mapping[str, Any], objective: str) -> BankEntry:
         """The study as a profile-bank entry (``objective``: ``rate_per_share`` or ``max_rate``, as measured)."""
+        records = self.records()
         trials = [
             ProfileRecord(
                 config=self.space.configuration(record["config"]),
@@ -136,14 +137,12 @@ class TuningStudy:
                 objective=_objective(record),
                 code=record.get("code"),
             )
-            for record in self.records()
+            for record in records
         ]
-        first = {self.space.configuration(record["config"]): record for record in self.records()}
-        runs = self.repeats()
         repeats = []
-        for config, objectives in self.repeated_objectives().items():
-            codes = [first[config].get("code"), *(run.get("code") for run in runs[config])]
-            repeats.append(Repeats(config=config, objectives=objectives,
+        for config, runs in self._repeated_runs(records).items():
+            codes = [run.get("code") for run in runs]
+            repeats.append(Repeats(config=config, objectives=[_objective(run) for run in runs],
                                    codes=codes if any(code is not None for code in codes) else None))
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
@@ -160,8 +159,7 @@ class TuningStudy:
             measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
             self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
         for repeat in entry.repeats:
-            codes = repeat.codes or [None] * len(repeat.objectives)
-            for value, code in zip(repeat.objectives[1:], codes[1:], strict=True):
+            for value, code in zip(repeat.objectives[1:], repeat.run_codes()[1:], strict=True):
                 run = {"status": "ok", "objective": value} if value is not None else {"status": "slo_violated"}
                 self.record_repeat(repeat.config, run | ({"code": code} if code is not None else {}))
 
@@ -172,9 +170,14 @@ class TuningStudy:
 
     def repeated_objectives(self) -> dict[Configuration, list[float | None]]:
         """Each repeated configuration's objectives, its trial's first (None: a run that was not ok)."""
-        first = {self.space.configuration(record["config"]): record for record in self.records()}
-        return {config: [_objective(first[config]), *map(_objective, runs)]
-                for config, runs in self.repeats().items() if config in first}
+        return {config: [_objective(run) for run in runs] for config, runs in self._repeated_runs().items()}
+
+    def _repeated_runs(self, records: list[dict[str, Any]] | None = None) -> dict[Configuration, list[dict[str, Any]]]:
+        """Each repeated configuration's measurements, its trial's record first (``records``: :meth:`records`, when
+        already read)."""
+        records = self.records() if records is None else records
+        first = {self.space.configuration(record["config"]): record for record in records}
+        return {config: [first[config], *runs] for config, runs in self.repeats().items() if config in first}
 
     def record_repeat(self, config: Configuration, measurements: Mapping[str, Any]) -> None:
         """Stores one more measurement of an already profiled ``config`` (the study's trials stay one per

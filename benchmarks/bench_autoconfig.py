@@ -118,6 +118,7 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
     twice = [row for row in models if "rank_correlation" in row]
     same_model = [row[key] for row in twice for key in ("trials_first_to_second", "trials_second_to_first")]
     hindsight = hindsight_order_trials(entries)
+    pooled = np.concatenate(floors) if floors else None
     for row, trials in zip(models, hindsight, strict=True):
         row["hindsight_order_trials"] = trials
     return {
@@ -129,8 +130,8 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
         "profiled_twice": len(twice),
         "same_model_trials": same_model,
         "same_model_median_trials": float(np.median(same_model)) if same_model else None,
-        "noise_floor_median_trials": float(np.median(np.concatenate(floors))) if floors else None,
-        "noise_floor_mean_trials": float(np.mean(np.concatenate(floors))) if floors else None,
+        "noise_floor_median_trials": float(np.median(pooled)) if floors else None,
+        "noise_floor_mean_trials": float(np.mean(pooled)) if floors else None,
     }
 
 
