@@ -14,6 +14,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from autoconfig.interference import Interference
 from autoconfig.space import Configuration, ConfigurationField, SearchSpace, SpaceError, describe_validation_error
 
 Status = Literal["ok", "failed", "slo_violated"]
@@ -38,6 +39,8 @@ class ProfileRecord(BaseModel):
     status: Status
     objective: float | None = Field(None, ge=0.0, description="The objective; set exactly when status is ok.")
     code: str | None = Field(None, description="The swiftserve commit that measured it (None: not recorded).")
+    interference: Interference | None = Field(None, description="The node's CPU time its rate search lost to "
+                                              "other work (None: not recorded).")
 
     @model_validator(mode="after")
     def _objective_iff_ok(self) -> ProfileRecord:
@@ -57,16 +60,24 @@ class Repeats(BaseModel):
     config: ConfigurationField
     objectives: list[float | None] = Field(min_length=2)
     codes: list[str | None] | None = Field(None, description="The swiftserve commit that measured each run.")
+    interference: list[Interference | None] | None = Field(
+        None, description="The node's CPU time each run's rate search lost to other work.")
 
     @model_validator(mode="after")
-    def _a_code_per_run(self) -> Repeats:
-        if self.codes is not None and len(self.codes) != len(self.objectives):
-            raise ValueError(f"codes: {len(self.codes)} for {len(self.objectives)} objectives")
+    def _a_value_per_run(self) -> Repeats:
+        for name in ("codes", "interference"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.objectives):
+                raise ValueError(f"{name}: {len(values)} for {len(self.objectives)} objectives")
         return self
 
     def run_codes(self) -> list[str | None]:
         """The commit that measured each run (None for each where not recorded)."""
         return self.codes or [None] * len(self.objectives)
+
+    def run_interference(self) -> list[Interference | None]:
+        """What each run lost to other work (None for each where not recorded)."""
+        return self.interference or [None] * len(self.objectives)
 
     def relative_spread(self) -> float | None:
         """Standard deviation over mean of the ok runs (None with fewer than two, or a mean of 0)."""
@@ -132,6 +143,14 @@ class BankEntry(BaseModel):
         for repeat in self.repeats:
             codes += repeat.run_codes()
         return list(dict.fromkeys(codes))
+
+    def most_lost(self) -> float | None:
+        """The largest share of the node's CPUs any trial or repeat run lost to other work (None: none recorded)."""
+        recorded = [trial.interference for trial in self.trials]
+        for repeat in self.repeats:
+            recorded += repeat.run_interference()
+        lost = [interference.lost for interference in recorded if interference is not None]
+        return max(lost) if lost else None
 
     @property
     def name(self) -> str:

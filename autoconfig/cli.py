@@ -23,6 +23,7 @@ from autoconfig import __version__
 if TYPE_CHECKING:
     from autoconfig.searchers.base import Observation
     from autoconfig.space import Configuration
+    from autoconfig.study import TuningStudy
 
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
 SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm",
@@ -199,6 +200,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
             serve.shutdown()
             ray.shutdown()
     _print_trials(console, study.records())
+    _warn_interference(console, study)
     if profiling:
         if len(outcome.history) < space.size:
             console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
@@ -355,9 +357,30 @@ def _report(args: argparse.Namespace, console: Console) -> int:
 
 
 def _outcome(record) -> str:
-    """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line."""
+    """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line; what
+    the rate search lost to other work where that was noticeable."""
+    from autoconfig.interference import NOTICEABLE
+
     achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
-    return f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
+    line = f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
+    lost = record.interference
+    return line + (f" [yellow]({lost.describe()})[/yellow]" if lost and lost.lost >= NOTICEABLE else "")
+
+
+def _warn_interference(console: Console, study: TuningStudy) -> None:
+    """Warn about the trials and repeat runs whose rate search lost a noticeable share of the node's CPUs."""
+    from autoconfig.interference import NOTICEABLE, Interference
+
+    def lost(run: dict) -> float:
+        return Interference.model_validate(run["interference"]).lost if run.get("interference") else 0.0
+
+    trials = [number for number, record in enumerate(study.records(), 1) if lost(record) >= NOTICEABLE]
+    runs = sum(lost(run) >= NOTICEABLE for runs in study.repeats().values() for run in runs)
+    if trials or runs:
+        console.print(f"[yellow]warning:[/yellow] {len(trials)} trial(s) ({', '.join(map(str, trials)) or '-'}) "
+                      f"and {runs} repeat run(s) lost {NOTICEABLE:.0%} or more of the node's CPUs to the "
+                      "hypervisor or to other processes while measured: their rates understate the configurations'; "
+                      "measure them again on a quiet node")
 
 
 def _print_front(console: Console, records: list[dict]) -> list[dict]:

@@ -136,14 +136,16 @@ class TuningStudy:
                 status=record["status"],
                 objective=_objective(record),
                 code=record.get("code"),
+                interference=record.get("interference"),
             )
             for record in records
         ]
         repeats = []
         for config, runs in self._repeated_runs(records).items():
-            codes = [run.get("code") for run in runs]
+            codes, lost = [run.get("code") for run in runs], [run.get("interference") for run in runs]
             repeats.append(Repeats(config=config, objectives=[_objective(run) for run in runs],
-                                   codes=codes if any(code is not None for code in codes) else None))
+                                   codes=codes if any(code is not None for code in codes) else None,
+                                   interference=lost if any(item is not None for item in lost) else None))
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
@@ -159,9 +161,11 @@ class TuningStudy:
             measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
             self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
         for repeat in entry.repeats:
-            for value, code in zip(repeat.objectives[1:], repeat.run_codes()[1:], strict=True):
+            runs = zip(repeat.objectives, repeat.run_codes(), repeat.run_interference(), strict=True)
+            for value, code, lost in list(runs)[1:]:
                 run = {"status": "ok", "objective": value} if value is not None else {"status": "slo_violated"}
-                self.record_repeat(repeat.config, run | ({"code": code} if code is not None else {}))
+                recorded = {"code": code, "interference": lost and lost.model_dump()}
+                self.record_repeat(repeat.config, run | {key: item for key, item in recorded.items() if item})
 
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
+from autoconfig.interference import Interference, measure_interference
 from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
 from autoconfig.provenance import code_version
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
@@ -62,6 +63,7 @@ class TrialRecord(BaseModel):
     duration_s: float
     error: str | None = None
     code: str | None = None  # the swiftserve commit that measured it (autoconfig.provenance)
+    interference: Interference | None = None  # the node's CPU time the rate search lost to other work
     search: RateSearchResult | None = None
 
 
@@ -315,10 +317,11 @@ def run_trial(
         if newest_replica >= started_wall:  # this trial started replicas: their first requests run cold
             warmup_s += cold_warmup_s
         emit(TrialEvent(phase="warmup", message=f"warming up {warmup_s:g} s at {search.start_rps:g} rps"))
-        result = asyncio.run(
-            _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
-        )
-        fields |= search_fields(result, search.min_requests)
+        with measure_interference() as interference:  # the search only: no replica starts or ends inside it
+            result = asyncio.run(
+                _search(base_url, workload, slo_p99_ms, warmup_s, client or ClientSettings(), search, emit)
+            )
+        fields |= search_fields(result, search.min_requests) | {"interference": interference.result}
         after_load = serve_client.get_serve_details()["applications"].get(trial_app_name, {})
         fields["memory_mib"] = replica_memory_mib(after_load)  # after the load: tables, caches, pools
     except Exception as exc:

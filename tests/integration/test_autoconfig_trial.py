@@ -9,6 +9,7 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from autoconfig.interference import system_processes
 from autoconfig.provenance import code_version
 from autoconfig.serve_config import load_serve_config
 from autoconfig.stress import ClientSettings, SearchSettings
@@ -46,14 +47,14 @@ def _trial(template: ServeDeploySchema, configuration: dict, events: list | None
     )  # fmt: skip
 
 
-def _session_replicas() -> set[str]:
+def _replica_details() -> list[dict]:
     applications = _get_global_client().get_serve_details()["applications"]
-    return {
-        replica["replica_id"]
-        for name in SESSION_APPS
-        for deployment in applications[name]["deployments"].values()
-        for replica in deployment["replicas"]
-    }
+    return [replica for name in SESSION_APPS for deployment in applications[name]["deployments"].values()
+            for replica in deployment["replicas"]]
+
+
+def _session_replicas() -> set[str]:
+    return {replica["replica_id"] for replica in _replica_details()}
 
 
 def _assert_trial_app_gone(base_url: str) -> None:
@@ -71,6 +72,10 @@ def test_trial_of_the_tiny_dlrm_finds_a_rate_within_the_slo_and_removes_the_app(
     assert record.sustainable_rps >= 5 and record.p99_ms <= SLO_MS and record.error_rate <= 0.01
     assert record.achieved_rps > 0
     assert record.code == code_version()  # which swiftserve measured it
+    print(f"interference: {record.interference}")
+    assert record.interference is not None  # what the rate search lost to other work
+    replica_pids = {replica["pid"] for replica in _replica_details()}
+    assert replica_pids and replica_pids <= {process.pid for process in system_processes()}  # not foreign
     assert record.resources == 0.25 and record.objective == pytest.approx(record.sustainable_rps / 0.25)
     assert record.deployment_resources == {"MonolithicDLRM": 0.25}  # the app's only deployment, as deployed
     assert [probe.result.rate for probe in record.search.probes][:2] == [5, 10]

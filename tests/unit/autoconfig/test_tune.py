@@ -373,3 +373,52 @@ def test_tune_describes_the_model_to_the_bank_searchers_which_start_where_the_al
             "--searcher", "rgpe", "--bank", str(bank), "--out", str(tmp_path / "tuned.yaml"), "--repeats", "1"]
     code = main(argv)
     assert calls == [peak] and code == 0
+
+
+def test_what_each_trial_and_repeat_run_lost_to_other_work_survives_the_bank(tmp_path):
+    """Trials measured beside other work, raced on a quiet node: the entry keeps each run's interference and names
+    the most any lost."""
+    from autoconfig.interference import Interference
+
+    busy, quiet = Interference(steal=0.1, foreign=0.3), Interference(steal=0.0, foreign=0.01)
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "race", SPACE)
+    beside = lambda lost, profile: lambda config: profile(config).model_copy(update={"interference": lost})  # noqa: E731
+    tune(study, GridSearcher(SPACE), beside(busy, _scripted(RACE, [])), budget=len(RACE))
+    repeat_best(study, beside(quiet, _scripted({c: v[1:] for c, v in RACE.items()}, [])), configs=2, runs=3, limit=2)
+    entry = study.to_bank_entry({"name": "m"}, {}, "max_rate")
+    assert [trial.interference for trial in entry.trials] == [busy] * len(RACE)
+    assert [repeat.interference for repeat in entry.repeats] == [[busy, quiet, quiet]] * 2
+    assert entry.most_lost() == pytest.approx(0.4)
+    assert BankEntry.load(_saved(entry, tmp_path / "m.json")) == entry
+    copy = TuningStudy.open(sqlite_url(tmp_path / "copy.db"), "m", SPACE)
+    copy.add_bank_entry(entry)
+    assert copy.to_bank_entry({"name": "m"}, {}, "max_rate") == entry
+    unrecorded = entry.model_copy(update={"trials": [t.model_copy(update={"interference": None})
+                                                     for t in entry.trials], "repeats": []})
+    assert unrecorded.most_lost() is None
+    raw = entry.model_dump(mode="json")
+    raw["repeats"][1]["interference"] = raw["repeats"][1]["interference"][:2]
+    with pytest.raises(BankError, match=r"repeats\[1\]: interference: 2 for 3 objectives"):
+        BankEntry.load(_saved_raw(raw, tmp_path / "bad.json"))
+
+
+def test_tune_flags_the_trials_measured_while_the_node_was_busy_elsewhere(tmp_path, monkeypatch, capsys):
+    """Trials 2 and 4 lost a fifth of the CPUs: their progress lines say how, and the run ends with one warning
+    naming them; a trial that lost 2% is not flagged."""
+    from autoconfig.cli import main
+    from autoconfig.interference import Interference
+
+    configs, calls = SPACE.configurations(), []
+    losses = {configs[1]: Interference(steal=0.05, foreign=0.15), configs[3]: Interference(steal=0.2, foreign=0.0)}
+    scripted = _scripted({config: [float(i + 1)] for i, config in enumerate(configs[:4])}, calls)
+    space = _cli_trials(monkeypatch, tmp_path, lambda config: scripted(config).model_copy(
+        update={"interference": losses.get(config, Interference(steal=0.0, foreign=0.02))}))
+    argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "4",
+            "--searcher", "grid", "--repeats", "1", "--out", str(tmp_path / "tuned.yaml")]
+    assert main(argv) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(20% of the CPUs busy elsewhere (steal 5%, other processes 15%))" in out
+    assert "(20% of the CPUs busy elsewhere (steal 20%, other processes 0%))" in out
+    assert out.count("of the CPUs busy elsewhere") == 2
+    assert "warning: 2 trial(s) (2, 4) and 0 repeat run(s) lost 5% or more of the node's CPUs" in out
