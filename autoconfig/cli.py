@@ -80,7 +80,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.stress import SearchSettings
     from autoconfig.study import StudyError, TuningStudy
     from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
-    from autoconfig.tuner import repeat_best, tune, unconfirmed
+    from autoconfig.tuner import remeasured_while_interfered, repeat_best, tune, unconfirmed
     from autoconfig.workloads import load_workload_file, parse_workload_options, workload_for_app
 
     try:
@@ -108,6 +108,10 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
                              f"{args.repeats}")
         if args.repeat_limit is None:
             args.repeat_limit = 2 * args.repeat_best
+        if args.max_interference is not None and not 0.0 < args.max_interference <= 1.0:
+            raise ValueError(f"--max-interference must be in (0, 1], got {args.max_interference}")
+        if args.interference_retries < 0:
+            raise ValueError(f"--interference-retries must be >= 0, got {args.interference_retries}")
         if args.repeat_limit < args.repeat_best:
             raise ValueError(f"--repeat-limit must be >= --repeat-best ({args.repeat_best}), got {args.repeat_limit}")
         if profiling:
@@ -162,11 +166,19 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
         with _sigterm_as_interrupt(), Progress(console=console) as progress:
             bar = progress.add_task("profiling", total=args.budget, completed=min(done, args.budget))
 
-            def profile(config):
+            def measure(config):
                 progress.update(bar, description=f"profiling {config.as_dict()}")
                 return run_trial(template, args.app, config.as_dict(), workload, args.slo_p99_ms,
                                  warmup_s=args.warmup_s, search=settings, objective=args.objective,
                                  accelerator=args.accelerator, teardown=args.fresh_deploy)
+
+            def set_aside(config, attempt, record):
+                progress.console.print(f"measuring {config.as_dict()} again ({attempt}/{args.interference_retries})"
+                                       f": {record.sustainable_rps:.1f} rps with "
+                                       f"{record.interference.describe()}")
+
+            profile = measure if args.max_interference is None else remeasured_while_interfered(
+                measure, limit=args.max_interference, retries=args.interference_retries, on_retry=set_aside)
 
             def report(number, config, record):
                 progress.advance(bar)
@@ -439,6 +451,12 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
                              "built-in apps, request options KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed, "
                              "variable_size (a DLRM app's own model, preset or factory, shapes the requests); "
                              "diffusion steps, size, n (default: one small request of the app's model)")
+    parser.add_argument("--max-interference", type=float, default=None, metavar="FRACTION",
+                        help="measure a trial (or repeat run) again when its rate search lost this share of the "
+                             "node's CPUs or more to the hypervisor or to other processes, e.g. 0.1 (default: "
+                             "measure once and warn)")
+    parser.add_argument("--interference-retries", type=int, default=2,
+                        help="most measurements again per trial under --max-interference; the last is kept")
     parser.add_argument("--fresh-deploy", action="store_true",
                         help="delete and redeploy the app for every trial (default: update the kept trial app "
                              "in place; Serve restarts replicas only when resources or threads change)")

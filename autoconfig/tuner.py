@@ -123,3 +123,27 @@ def confirmed_best(measured: dict[Configuration, list[float | None]]) -> Observa
         return None
     config = max(means, key=means.__getitem__)
     return Observation(config, means[config])
+
+
+def remeasured_while_interfered(
+    profile: Callable[[Configuration], TrialRecord],
+    *,
+    limit: float,
+    retries: int,
+    on_retry: Callable[[Configuration, int, TrialRecord], None] | None = None,
+) -> Callable[[Configuration], TrialRecord]:
+    """``profile``, measuring a configuration again while its rate search lost ``limit`` or more of the node's CPUs
+    to other work (``TrialRecord.interference``), at most ``retries`` more times; the last measurement is kept.
+    ``on_retry`` gets each measurement set aside and its attempt number (1 for the first)."""
+
+    def measure(config: Configuration) -> TrialRecord:
+        record = profile(config)
+        for attempt in range(1, retries + 1):
+            if record.interference is None or record.interference.lost < limit:
+                break
+            if on_retry is not None:
+                on_retry(config, attempt, record)
+            record = profile(config)
+        return record
+
+    return measure

@@ -422,3 +422,55 @@ def test_tune_flags_the_trials_measured_while_the_node_was_busy_elsewhere(tmp_pa
     assert "(20% of the CPUs busy elsewhere (steal 20%, other processes 0%))" in out
     assert out.count("of the CPUs busy elsewhere") == 2
     assert "warning: 2 trial(s) (2, 4) and 0 repeat run(s) lost 5% or more of the node's CPUs" in out
+
+
+def test_a_measurement_that_lost_too_much_is_taken_again_up_to_the_retries_and_the_last_kept():
+    from autoconfig.interference import Interference
+    from autoconfig.tuner import remeasured_while_interfered
+
+    config, calls, set_aside = SPACE.configurations()[0], [], []
+    losses = iter([0.5, 0.3, 0.02, 0.4])  # two spoiled runs, then a quiet one (the fourth is never taken)
+
+    def profile(config):
+        calls.append(config)
+        lost = next(losses)
+        return TrialRecord(app_name="dlrm", configuration=config.as_dict(), status="ok", objective_name="max_rate",
+                           objective=10 * (1 - lost), sustainable_rps=10 * (1 - lost), duration_s=0.1,
+                           interference=Interference(steal=0.0, foreign=lost))
+
+    measure = remeasured_while_interfered(profile, limit=0.1, retries=2,
+                                          on_retry=lambda c, attempt, r: set_aside.append((attempt, r.objective)))
+    assert measure(config).objective == pytest.approx(9.8)
+    assert len(calls) == 3 and set_aside == [(1, pytest.approx(5.0)), (2, pytest.approx(7.0))]
+    losses = iter([0.5, 0.3, 0.2])
+    assert measure(config).objective == pytest.approx(8.0)  # retries spent: the last is kept, however spoiled
+    unrecorded = remeasured_while_interfered(
+        lambda c: profile(c).model_copy(update={"interference": None}), limit=0.1, retries=2)
+    losses, calls[:] = iter([0.5]), []
+    unrecorded(config)
+    assert len(calls) == 1  # nothing recorded: nothing to judge
+
+
+def test_tune_measures_a_spoiled_trial_again_and_refuses_a_bad_interference_limit(tmp_path, monkeypatch, capsys):
+    from autoconfig.cli import main
+    from autoconfig.interference import Interference
+
+    configs, calls = SPACE.configurations(), []
+    spoiled = iter([Interference(steal=0.0, foreign=0.4), Interference(steal=0.0, foreign=0.01)])
+    scripted = _scripted({configs[0]: [5.0, 9.0], configs[1]: [8.0]}, calls)
+    space = _cli_trials(monkeypatch, tmp_path, lambda config: scripted(config).model_copy(
+        update={"interference": next(spoiled) if config == configs[0] else Interference(steal=0.0, foreign=0.0)}))
+    argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--budget", "2",
+            "--searcher", "grid", "--repeats", "1", "--out", str(tmp_path / "tuned.yaml")]
+    assert main([*argv, "--max-interference", "0.1"]) == 0
+    assert calls == [configs[0], configs[0], configs[1]]
+    out = " ".join(capsys.readouterr().out.split())
+    assert (f"measuring {configs[0].as_dict()} again (1/2): 5.0 rps with 40% of the CPUs busy elsewhere "
+            "(steal 0%, other processes 40%)") in out
+    assert f"best: {configs[0].as_dict()} (objective 9.00)" in out  # the quiet measurement, not the spoiled one
+    for value in ("0", "1.5"):
+        assert main([*argv, "--max-interference", value]) == 2
+        assert "--max-interference must be in (0, 1]" in capsys.readouterr().out
+    assert main([*argv, "--interference-retries", "-1"]) == 2
+    assert "--interference-retries must be >= 0" in capsys.readouterr().out
