@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 RAY_DAEMONS = frozenset({"raylet", "gcs_server"})
 #: The share of the node's CPU time lost to other work above which a measurement is flagged.
 NOTICEABLE = 0.05
+#: What reading the node's or a process's CPU times can raise (no /proc, a platform psutil does not support).
+_UNREADABLE = (psutil.Error, OSError, NotImplementedError)
 
 
 class Interference(BaseModel):
@@ -112,11 +114,11 @@ def measure_interference() -> Iterator[InterferenceMeter]:
     meter = InterferenceMeter()
     try:
         before = sample()
-    except (psutil.Error, OSError, NotImplementedError):
+    except _UNREADABLE:
         before = None
     yield meter
     if before is not None:
         try:
             meter.result = between(before, sample())
-        except (psutil.Error, OSError, NotImplementedError):
+        except _UNREADABLE:
             meter.result = None

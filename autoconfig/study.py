@@ -142,10 +142,8 @@ class TuningStudy:
         ]
         repeats = []
         for config, runs in self._repeated_runs(records).items():
-            codes, lost = [run.get("code") for run in runs], [run.get("interference") for run in runs]
             repeats.append(Repeats(config=config, objectives=[_objective(run) for run in runs],
-                                   codes=codes if any(code is not None for code in codes) else None,
-                                   interference=lost if any(item is not None for item in lost) else None))
+                                   codes=_per_run(runs, "code"), interference=_per_run(runs, "interference")))
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
@@ -211,6 +209,12 @@ class TuningStudy:
 def trial_metrics(attrs: Mapping[str, Any]) -> dict[str, float]:
     """The measurements a multi-objective searcher weighs, where a trial has them."""
     return {name: float(attrs[name]) for name in ("p99_ms", "memory_mib", "violation") if attrs.get(name) is not None}
+
+
+def _per_run(runs: list[dict[str, Any]], key: str) -> list[Any] | None:
+    """Each run's ``key``, or None where no run recorded it."""
+    values = [run.get(key) for run in runs]
+    return values if any(value is not None for value in values) else None
 
 
 def _objective(record: Mapping[str, Any]) -> float | None:
