@@ -7,9 +7,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,6 +18,8 @@ from autoconfig.interference import Interference
 from autoconfig.space import Configuration, ConfigurationField, SearchSpace, SpaceError, describe_validation_error
 
 Status = Literal["ok", "failed", "slo_violated"]
+#: What a repeat records per run beside its objective, as ``Repeats`` fields.
+RunRecorded = Literal["codes", "machines", "interference"]
 
 
 class BankError(ValueError):
@@ -39,6 +41,8 @@ class ProfileRecord(BaseModel):
     status: Status
     objective: float | None = Field(None, ge=0.0, description="The objective; set exactly when status is ok.")
     code: str | None = Field(None, description="The swiftserve commit that measured it (None: not recorded).")
+    machine: str | None = Field(None, description="The hardware that measured it: CPU model and count, GPU "
+                                "(None: not recorded).")
     interference: Interference | None = Field(None, description="The node's CPU time its rate search lost to "
                                               "other work (None: not recorded).")
 
@@ -60,24 +64,21 @@ class Repeats(BaseModel):
     config: ConfigurationField
     objectives: list[float | None] = Field(min_length=2)
     codes: list[str | None] | None = Field(None, description="The swiftserve commit that measured each run.")
+    machines: list[str | None] | None = Field(None, description="The hardware that measured each run.")
     interference: list[Interference | None] | None = Field(
         None, description="The node's CPU time each run's rate search lost to other work.")
 
     @model_validator(mode="after")
     def _a_value_per_run(self) -> Repeats:
-        for name in ("codes", "interference"):
+        for name in get_args(RunRecorded):
             values = getattr(self, name)
             if values is not None and len(values) != len(self.objectives):
                 raise ValueError(f"{name}: {len(values)} for {len(self.objectives)} objectives")
         return self
 
-    def run_codes(self) -> list[str | None]:
-        """The commit that measured each run (None for each where not recorded)."""
-        return self.codes or [None] * len(self.objectives)
-
-    def run_interference(self) -> list[Interference | None]:
-        """What each run lost to other work (None for each where not recorded)."""
-        return self.interference or [None] * len(self.objectives)
+    def per_run(self, name: RunRecorded) -> list[Any]:
+        """Each run's ``codes``, ``machines`` or ``interference`` (None for each where not recorded)."""
+        return getattr(self, name) or [None] * len(self.objectives)
 
     def relative_spread(self) -> float | None:
         """Standard deviation over mean of the ok runs (None with fewer than two, or a mean of 0)."""
@@ -136,20 +137,27 @@ class BankEntry(BaseModel):
         spreads = [spread for repeat in self.repeats if (spread := repeat.relative_spread()) is not None]
         return float(np.median(spreads)) if spreads else None
 
+    def _every_measurement(self, field: str, per_run: RunRecorded) -> list[Any]:
+        """``field`` of each trial, then ``per_run`` of each repeat's runs (None where not recorded)."""
+        values = [getattr(trial, field) for trial in self.trials]
+        for repeat in self.repeats:
+            values += repeat.per_run(per_run)
+        return values
+
     def code_versions(self) -> list[str | None]:
         """The distinct swiftserve commits that measured the entry's trials and repeat runs, in order of first use;
         None among them when some measurement did not record one."""
-        codes = [trial.code for trial in self.trials]
-        for repeat in self.repeats:
-            codes += repeat.run_codes()
-        return list(dict.fromkeys(codes))
+        return list(dict.fromkeys(self._every_measurement("code", "codes")))
+
+    def machines(self) -> list[str | None]:
+        """The distinct hardware that measured the entry's trials and repeat runs, in order of first use; None
+        among them when some measurement did not record it."""
+        return list(dict.fromkeys(self._every_measurement("machine", "machines")))
 
     def most_lost(self) -> float | None:
         """The largest share of the node's CPUs any trial or repeat run lost to other work (None: none recorded)."""
-        recorded = [trial.interference for trial in self.trials]
-        for repeat in self.repeats:
-            recorded += repeat.run_interference()
-        lost = [interference.lost for interference in recorded if interference is not None]
+        lost = [recorded.lost for recorded in self._every_measurement("interference", "interference")
+                if recorded is not None]
         return max(lost) if lost else None
 
     @property
@@ -205,13 +213,15 @@ def load_bank(directory: str | Path) -> list[BankEntry]:
     return entries
 
 
-def measured_by(entries: Sequence[BankEntry]) -> dict[str | None, list[str]]:
-    """The entries' names under each code version that measured some of them (None: measurements that recorded
-    none), in order of first use: more than one key means the bank compares systems measured at different code."""
+def measured_by(entries: Sequence[BankEntry],
+                what: Callable[[BankEntry], list[str | None]] = BankEntry.code_versions) -> dict[str | None, list[str]]:
+    """The entries' names under each code version (``what``: or :meth:`BankEntry.machines`) that measured some of
+    them (None: measurements that recorded none), in order of first use: more than one key means the bank compares
+    systems measured at different code, or on different hardware."""
     names: dict[str | None, list[str]] = {}
     for entry in entries:
-        for code in entry.code_versions():
-            names.setdefault(code, []).append(entry.name)
+        for measurer in what(entry):
+            names.setdefault(measurer, []).append(entry.name)
     return names
 
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import signal
 import sys
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -158,6 +159,7 @@ def _tune(args: argparse.Namespace, console: Console) -> int:
     done = len(study.history())
     console.print(f"study {study.name!r} in {args.storage}: {done} finished trial(s), budget {args.budget}, "
                   f"space of {space.size} configurations, searcher {args.searcher}")
+    _warn_other_machines(console, study)
     owns_cluster = not ray.is_initialized() and args.address is None  # a local cluster of our own: ours to stop
     if not ray.is_initialized():
         ray.init(address=args.address, include_dashboard=False)
@@ -293,7 +295,9 @@ def _machine() -> dict[str, object]:
 
     import torch
 
-    return {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+    from autoconfig.provenance import cpu_model
+
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(),
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "torch": torch.__version__, "python": platform.python_version()}
 
@@ -301,7 +305,7 @@ def _machine() -> dict[str, object]:
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from rich.progress import Progress
 
-    from autoconfig.bank import BankError, load_bank, measured_by
+    from autoconfig.bank import BankEntry, BankError, load_bank, measured_by
     from autoconfig.evaluate import plot_progress, replay_table, selected
     from autoconfig.replay import replay
     from autoconfig.searchers import SEARCHERS
@@ -316,10 +320,13 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]error:[/red] {args.bank}: leave-one-model-out needs at least 2 profiled models",
                       soft_wrap=True)
         return 2
-    if len(codes := measured_by(entries)) > 1:
-        versions = "; ".join(f"{code or 'not recorded'}: {', '.join(models)}" for code, models in codes.items())
-        console.print(f"[yellow]warning:[/yellow] {args.bank} was measured at {len(codes)} code versions, so its "
-                      f"surfaces may differ by more than the models ({versions})", soft_wrap=True)
+    for where, measurers in (("at {} code versions", measured_by(entries)),
+                             ("on {} machines", measured_by(entries, BankEntry.machines))):
+        if len(measurers) > 1:
+            named = "; ".join(f"{measurer or 'not recorded'}: {', '.join(models)}"
+                              for measurer, models in measurers.items())
+            console.print(f"[yellow]warning:[/yellow] {args.bank} was measured {where.format(len(measurers))}, so "
+                          f"its surfaces may differ by more than the models ({named})", soft_wrap=True)
     factories = {name: SEARCHERS[name] for name in names}
     with Progress(console=console) as progress:
         bar = progress.add_task("replaying", total=len(names) * len(entries) * args.seeds)
@@ -393,6 +400,20 @@ def _warn_interference(console: Console, study: TuningStudy) -> None:
                       f"and {runs} repeat run(s) lost {NOTICEABLE:.0%} or more of the node's CPUs to the "
                       "hypervisor or to other processes while measured: their rates understate the configurations'; "
                       "measure them again on a quiet node")
+
+
+def _warn_other_machines(console: Console, study: TuningStudy) -> None:
+    """Warns when a resumed study holds measurements taken on other hardware than this machine: its rates are
+    another system's, and mixing them with this machine's misleads the search and the bank."""
+    from autoconfig.provenance import machine_id
+
+    runs = [*study.records(), *(run for runs in study.repeats().values() for run in runs)]
+    elsewhere = Counter(run["machine"] for run in runs if run.get("machine") not in (None, machine_id()))
+    if elsewhere:
+        named = ", ".join(f"{count} on {machine}" for machine, count in elsewhere.items())
+        console.print(f"[yellow]warning:[/yellow] study {study.name!r} holds measurements taken on other hardware "
+                      f"({named}); this machine is {machine_id()}. Rates from different machines are not "
+                      "comparable: use a new --study to profile this machine alone", soft_wrap=True)
 
 
 def _print_front(console: Console, records: list[dict]) -> list[dict]:

@@ -136,6 +136,7 @@ class TuningStudy:
                 status=record["status"],
                 objective=_objective(record),
                 code=record.get("code"),
+                machine=record.get("machine"),
                 interference=record.get("interference"),
             )
             for record in records
@@ -143,7 +144,8 @@ class TuningStudy:
         repeats = []
         for config, runs in self._repeated_runs(records).items():
             repeats.append(Repeats(config=config, objectives=[_objective(run) for run in runs],
-                                   codes=_per_run(runs, "code"), interference=_per_run(runs, "interference")))
+                                   codes=_per_run(runs, "code"), machines=_per_run(runs, "machine"),
+                                   interference=_per_run(runs, "interference")))
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
 
@@ -159,10 +161,11 @@ class TuningStudy:
             measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
             self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
         for repeat in entry.repeats:
-            runs = zip(repeat.objectives, repeat.run_codes(), repeat.run_interference(), strict=True)
-            for value, code, lost in list(runs)[1:]:
+            runs = zip(repeat.objectives, repeat.per_run("codes"), repeat.per_run("machines"),
+                       repeat.per_run("interference"), strict=True)
+            for value, code, machine, lost in list(runs)[1:]:
                 run = {"status": "ok", "objective": value} if value is not None else {"status": "slo_violated"}
-                recorded = {"code": code, "interference": lost and lost.model_dump()}
+                recorded = {"code": code, "machine": machine, "interference": lost and lost.model_dump()}
                 self.record_repeat(repeat.config, run | {key: item for key, item in recorded.items() if item})
 
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:

@@ -21,7 +21,7 @@ from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.interference import Interference, measure_interference
 from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
-from autoconfig.provenance import code_version
+from autoconfig.provenance import code_version, machine_id
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
 from autoconfig.space import shortcut_values
 from autoconfig.stress import ClientSettings, Probe, RateSearchResult, SearchSettings, StressClient
@@ -63,6 +63,7 @@ class TrialRecord(BaseModel):
     duration_s: float
     error: str | None = None
     code: str | None = None  # the swiftserve commit that measured it (autoconfig.provenance)
+    machine: str | None = None  # the hardware that measured it (autoconfig.provenance.machine_id)
     interference: Interference | None = None  # the node's CPU time the rate search lost to other work
     search: RateSearchResult | None = None
 
@@ -339,6 +340,7 @@ def run_trial(
         objective=value if fields["status"] == "ok" else 0.0,
         duration_s=time.monotonic() - started,
         code=code_version(),
+        machine=machine_id(),
         **fields,
     )
 

@@ -81,7 +81,8 @@ def surface_facts(entries) -> list[dict[str, object]]:
             "feasible": int(np.isfinite(values).sum()),
             "within_5pct": int((feasible >= 0.95 * values[best]).sum()),
             "optimum": configs[best].as_dict(), "optimum_objective": float(values[best]),
-            "noise": entry.noise(), "code": entry.code_versions(), "most_lost": entry.most_lost(),
+            "noise": entry.noise(), "code": entry.code_versions(),
+            "machines": entry.machines(), "most_lost": entry.most_lost(),
         })
     return facts
 
@@ -261,11 +262,12 @@ def main() -> None:
         f"# autoconfig replay on the measured profile bank ({len(entries)} models, {args.seeds} seeds, "
         f"leave-one-model-out)", "",
         "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise | measured at | "
-        "most CPU lost to other work |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "measured on | most CPU lost to other work |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(f"| {f['model']} | {f['configurations']} | {f['feasible']} | {f['within_5pct']} | {f['optimum']} | "
           f"{f['optimum_objective']:.1f} | {'-' if f['noise'] is None else format(f['noise'], '.1%')} | "
           f"{', '.join(map(short_code, f['code']))} | "
+          f"{', '.join(machine or 'not recorded' for machine in f['machines'])} | "
           f"{'not recorded' if f['most_lost'] is None else format(f['most_lost'], '.0%')} |"
           for f in facts), "",
         "| searcher | within 5%: median | p90 | mean | median / space | to optimum: median | p90 | mean | "

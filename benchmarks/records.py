@@ -1,5 +1,6 @@
 """Where benchmark numbers come from and where they go: the machine, the commit and command, timing summaries,
-and the result files (``<name>.json`` + ``<name>.md``). Imports torch only, so it runs on a bare GPU machine."""
+and the result files (``<name>.json`` + ``<name>.md``). Imports torch and the standard library only (through
+``autoconfig.provenance`` too), so it runs on a bare GPU machine."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from autoconfig.provenance import cpu_model
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -26,20 +29,13 @@ def machine() -> dict[str, object]:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"
     return {
         "device": device,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cuda": torch.cuda.is_available(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }
-
-
-def _cpu_model() -> str:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
-    models = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
-    return models[0] if models else platform.processor() or platform.machine()
 
 
 def provenance() -> dict[str, str]:

@@ -10,7 +10,7 @@ from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.interference import system_processes
-from autoconfig.provenance import code_version
+from autoconfig.provenance import code_version, cpu_model, machine_id
 from autoconfig.serve_config import load_serve_config
 from autoconfig.stress import ClientSettings, SearchSettings
 from autoconfig.trial import TrialEvent, delete_trial_app, run_trial
@@ -72,6 +72,7 @@ def test_trial_of_the_tiny_dlrm_finds_a_rate_within_the_slo_and_removes_the_app(
     assert record.sustainable_rps >= 5 and record.p99_ms <= SLO_MS and record.error_rate <= 0.01
     assert record.achieved_rps > 0
     assert record.code == code_version()  # which swiftserve measured it
+    assert record.machine == machine_id() and cpu_model() in record.machine  # on which hardware
     print(f"interference: {record.interference}")
     assert record.interference is not None  # what the rate search lost to other work
     replica_pids = {replica["pid"] for replica in _replica_details()}

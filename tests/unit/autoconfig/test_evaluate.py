@@ -25,21 +25,24 @@ def test_evaluate_prints_each_searcher_and_writes_a_png(tmp_path, capsys):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_evaluate_warns_when_the_bank_was_measured_at_several_code_versions(tmp_path, capsys):
+@pytest.mark.parametrize(("field", "where"), [("code", "at 2 code versions"), ("machine", "on 2 machines")])
+def test_evaluate_warns_when_the_bank_was_measured_at_several_code_versions_or_machines(tmp_path, capsys, field,
+                                                                                         where):
     entries = synthetic_bank(3, SPACE, seed=5)
-    recorded = [entry.model_copy(update={"trials": [trial.model_copy(update={"code": code})
+    recorded = [entry.model_copy(update={"trials": [trial.model_copy(update={field: measurer})
                                                     for trial in entry.trials]})
-                for entry, code in zip(entries, ["abc", "abc", None], strict=True)]
+                for entry, measurer in zip(entries, ["abc", "abc", None], strict=True)]
     save_bank(recorded, tmp_path / "mixed")
     assert main(["evaluate", "--bank", str(tmp_path / "mixed"), "--searchers", "grid", "--seeds", "1",
                  "--plot", str(tmp_path / "p.png")]) == 0
     out = " ".join(capsys.readouterr().out.split())
     names = [entry.name for entry in entries]
-    assert "measured at 2 code versions" in out and f"abc: {names[0]}, {names[1]}; not recorded: {names[2]}" in out
+    assert f"measured {where}, so" in out and f"abc: {names[0]}, {names[1]}; not recorded: {names[2]}" in out
+    assert out.count("warning:") == 1  # the other provenance is the same (unrecorded) for all three
     save_bank(recorded[:2], tmp_path / "one")
     assert main(["evaluate", "--bank", str(tmp_path / "one"), "--searchers", "grid", "--seeds", "1",
                  "--plot", str(tmp_path / "p.png")]) == 0
-    assert "code versions" not in capsys.readouterr().out
+    assert "warning:" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -282,26 +282,30 @@ def test_a_bank_entry_added_to_a_study_comes_back_whole_and_its_racing_resumes(t
         TuningStudy.open(sqlite_url(tmp_path / "other.db"), "m", other).add_bank_entry(entry)
 
 
-def test_each_trial_and_repeat_run_keeps_the_code_that_measured_it_through_the_bank(tmp_path):
-    """A profile taken at commit a and raced after an upgrade to b: the entry says so, run by run."""
+@pytest.mark.parametrize(("field", "per_run", "distinct"), [
+    ("code", "codes", BankEntry.code_versions),
+    ("machine", "machines", BankEntry.machines),
+])
+def test_each_trial_and_repeat_run_keeps_what_measured_it_through_the_bank(tmp_path, field, per_run, distinct):
+    """A profile taken at commit (or on machine) a and raced after a move to b: the entry says so, run by run."""
     study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "race", SPACE)
-    at = lambda code, profile: lambda config: profile(config).model_copy(update={"code": code})  # noqa: E731
-    tune(study, GridSearcher(SPACE), at("a", _scripted(RACE, [])), budget=len(RACE))
-    repeat_best(study, at("b", _scripted({c: v[1:] for c, v in RACE.items()}, [])), configs=2, runs=3, limit=2)
+    by = lambda measurer, profile: lambda config: profile(config).model_copy(update={field: measurer})  # noqa: E731
+    tune(study, GridSearcher(SPACE), by("a", _scripted(RACE, [])), budget=len(RACE))
+    repeat_best(study, by("b", _scripted({c: v[1:] for c, v in RACE.items()}, [])), configs=2, runs=3, limit=2)
     entry = study.to_bank_entry({"name": "m"}, {}, "max_rate")
-    assert [trial.code for trial in entry.trials] == ["a"] * len(RACE)
-    assert [repeat.codes for repeat in entry.repeats] == [["a", "b", "b"]] * 2
-    assert entry.code_versions() == ["a", "b"]
+    assert [getattr(trial, field) for trial in entry.trials] == ["a"] * len(RACE)
+    assert [getattr(repeat, per_run) for repeat in entry.repeats] == [["a", "b", "b"]] * 2
+    assert distinct(entry) == ["a", "b"]
     assert BankEntry.load(_saved(entry, tmp_path / "m.json")) == entry
     copy = TuningStudy.open(sqlite_url(tmp_path / "copy.db"), "m", SPACE)
     copy.add_bank_entry(entry)
     assert copy.to_bank_entry({"name": "m"}, {}, "max_rate") == entry
-    # Measurements from before the code was recorded: unknown, and said to be.
-    old = entry.model_copy(update={"trials": [entry.trials[0].model_copy(update={"code": None}), *entry.trials[1:]]})
-    assert old.code_versions() == [None, "a", "b"]
+    # Measurements from before it was recorded: unknown, and said to be.
+    old = entry.model_copy(update={"trials": [entry.trials[0].model_copy(update={field: None}), *entry.trials[1:]]})
+    assert distinct(old) == [None, "a", "b"]
     raw = entry.model_dump(mode="json")
-    raw["repeats"][0]["codes"] = ["a", "b"]
-    with pytest.raises(BankError, match=r"repeats\[0\]: codes: 2 for 3 objectives"):
+    raw["repeats"][0][per_run] = ["a", "b"]
+    with pytest.raises(BankError, match=rf"repeats\[0\]: {per_run}: 2 for 3 objectives"):
         BankEntry.load(_saved_raw(raw, tmp_path / "bad.json"))
 
 
@@ -474,3 +478,28 @@ def test_tune_measures_a_spoiled_trial_again_and_refuses_a_bad_interference_limi
         assert "--max-interference must be in (0, 1]" in capsys.readouterr().out
     assert main([*argv, "--interference-retries", "-1"]) == 2
     assert "--interference-retries must be >= 0" in capsys.readouterr().out
+
+
+def test_tune_warns_when_it_resumes_a_study_measured_on_other_hardware(tmp_path, monkeypatch, capsys):
+    """Two trials measured on machine a, resumed here: the run says how many were measured where, and names this
+    machine; resuming on the same machine says nothing."""
+    from autoconfig.cli import main
+    from autoconfig.provenance import machine_id
+
+    configs, calls = SPACE.configurations(), []
+    scripted = _scripted({config: [float(i + 1)] for i, config in enumerate(configs[:3])}, calls)
+    on = {"machine": "a"}
+    space = _cli_trials(monkeypatch, tmp_path, lambda config: scripted(config).model_copy(update=on))
+    argv = ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--searcher", "grid",
+            "--repeats", "1", "--out", str(tmp_path / "tuned.yaml")]
+    assert main([*argv, "--budget", "2"]) == 0
+    assert "other hardware" not in capsys.readouterr().out  # a new study
+    on["machine"] = machine_id()
+    assert main([*argv, "--budget", "3"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"holds measurements taken on other hardware (2 on a); this machine is {machine_id()}" in out
+    assert calls == list(configs[:3])
+    capsys.readouterr()
+    study = TuningStudy.load(sqlite_url(tmp_path / "s.db"), "dlrm-grid")
+    assert [record["machine"] for record in study.records()] == ["a", "a", machine_id()]
