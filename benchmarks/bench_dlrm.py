@@ -360,7 +360,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   "|---|---|---|---|---|---|---|---|---|"]
         worst_throughput, worst_p50 = [], []
         monoliths = [name for name in same if name.startswith("monolithic")]
-        for batch in args.batches:  # ratios against the stronger monolithic system at each batch size
+        for batch in _measured_sizes(same):  # ratios against the stronger monolithic system at each batch size
             mono = max((same[name][batch] for name in monoliths), key=lambda row: statistics.median(row["rows_per_s"]))
             mono_p50 = min(statistics.median(same[name][batch]["p50_ms"]) for name in monoliths)
             for name, entry in same.items():
@@ -388,13 +388,14 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   "int8 row-wise. Summary ratios: `disaggregated` (float32 tables) against `monolithic`.", "",
                   "| N | system | RSS GiB | USS GiB | PSS GiB | rows/s | rows/s per GiB RSS |",
                   "|---|---|---|---|---|---|---|"]
-        for replicas in args.replicas:
+        counts = _measured_sizes(scale)
+        for replicas in counts:
             for name, entry in ((name, by_n[replicas]) for name, by_n in scale.items()):
                 memory, rate = entry["memory"], statistics.median(entry["rows_per_s"])
                 lines.append(f"| {replicas} | {name} | {memory['rss'] / GiB:.2f} | {memory['uss'] / GiB:.2f} | "
                              f"{memory['pss'] / GiB:.2f} | {_cell(entry['rows_per_s'], '.0f')} | "
                              f"{rate / (memory['rss'] / GiB):.0f} |")
-        top = max(args.replicas)
+        top = max(counts)
         mono, dis = scale["monolithic"][top], scale["disaggregated"][top]
         summary[f"memory_ratio_n{top}"] = dis["memory"]["rss"] / mono["memory"]["rss"]
         summary[f"throughput_per_gib_ratio_n{top}"] = (
@@ -434,6 +435,12 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
     return "\n".join(lines), summary
 
 
+def _measured_sizes(section: dict[str, dict[int, Any]]) -> list[int]:
+    """The batch sizes (or replica counts) a section measured every system at: a section carried over from an
+    earlier run has that run's, not this run's arguments'."""
+    return sorted(set.intersection(*(set(by_size) for by_size in section.values())))
+
+
 def _cpu_cell(runs: list[dict[str, float]]) -> str:
     """Median CPU µs per row of each role over ``runs``: ``total (ingress + directory + shards)``."""
     order = {"ShardDirectory": 1, "shards": 2}  # the ingress deployment first
@@ -447,7 +454,7 @@ def _cell(values: list[float], fmt: str = ".1f") -> str:
     return f"{statistics.median(values):{fmt}} [{min(values):{fmt}}, {max(values):{fmt}}]"
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="criteo-kaggle")
     parser.add_argument("--sections", nargs="+", default=["same_cores", "scale_out", "cache", "dense_memory",
@@ -473,7 +480,11 @@ def main() -> None:
     parser.add_argument("--quality-rows", type=int, default=65536)
     parser.add_argument("--requests", type=int, default=64, help="distinct generated requests per batch size")
     parser.add_argument("--object-store-gib", type=float, default=2.0)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = arguments().parse_args()
     spec = preset_spec(args.preset)
     generated: dict[int, list] = {}
 
@@ -527,9 +538,19 @@ def carry_over(results: dict[str, Any]) -> dict[str, str]:
     carried = {}
     for section, rows in previous["rows"].items():
         if section not in results:
-            results[section] = rows
+            results[section] = _with_int_keys(rows)
             carried[section] = previous.get("carried_over", {}).get(section, previous["commit"])
     return carried
+
+
+def _with_int_keys(value: Any) -> Any:
+    """``value`` read back from JSON, whose object keys are strings: the sections' batch sizes and replica counts
+    become ints again, as the measuring code writes them."""
+    if isinstance(value, dict):
+        return {int(key) if key.isdecimal() else key: _with_int_keys(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_with_int_keys(item) for item in value]
+    return value
 
 
 if __name__ == "__main__":
