@@ -1,4 +1,4 @@
-"""The ``autoconfig`` command line: ``check``, ``tune``, ``profile``, ``evaluate`` and ``report``.
+"""The ``autoconfig`` command line: ``check``, ``tune``, ``profile``, ``evaluate``, ``report`` and ``plan``.
 
 Each subcommand's ``--help`` says what it does (docs/AUTOCONFIG.md: how trials and studies work). ``main`` returns
 the exit code; ``tune`` stopped by Ctrl-C or SIGTERM keeps its finished trials and returns 130 or 143.
@@ -375,6 +375,26 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, console: Console) -> int:
+    from autoconfig.planning.command import INPUT_ERRORS, load_inputs, plan_tables, stderr_progress, write_outputs
+    from autoconfig.planning.plan import make_plan
+
+    try:
+        inputs = load_inputs(args)
+    except INPUT_ERRORS as error:
+        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
+        return 2
+    plan = make_plan(inputs.workload, inputs.cluster, args.policy, progress=stderr_progress())
+    for table in plan_tables(plan):
+        console.print(table)
+    for line in write_outputs(plan, args, inputs.template):
+        console.print(line, soft_wrap=True)
+    unplaced = len(plan.placement.unplaced)
+    if unplaced:
+        console.print(f"[yellow]{unplaced} of {len(plan.workload.instances)} instance(s) not placed[/yellow]")
+    return 1 if unplaced else 0
+
+
 def _outcome(record) -> str:
     """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line; what
     the rate search lost to other work where that was noticeable."""
@@ -542,6 +562,27 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--storage", default="sqlite:///autoconfig.db", help="Optuna storage URL of the study")
     report.add_argument("--plot", default="autoconfig_report.png", help="PNG of the progress and the surface")
     report.set_defaults(run=_report)
+
+    plan = commands.add_parser("plan", help="size pools, place them on a node list and report what is stranded "
+                               "(docs/AUTOCONFIG.md, 'Planning a cluster')")
+    plan.add_argument("--services", required=True, help="a service file (YAML or JSON: pools measured by `profile`, "
+                      "per layout) or a trace CSV in the format of Prism's disaggregated_DLRM_trace.csv")
+    plan.add_argument("--nodes", required=True, help="the node list: CSV in the openb format (sn, cpu_milli, "
+                      "memory_mib, gpu, model) or YAML/JSON {nodes: [{name, cpus, memory_gib, gpus, count}]}")
+    plan.add_argument("--layout", choices=("monolithic", "disaggregated"), required=True,
+                      help="monolithic: a trace's GPU-node instances fused with their service's CPU-node share")
+    plan.add_argument("--policy", choices=("best-fit", "fgd", "fgd-reserve"), default="fgd-reserve",
+                      help="best-fit (baseline); fgd: fragmentation gradient descent (ATC'23) over CPUs, memory "
+                           "and GPUs; fgd-reserve: fgd keeping GPU nodes' CPUs and memory for GPU instances")
+    plan.add_argument("--moment", default="busiest", help="trace only: the instances alive at the busiest moment, "
+                      "at a time in seconds, or all")
+    plan.add_argument("--out", default="plan.json", help="the plan as JSON: pools, every instance's node, what "
+                      "could not be placed and why, fragmentation")
+    plan.add_argument("--template", default="deploy/serve_config.gpu.yaml",
+                      help="Serve config whose DLRM apps the services name (services[i].app)")
+    plan.add_argument("--serve-config", default=None, help="write the Serve config that realises the plan here")
+    plan.add_argument("--worker-groups", default=None, help="write KubeRay workerGroupSpecs for the plan's nodes here")
+    plan.set_defaults(run=_plan)
     return parser
 
 
