@@ -3,15 +3,16 @@
 Sections (``--sections``, default all), every system deployed as a Serve app of ``disagg.app:build_app`` in one
 Ray cluster on this machine, requests sent through the ingress handles (``infer``; both sides skip HTTP alike):
 
-- ``same_cores``: monolithic (one replica, ``--threads`` torch threads; stacked tables and, as users' own model
-  runs, one table at a time) against disaggregated with float32 and float16 rows on the wire (one dense replica
-  with ``--dense-threads`` threads, ``--shards`` shards of one thread each, cache ``--cache-fraction`` of the table
-  bytes; and float32 with every table on one shard), all on the same cores. Per batch size: p50/p99 of sequential
-  requests (``--latency-repeats`` runs), rows/s with ``--clients`` callers for ``--seconds`` (``--repeats`` runs),
-  CPU per row of each app's processes, gRPC bytes per request. Systems interleaved.
+- ``same_cores``: monolithic (one replica of ``--threads`` torch threads, or two of one; stacked tables and, as
+  users' own model runs, one table at a time) against disaggregated with float32 and float16 rows on the wire (one
+  dense replica with ``--dense-threads`` threads, ``--shards`` shards of one thread each, cache ``--cache-fraction``
+  of the table bytes; and float32 with every table on one shard), all on the same cores (``SAME_CORES``). Per batch
+  size: p50/p99 of sequential requests (``--latency-repeats`` runs), rows/s with enough callers to keep the cores
+  busy (``callers``) for ``--seconds`` (``--repeats`` runs), CPU per row of each app's processes and the machine's
+  idle share, gRPC bytes per request. Systems interleaved; each ratio against the best monolithic system.
 - ``scale_out``: N monolithic replicas (each holds every table) against N dense replicas sharing one shard set,
   N in ``--replicas``: total RSS / USS / PSS of every process of each app, rows/s at ``--scale-batch``, rows/s
-  per GiB of RSS.
+  per GiB of PSS.
 - ``cache``: disaggregated with the cache at ``--cache-fractions`` of the table bytes (LRU and LFU): hit rate and
   rows/s at ``--cache-batch`` under the Zipf generator.
 - ``dense_memory``: the dense replica's RSS/USS as tables grow (``--memory-presets``), against an idle replica's
@@ -51,8 +52,25 @@ from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.memory import serve_processes
 from serving.common.net import free_port
+from serving.common.tensors import register_ray_serializer
 
 GiB = 2**30
+#: Every replica of both layouts: OpenMP threads sleep when a parallel region ends instead of spinning for the next
+#: (a replica with two torch threads spent a third of its CPU spinning).
+REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+#: The same-cores systems. Both layouts' compute pools in the same two shapes: one replica with ``--threads``
+#: (``--dense-threads``) torch threads, or two of one thread each (for the monolithic layout, twice the tables); the
+#: model's own modules, one table at a time; every table on one shard.
+SAME_CORES = {
+    "monolithic": {"serving": "monolithic"},
+    "monolithic_2x1": {"serving": "monolithic", "replicas": 2, "threads": 1},
+    "monolithic_per_table": {"serving": "monolithic", "stacked": False},
+    "disagg_fp32": {"serving": "disaggregated"},
+    "disagg_fp32_2x1": {"serving": "disaggregated", "replicas": 2, "threads": 1},
+    "disagg_fp32_1shard": {"serving": "disaggregated", "shards": 1},
+}
+#: The float32 disaggregated systems the summary ratios take the best of, as they take the best monolithic system.
+SUMMARY_DISAGGREGATED = ("disagg_fp32", "disagg_fp32_2x1")
 
 
 # -- deployment ----------------------------------------------------------------------------------------------------
@@ -66,10 +84,10 @@ def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str
     spec = preset_spec(preset or args.preset)
     table_bytes = spec.total_rows * spec.embedding_dim * 4
     ingress = "MonolithicDLRM" if serving == "monolithic" else "DisaggregatedDLRM"
-    deployments = [{"name": ingress, "num_replicas": replicas, "ray_actor_options": {"num_cpus": 0.01}}]
+    options = {"num_cpus": 0.01, "runtime_env": {"env_vars": REPLICA_ENV}}
+    deployments = [{"name": ingress, "num_replicas": replicas, "ray_actor_options": options}]
     if serving == "disaggregated":
-        deployments += [{"name": f"EmbeddingShard_{i}", "ray_actor_options": {"num_cpus": 0.01}}
-                        for i in range(shards)]
+        deployments += [{"name": f"EmbeddingShard_{i}", "ray_actor_options": options} for i in range(shards)]
     return {
         "name": name, "route_prefix": f"/{name}/v2", "import_path": "disagg.app:build_app",
         "args": {
@@ -160,6 +178,22 @@ def latency(handle: DeploymentHandle, batches: list, seconds: float) -> dict[str
             "samples": len(durations), "errors": outcomes.errors}
 
 
+def callers(args: argparse.Namespace, batch: int) -> int:
+    """Callers that keep both layouts busy at ``batch`` rows per request: ``--rows-in-flight`` rows outstanding,
+    within [``--clients``, ``--max-clients``]."""
+    return max(args.clients, min(args.max_clients, args.rows_in_flight // batch))
+
+
+def machine_cpu() -> Any:
+    return psutil.cpu_times()
+
+
+def idle_and_steal(before: Any, after: Any) -> dict[str, float]:
+    """Shares of the machine's CPU time idle and stolen by the hypervisor between two ``psutil.cpu_times()``."""
+    total = sum(after) - sum(before)
+    return {"idle": (after.idle - before.idle) / total, "steal": (after.steal - before.steal) / total}
+
+
 def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: float) -> dict[str, Any]:
     """Rows per second with ``clients`` callers, each sending its next request when one returns, for ``seconds``."""
     outcomes = Outcomes()
@@ -200,11 +234,8 @@ def median_range(values: list[float]) -> dict[str, float]:
 # -- sections ------------------------------------------------------------------------------------------------------
 
 def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
-    systems = {"monolithic": {"serving": "monolithic"},
-               "monolithic_per_table": {"serving": "monolithic", "stacked": False},
-               "disagg_fp32": {"serving": "disaggregated", "wire": "float32", "cache_fraction": args.cache_fraction},
-               "disagg_fp16": {"serving": "disaggregated", "wire": "float16", "cache_fraction": args.cache_fraction},
-               "disagg_fp32_1shard": {"serving": "disaggregated", "shards": 1, "cache_fraction": args.cache_fraction}}
+    systems = {name: {**options, "cache_fraction": args.cache_fraction} if options["serving"] == "disaggregated"
+               else options for name, options in SAME_CORES.items()}
     handles = deploy([app_config(name.replace("_", "-"), args, **options) for name, options in systems.items()], port)
     handles = {name: handles[name.replace("_", "-")] for name in systems}
     rows: dict[str, dict[int, dict[str, list]]] = {name: {} for name in systems}
@@ -216,8 +247,9 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
             order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
             for name in order:
                 handle, disaggregated = handles[name], name.startswith("disagg")
-                entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "rows_per_s": [],
-                                                      "bytes_per_request": [], "cpu_us_per_row": [], "errors": []})
+                entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "latency_samples": [],
+                                                      "rows_per_s": [], "bytes_per_request": [], "cpu_us_per_row": [],
+                                                      "machine": [], "errors": [], "callers": callers(args, batch)})
                 if repeat < args.latency_repeats:
                     before = grpc_bytes(handle) if disaggregated else 0
                     measured = latency(handle, batches, args.latency_seconds)
@@ -225,17 +257,20 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
                         entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
                     entry["p50_ms"].append(measured["p50_ms"])
                     entry["p99_ms"].append(measured["p99_ms"])
+                    entry["latency_samples"].append(measured["samples"])
                     entry["errors"].append(measured["errors"])
                 if repeat < args.repeats:
-                    cpu_before = app_cpu_seconds(name.replace("_", "-"))
-                    served = throughput(handle, batches, args.clients, args.seconds)
-                    cpu_after = app_cpu_seconds(name.replace("_", "-"))
+                    cpu_before, machine_before = app_cpu_seconds(name.replace("_", "-")), machine_cpu()
+                    served = throughput(handle, batches, entry["callers"], args.seconds)
+                    cpu_after, machine_after = app_cpu_seconds(name.replace("_", "-")), machine_cpu()
                     entry["cpu_us_per_row"].append(
                         {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / served["rows"]
                          for role in cpu_after})
+                    entry["machine"].append(idle_and_steal(machine_before, machine_after))
                     entry["rows_per_s"].append(served["rows_per_s"])
                     entry["errors"].append(served["errors"])
-                print("same_cores", name, batch, repeat, {k: v[-1] for k, v in entry.items() if v}, flush=True)
+                print("same_cores", name, batch, repeat, {k: v[-1] for k, v in entry.items()
+                                                          if isinstance(v, list) and v}, flush=True)
     serve.shutdown()
     return rows
 
@@ -258,7 +293,7 @@ def scale_out(args: argparse.Namespace, workload: Callable[[int], list], port: i
                                        "threads": threads}
         for repeat in range(args.repeats):
             for name in systems if repeat % 2 == 0 else reversed(systems):
-                served = throughput(handles[names[name]], batches, replicas * args.clients, args.seconds)
+                served = throughput(handles[names[name]], batches, callers(args, args.scale_batch), args.seconds)
                 results[name][replicas]["rows_per_s"].append(served["rows_per_s"])
                 results[name][replicas]["errors"].append(served["errors"])
                 print("scale_out", name, replicas, repeat, served, flush=True)
@@ -344,49 +379,62 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
     summary: dict[str, float] = {}
     if same := results.get("same_cores"):
         lines += ["## Same cores", "",
-                  f"Every system on the same {psutil.cpu_count()} cores; monolithic replica {args.threads} torch "
-                  f"threads, dense replica {args.dense_threads}, shards 1 each, cache {args.cache_fraction:.0%} of the "
-                  "table bytes; "
-                  f"{args.clients} callers for {args.seconds:g} s per throughput run ({args.repeats} runs), "
-                  f"sequential requests for {args.latency_seconds:g} s per latency run ({args.latency_repeats} runs). "
-                  "`monolithic` stacks each width's tables and pools every bag in one call (`model.stacked_tables`, "
-                  "the default); `monolithic_per_table` runs the model's own modules, one table at a time. Ratios "
-                  "are against the stronger of the two at each batch size. `disagg_fp32_1shard` holds every table "
-                  "on one shard (one call per batch instead of two); the summary ratios are `disagg_fp32`'s.", "",
+                  f"Every system on the same {psutil.cpu_count()} cores; monolithic replicas {args.threads} torch "
+                  f"threads (`monolithic_2x1`: two replicas of one), dense replica {args.dense_threads}, shards 1 "
+                  f"each, cache {args.cache_fraction:.0%} of the table bytes; every replica with "
+                  f"{', '.join(f'{k}={v}' for k, v in REPLICA_ENV.items())}. Throughput: the callers column's "
+                  f"concurrent callers (about {args.rows_in_flight:,} rows in flight) for {args.seconds:g} s per run "
+                  f"({args.repeats} runs); latency: sequential requests for {args.latency_seconds:g} s per run "
+                  f"({args.latency_repeats} runs), p99 over all of a run's requests, written `max` where a run had "
+                  "fewer than 100. `monolithic` stacks each width's tables and pools every bag in one call "
+                  "(`model.stacked_tables`, the default); `monolithic_per_table` runs the model's own modules, one "
+                  "table at a time; `_2x1`: two replicas of one torch thread. Ratios are against the best monolithic "
+                  "system at each batch size on that measure (most rows/s, lowest p50, least CPU per row); the "
+                  f"summary's take the best of {', '.join(f'`{name}`' for name in SUMMARY_DISAGGREGATED)} on the "
+                  "same measure. `disagg_fp32_1shard` holds every table on one shard.", "",
                   "CPU µs per row: CPU time of the app's replica processes during the throughput runs over the rows "
-                  "answered, in all and (ingress + shard directory + shards); the load generator is not counted.", "",
-                  "| batch | system | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | bytes/request | "
-                  "CPU µs/row |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "answered, in all and (ingress + shard directory + shards); the load generator is not counted. "
+                  "Idle: the machine's idle share during the throughput runs.", "",
+                  "| batch | system | callers | p50 ms | p99 ms | rows/s | throughput vs mono | p50 vs mono | "
+                  "bytes/request | CPU µs/row | CPU vs mono | idle |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         worst_throughput, worst_p50 = [], []
         monoliths = [name for name in same if name.startswith("monolithic")]
-        for batch in _measured_sizes(same):  # ratios against the stronger monolithic system at each batch size
-            mono = max((same[name][batch] for name in monoliths), key=lambda row: statistics.median(row["rows_per_s"]))
-            mono_p50 = min(statistics.median(same[name][batch]["p50_ms"]) for name in monoliths)
+        ours = [name for name in SUMMARY_DISAGGREGATED if name in same]
+        for batch in _measured_sizes(same):
+            best = {measure: _best(same, monoliths, batch, measure) for measure in ("rows_per_s", "p50_ms", "cpu")}
             for name, entry in same.items():
                 row = entry[batch]
-                ratio = statistics.median(row["rows_per_s"]) / statistics.median(mono["rows_per_s"])
-                p50 = statistics.median(row["p50_ms"]) / mono_p50
-                tie = " (tie)" if row is not mono and ranges_overlap(row["rows_per_s"], mono["rows_per_s"]) else ""
-                if name == "disagg_fp32":
-                    worst_throughput.append(ratio)
-                    worst_p50.append(p50)
+                ratios = {measure: _measure(row, measure) / _measure(best[measure], measure) for measure in best}
+                tie = (" (tie)" if row is not best["rows_per_s"]
+                       and ranges_overlap(row["rows_per_s"], best["rows_per_s"]["rows_per_s"]) else "")
                 bytes_cell = f"{statistics.median(row['bytes_per_request']):,.0f}" if row["bytes_per_request"] else "-"
+                idle = statistics.median(run["idle"] for run in row["machine"]) if row.get("machine") else None
                 lines.append(
-                    f"| {batch} | {name} | {_cell(row['p50_ms'])} | {_cell(row['p99_ms'])} | "
-                    f"{_cell(row['rows_per_s'], '.0f')} | {ratio:.2f}x{tie} | {p50:.2f}x | {bytes_cell} | "
-                    f"{_cpu_cell(row['cpu_us_per_row'])} |")
+                    f"| {batch} | {name} | {row.get('callers', args.clients)} | {_cell(row['p50_ms'])} | "
+                    f"{_p99_cell(row)} | {_cell(row['rows_per_s'], '.0f')} | {ratios['rows_per_s']:.2f}x{tie} | "
+                    f"{ratios['p50_ms']:.2f}x | {bytes_cell} | {_cpu_cell(row['cpu_us_per_row'])} | "
+                    f"{ratios['cpu']:.2f}x | {'-' if idle is None else f'{idle:.0%}'} |")
+            if ours:
+                worst_throughput.append(_measure(_best(same, ours, batch, "rows_per_s"), "rows_per_s")
+                                        / _measure(best["rows_per_s"], "rows_per_s"))
+                worst_p50.append(_measure(_best(same, ours, batch, "p50_ms"), "p50_ms")
+                                 / _measure(best["p50_ms"], "p50_ms"))
+                if batch in (32, 256):
+                    summary[f"cpu_per_row_ratio_b{batch}"] = (_measure(_best(same, ours, batch, "cpu"), "cpu")
+                                                              / _measure(best["cpu"], "cpu"))
         summary["throughput_ratio_same_cores"] = min(worst_throughput)
         summary["p50_ratio_same_cores"] = max(worst_p50)
         lines.append("")
     if scale := results.get("scale_out"):
         lines += ["## Scale-out: N replicas, each monolithic one holding every table, the dense ones sharing one "
                   "shard set", "",
-                  f"Batch {args.scale_batch}, {args.clients} callers per replica, each replica "
+                  f"Batch {args.scale_batch}, {callers(args, args.scale_batch)} callers, each replica "
                   f"{psutil.cpu_count()} // N torch threads (at least 1); memory is the sum over every replica "
-                  "process of the app (shards and directory included); `disaggregated_int8` stores the tables "
-                  "int8 row-wise. Summary ratios: `disaggregated` (float32 tables) against `monolithic`.", "",
-                  "| N | system | RSS GiB | USS GiB | PSS GiB | rows/s | rows/s per GiB RSS |",
+                  "process of the app (shards and directory included); PSS counts pages shared between processes "
+                  "(torch's libraries) once in all. `disaggregated_int8` stores the tables int8 row-wise. Summary "
+                  "ratios: `disaggregated` (float32 tables) against `monolithic`, by PSS.", "",
+                  "| N | system | RSS GiB | USS GiB | PSS GiB | rows/s | rows/s per GiB PSS |",
                   "|---|---|---|---|---|---|---|"]
         counts = _measured_sizes(scale)
         for replicas in counts:
@@ -394,13 +442,13 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                 memory, rate = entry["memory"], statistics.median(entry["rows_per_s"])
                 lines.append(f"| {replicas} | {name} | {memory['rss'] / GiB:.2f} | {memory['uss'] / GiB:.2f} | "
                              f"{memory['pss'] / GiB:.2f} | {_cell(entry['rows_per_s'], '.0f')} | "
-                             f"{rate / (memory['rss'] / GiB):.0f} |")
+                             f"{rate / (memory['pss'] / GiB):.0f} |")
         top = max(counts)
         mono, dis = scale["monolithic"][top], scale["disaggregated"][top]
-        summary[f"memory_ratio_n{top}"] = dis["memory"]["rss"] / mono["memory"]["rss"]
+        summary[f"memory_ratio_n{top}"] = dis["memory"]["pss"] / mono["memory"]["pss"]
         summary[f"throughput_per_gib_ratio_n{top}"] = (
-            statistics.median(dis["rows_per_s"]) / dis["memory"]["rss"]
-        ) / (statistics.median(mono["rows_per_s"]) / mono["memory"]["rss"])
+            statistics.median(dis["rows_per_s"]) / dis["memory"]["pss"]
+        ) / (statistics.median(mono["rows_per_s"]) / mono["memory"]["pss"])
         lines.append("")
     if cache := results.get("cache"):
         lines += ["## Hot-embedding cache (Zipf ids)", "",
@@ -441,6 +489,30 @@ def _measured_sizes(section: dict[str, dict[int, Any]]) -> list[int]:
     return sorted(set.intersection(*(set(by_size) for by_size in section.values())))
 
 
+def _measure(row: dict[str, Any], measure: str) -> float:
+    """A row's median rows/s, p50 ms, or CPU µs per row (``cpu``)."""
+    return _cpu_total(row["cpu_us_per_row"]) if measure == "cpu" else statistics.median(row[measure])
+
+
+def _best(same: dict[str, Any], names: list[str], batch: int, measure: str) -> dict[str, Any]:
+    """The row of ``names`` at ``batch`` best on ``measure``: most rows/s, else the least."""
+    rows = [same[name][batch] for name in names]
+    return (max if measure == "rows_per_s" else min)(rows, key=lambda row: _measure(row, measure))
+
+
+def _cpu_total(runs: list[dict[str, float]]) -> float:
+    """Median over ``runs`` of the CPU µs per row of every process (the sum of each role's median)."""
+    roles = {role for run in runs for role in run}
+    return sum(statistics.median(run.get(role, 0.0) for run in runs) for role in roles)
+
+
+def _p99_cell(row: dict[str, Any]) -> str:
+    """p99 of the latency runs, written ``max`` when a run had fewer than 100 requests (its p99 is its maximum)."""
+    cell = _cell(row["p99_ms"])
+    samples = row.get("latency_samples")
+    return f"{cell} max" if samples and min(samples) < 100 else cell
+
+
 def _cpu_cell(runs: list[dict[str, float]]) -> str:
     """Median CPU µs per row of each role over ``runs``: ``total (ingress + directory + shards)``."""
     order = {"ShardDirectory": 1, "shards": 2}  # the ingress deployment first
@@ -464,10 +536,13 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--latency-seconds", type=float, default=6.0, help="length of each latency run")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs per point (latency: see below)")
     parser.add_argument("--latency-repeats", type=int, default=5, help="latency runs per point")
-    parser.add_argument("--clients", type=int, default=8, help="concurrent callers (per replica in scale_out)")
+    parser.add_argument("--clients", type=int, default=8, help="fewest concurrent callers of a throughput run")
+    parser.add_argument("--max-clients", type=int, default=32, help="most concurrent callers of a throughput run")
+    parser.add_argument("--rows-in-flight", type=int, default=16384,
+                        help="rows outstanding in a throughput run: callers = this / batch, within the two bounds")
     parser.add_argument("--shards", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of each monolithic replica")
-    parser.add_argument("--dense-threads", type=int, default=1, help="torch threads of each dense replica")
+    parser.add_argument("--dense-threads", type=int, default=2, help="torch threads of each dense replica")
     parser.add_argument("--max-batch-size", type=int, default=64, help="requests merged into one batch (both)")
     parser.add_argument("--cache-fraction", type=float, default=0.0,
                         help="dense replicas' cache in same_cores (the cache section measures it apart)")
@@ -500,6 +575,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     ray.init(num_cpus=psutil.cpu_count(), include_dashboard=False,
              object_store_memory=int(args.object_store_gib * GiB))
+    register_ray_serializer()  # requests travel as numpy arrays, as the replicas' answers do
     try:
         port = free_port()
         for section in args.sections:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -190,6 +191,15 @@ class RowStore:
         bias = self.bias.index_select(0, local_ids).to(torch.float32)
         return torch.addcmul(bias, values.to(torch.float32), scale)
 
+    def lookup_into(self, local_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Writes rows ``local_ids`` into ``out`` ([n, dim], any floating dtype): one gather when the rows are stored
+        in ``out``'s dtype, else ``lookup``'s float32 rows cast into it. IndexError/RuntimeError for an id outside
+        the rows."""
+        if self.scale is None and self.values.dtype == out.dtype:
+            torch.index_select(self.values, 0, local_ids, out=out)
+        else:
+            out.copy_(self.lookup(local_ids))
+
 
 def _quantize_rows(name: str, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """uint8 levels [rows, dim], float16 scale and bias [rows, 1] of float32 ``weight``.
@@ -257,13 +267,16 @@ def shard_version(source: str, slices: Sequence[TableSlice], layout: TableLayout
 
 
 class TableLookup:
-    """``lookup(**{slice name: local ids})`` -> ``{slice name: float32 rows [n, dim]}`` over a shard's stores.
+    """``lookup(**{slice name: local ids})`` -> ``{slice name: float32 rows [n, dim]}`` over a shard's stores;
+    ``gather`` writes them, in any floating dtype, into one buffer.
 
     Every input must be 1-D int32/int64 with ids in ``[0, slice rows)``; ValueError naming the input otherwise.
     """
 
     def __init__(self, stores: Sequence[RowStore]) -> None:
         self._stores = {store.slice.name: store for store in stores}
+        #: The row width of each store, in order.
+        self.widths = tuple(store.slice.dim for store in stores)
 
     def __call__(self, **inputs: torch.Tensor) -> dict[str, torch.Tensor]:
         missing = [name for name in self._stores if name not in inputs]
@@ -272,21 +285,51 @@ class TableLookup:
             raise ValueError(f"inputs: missing {missing}, unknown {unknown}; expected {list(self._stores)}")
         rows = {}
         for name, store in self._stores.items():
-            ids = inputs[name]
-            if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
-                raise ValueError(
-                    f"input {name!r}: ids must be a 1-D int32 or int64 tensor, got "
-                    f"{str(ids.dtype).removeprefix('torch.')}{list(ids.shape)}"
-                )
-            try:  # index_select checks every id against the rows: no pass of our own over the ids
+            ids = _checked_ids(name, inputs[name])
+            with _named_range_errors(name, ids, store):
                 rows[name] = store.lookup(ids)
-            except (IndexError, RuntimeError):
-                low, high = int(ids.min()), int(ids.max())
-                if low >= 0 and high < store.slice.rows:  # not a bad id: the error is the store's own
-                    raise
-                raise ValueError(f"input {name!r}: id {low if low < 0 else high} is out of range; valid ids are "
-                                 f"[0, {store.slice.rows})") from None
         return rows
+
+    def gather(self, ids: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Every store's rows of ``ids[i]`` (store ``i``'s local ids) in one 1-D ``dtype`` buffer, store after store,
+        each written once (``RowStore.lookup_into``); ValueError naming the slice as ``__call__`` does."""
+        if len(ids) != len(self._stores):
+            raise ValueError(f"ids of {len(ids)} slices given; the shard holds {len(self._stores)}")
+        stores = self._stores.values()
+        out = torch.empty(sum(part.shape[0] * store.slice.dim for part, store in zip(ids, stores, strict=True)),
+                          dtype=dtype)
+        start = 0
+        for part, store in zip(ids, stores, strict=True):
+            name = store.slice.name
+            part = _checked_ids(name, part)
+            stop = start + part.shape[0] * store.slice.dim
+            with _named_range_errors(name, part, store):
+                store.lookup_into(part, out[start:stop].view(part.shape[0], store.slice.dim))
+            start = stop
+        return out
+
+
+def _checked_ids(name: str, ids: torch.Tensor) -> torch.Tensor:
+    if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+        raise ValueError(
+            f"input {name!r}: ids must be a 1-D int32 or int64 tensor, got "
+            f"{str(ids.dtype).removeprefix('torch.')}{list(ids.shape)}"
+        )
+    return ids
+
+
+@contextmanager
+def _named_range_errors(name: str, ids: torch.Tensor, store: RowStore) -> Iterator[None]:
+    """index_select checks every id against the rows (no pass of our own over the ids); its error for an id
+    outside them becomes a ValueError naming the input, the id and the valid range."""
+    try:
+        yield
+    except (IndexError, RuntimeError):
+        low, high = int(ids.min()), int(ids.max())
+        if low >= 0 and high < store.slice.rows:  # not a bad id: the error is the store's own
+            raise
+        raise ValueError(f"input {name!r}: id {low if low < 0 else high} is out of range; valid ids are "
+                         f"[0, {store.slice.rows})") from None
 
 
 @dataclass(frozen=True)

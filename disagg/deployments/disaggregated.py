@@ -3,8 +3,8 @@
 Each batch's ids are deduplicated per table, hot ones answered by the replica's cache, the rest fetched over gRPC
 from the shards holding their table slices, all at once (``RemoteEmbeddings``), failing over between a shard's
 replicas within ``embedding.lookup_timeout_s``; meanwhile the part of the dense graph that needs no embedding (the
-DLRM bottom MLP) runs; the bags are pooled here and feed the rest, on CUDA when present, else CPU. Shard addresses
-come from the ``ShardDirectory``.
+DLRM bottom MLP) runs; the bags are pooled here and feed the rest, on CUDA when present, else CPU. A batch costs
+one thread hop (``_forward_batch``). Shard addresses come from the ``ShardDirectory``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from disagg.deployments.autoscaling import BUSY_METRIC, BusyFraction, BusyMeter
 from disagg.deployments.ingress import BatchedDLRM
 from disagg.embedding_cache import EmbeddingCache
 from disagg.id_ranges import id_ranges
-from disagg.lookup import RemoteEmbeddings
+from disagg.lookup import PreparedBatch, RemoteEmbeddings
 from disagg.model_source import model_source
 from disagg.partition import EmbeddingLookups, build_dense_part, dense_stages, embedding_lookups
 from disagg.rpc.client import EmbeddingClient, ShardClient, ShardStats
@@ -35,6 +35,7 @@ from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
+from serving.common.tensors import register_ray_serializer
 
 logger = get_logger("disagg.deployments.disaggregated")
 
@@ -52,6 +53,7 @@ class DisaggregatedDLRM(BatchedDLRM):
                        shards: list[DeploymentHandle]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
         self.metrics = Metrics.for_replica()
+        register_ray_serializer()  # answers to handle callers travel as numpy arrays
         self._busy = BusyMeter()  # time in the dense stages, the autoscaling metric (not time waiting for lookups)
         self._busy_fraction = BusyFraction(self._busy.busy_seconds)
         embedding, model = self.config.embedding, self.config.model
@@ -120,23 +122,32 @@ class DisaggregatedDLRM(BatchedDLRM):
         return {shard.shard_index: shard.stats for shard in self._client.shards}
 
     async def _forward_batch(self, inputs: Mapping[str, torch.Tensor]) -> Any:
+        """One thread hop per batch. On the event loop: dedup and cache, the shard calls sent, and the stage that
+        needs no embedding (bottom MLP) while they are answered; then pooling and the rest in a worker thread, so
+        the loop prepares the next batch meanwhile. The client's errors carry their HTTP answer (503 for an
+        unavailable shard)."""
         if not self.ready():  # a shard lost every replica: look for replacements before giving up on it
             await self._refresh_addresses()
-        stages = self._stages
-        lookup = asyncio.ensure_future(self._lookup({name: inputs[name] for name in self._embedding_inputs}))
+        stages, embeddings = self._stages, self._embeddings
+        with self._busy, torch.inference_mode():
+            batch = embeddings.prepare({name: inputs[name] for name in self._embedding_inputs})
+        fetch = asyncio.ensure_future(embeddings.send(batch, timeout_s=self.config.embedding.lookup_timeout_s))
         try:
-            early_inputs = {name: inputs[name] for name in stages.early_inputs}
-            early = await asyncio.to_thread(self._run, stages.early, early_inputs)
+            await asyncio.sleep(0)  # one pass of the loop puts the calls on the wire; the bottom MLP runs meanwhile
+            early = self._run(stages.early, {name: inputs[name] for name in stages.early_inputs})
         except BaseException:
-            lookup.cancel()
+            fetch.cancel()
             raise
-        available = {**inputs, **early, **await lookup}
-        return await asyncio.to_thread(self._run, stages.late, {name: available[name] for name in stages.late_inputs})
+        fetched = await fetch
+        return await asyncio.to_thread(self._finish_batch, inputs, batch, fetched, early)
 
-    async def _lookup(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pooled embeddings of a batch; the client's errors carry their HTTP answer (503 for an unavailable
-        shard)."""
-        return await self._embeddings(inputs, timeout_s=self.config.embedding.lookup_timeout_s)
+    def _finish_batch(self, inputs: Mapping[str, torch.Tensor], batch: PreparedBatch,
+                      fetched: list[torch.Tensor | None], early: Mapping[str, torch.Tensor]) -> Any:
+        """Pooling from the fetched rows, then the rest of the dense part."""
+        with self._busy, torch.inference_mode():
+            pooled = self._embeddings.finish(inputs, batch, fetched)
+        available = {**inputs, **early, **pooled}
+        return self._run(self._stages.late, {name: available[name] for name in self._stages.late_inputs})
 
     async def cache_stats(self) -> dict[str, tuple[int, int]]:
         """Per table: hot-embedding cache hits and lookups (unique ids) since this replica started; {} when off."""

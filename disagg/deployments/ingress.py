@@ -85,7 +85,8 @@ def split_rows(outputs: Sequence[torch.Tensor], row_counts: Sequence[int]) -> li
 
 class BatchedDLRM(DLRMBackend, MemoryReport):
     """A ``DLRMBackend`` deployment: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
-    two batches may be in flight, so one's embedding lookups (or validation) overlap the other's forward.
+    up to four batches may be in flight, so their forwards run at once in worker threads and one's embedding
+    lookups overlap the others' compute.
 
     Subclasses set ``signature``, ``id_ranges``, ``config`` and ``metrics`` and call ``_apply_batching`` in their
     constructor;
@@ -122,7 +123,9 @@ class BatchedDLRM(DLRMBackend, MemoryReport):
                 raise result
             return result
 
-    @serve.batch(max_concurrent_batches=2)  # the next batch's lookups or parsing overlap this batch's compute
+    # Batches in flight: with one torch thread a replica computes as many at once (in worker threads), and a
+    # disaggregated one's lookups overlap the others' compute.
+    @serve.batch(max_concurrent_batches=2)
     async def _infer_batch(self, requests: list[Inputs]) -> list[list[torch.Tensor] | APIError]:
         return await self._run_requests(requests)
 

@@ -24,6 +24,7 @@ from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.metrics import Metrics
+from serving.common.tensors import register_ray_serializer
 
 logger = get_logger("disagg.deployments.monolithic")
 
@@ -37,6 +38,7 @@ class MonolithicDLRM(BatchedDLRM):
     def __init__(self, config: DLRMAppConfig | dict[str, Any]) -> None:
         self.config = DLRMAppConfig.model_validate(config)
         self.metrics = Metrics.for_replica()
+        register_ray_serializer()  # answers to handle callers travel as numpy arrays
         self.device = resolve_device(self.config.model.device)
         set_torch_threads(self.config.model.torch_threads)
         model = self.config.model

@@ -8,22 +8,27 @@ an ingress passes them on as they are.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
 
-from disagg.rpc import wire
+from disagg.rpc import packed, wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
 from serving.common.errors import APIError, retry_after
 from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
 
+if TYPE_CHECKING:
+    from disagg.lookup import ShardCall
+
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 #: Status codes that blame the request, not the replica: raised at once, never retried elsewhere.
 _REQUEST_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
@@ -126,7 +131,9 @@ class ShardClient:
     reports a version other than the previous reply's (a shard restarted with other tables); it may be set later.
     ``packed`` sends every input's ids as one tensor and gets every output's rows back as one (``LookupRequest``),
     for shards whose output ``i`` has one row per id of input ``i`` (table shards): outputs are then keyed by input
-    name, and the encode and decode cost no longer grows with the number of slices.
+    name, and the encode and decode cost no longer grows with the number of slices. Packed calls travel as raw
+    bytes written and read by ``disagg.rpc.packed`` (the same protobuf messages, rows viewed where they arrived);
+    ``start_packed`` creates the call before returning, so a caller can compute while it is in flight.
 
     gRPC's own round-robin, retry policy (service config) and client-side health checking are not used for
     failover: the replica list changes at run time and Python's grpc cannot update a channel's addresses without a
@@ -176,7 +183,8 @@ class ShardClient:
         self._credentials = credentials
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._addresses: tuple[str, ...] = ()
-        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub]] = {}
+        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub,
+                                     grpc.aio.UnaryUnaryMultiCallable]] = {}
         self._cooling_until: dict[str, float] = {}
         self._next = 0
         self._retired: list[grpc.aio.Channel] = []
@@ -231,70 +239,107 @@ class ShardClient:
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT,
                                         f"inputs must be exactly {', '.join(names)}; got {', '.join(inputs)}")
         counts = [inputs[name].numel() for name in names]
+        ids = torch.cat([inputs[name].reshape(-1) for name in names])
+        reply = await self.lookup_packed(ids, counts, timeout_s=timeout_s, output_dtype=output_dtype)
+        sizes = [count * width for count, width in zip(counts, reply.widths, strict=True)]
+        return {name: part.view(count, width)
+                for name, part, count, width in zip(names, reply.rows.split(sizes), counts, reply.widths, strict=True)}
+
+    async def lookup_packed(
+        self, ids: torch.Tensor, counts: Sequence[int], *, timeout_s: float, output_dtype: str = ""
+    ) -> packed.PackedReply:
+        """Rows of a packed lookup: ``ids`` (1-D) holds ``counts[i]`` ids of input ``i`` (``input_names`` order);
+        the reply's ``rows`` hold input ``i``'s rows, ``widths[i]`` wide, in order (a view of the received bytes)."""
+        return await self.start_packed(ids, counts, timeout_s=timeout_s, output_dtype=output_dtype)
+
+    def start_packed(
+        self, ids: torch.Tensor, counts: Sequence[int], *, timeout_s: float, output_dtype: str = ""
+    ) -> Coroutine[Any, Any, packed.PackedReply]:
+        """``lookup_packed`` with its gRPC call created before this returns (``_call``): await the reply."""
         try:
-            ids = wire.encode("ids", torch.cat([inputs[name].reshape(-1) for name in names]),
-                              max_elements=self._max_tensor_elements)
+            request = packed.encode_request(ids, counts, output_dtype)
         except ValueError as error:
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        response = await self._call("Lookup", pb.LookupRequest(ids=ids, counts=counts, output_dtype=output_dtype),
-                                    timeout_s)
-        rows = wire.decode(response.rows, max_elements=self._max_tensor_elements)
-        widths = list(response.widths)
-        sizes = [count * width for count, width in zip(counts, widths, strict=False)]
-        if len(widths) != len(names) or rows.dim() != 1 or sum(sizes) != rows.numel():
+        return self._checked(self._call("Lookup", request, timeout_s), list(counts))
+
+    async def _checked(self, pending: Awaitable[packed.PackedReply], counts: list[int]) -> packed.PackedReply:
+        reply = await pending
+        sizes = [count * width for count, width in zip(counts, reply.widths, strict=False)]
+        if len(reply.widths) != len(counts) or sum(sizes) != reply.rows.numel():
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INTERNAL,
-                                        f"packed reply of {list(rows.shape)} rows elements and widths {widths} does "
-                                        f"not match the {len(names)} inputs' counts {counts}")
-        return {name: part.view(count, width)
-                for name, part, count, width in zip(names, rows.split(sizes), counts, widths, strict=True)}
+                                        f"packed reply of {reply.rows.numel()} row elements and widths "
+                                        f"{reply.widths} does not match the {len(counts)} inputs' counts {counts}")
+        return reply
 
     async def close(self) -> None:
         self.update_addresses(())
         await asyncio.gather(*self._closing)
 
-    async def _call(self, method: str, request: Any, timeout_s: float) -> Any:
+    def _call(self, method: str, request: Any, timeout_s: float) -> Awaitable[Any]:
+        """The reply to ``request`` (protobuf, or raw bytes of a packed lookup) from the first replica that answers
+        in time with the expected version. The first attempt's gRPC call is created before this returns, so it is
+        on its way after the caller's next pass through the event loop, whatever the caller computes meanwhile."""
         start = time.monotonic()
-        deadline = start + timeout_s
-        last_error = "no replica addresses" if not self._addresses else f"deadline of {timeout_s:.3f}s passed"
-        tiers = self._tiers()
-        attempts = 0
-        served: str | None = None  # the version of the last replica refused for serving another one
-        for tier in tiers:
+        targets = self._targets(start + timeout_s)
+        attempts = ((address, self._invoke(method, request, address, timeout)) for address, timeout in targets)
+        first = next(attempts, None)
+        return self._settle(method, request, start, timeout_s, itertools.chain([first] if first else [], attempts))
+
+    def _targets(self, deadline: float) -> Iterator[tuple[str, float]]:
+        """Replica addresses in the order to try them, each with the time its attempt may take, until the deadline;
+        lazy, so each attempt gets the time left when the previous one failed."""
+        for tier in self._tiers():
             for position, address in enumerate(tier):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    break
-                if address not in self._addresses:  # removed by update_addresses during this call
-                    continue
-                if attempts:
-                    self.stats.failovers += 1
-                    self._metrics.embedding_failover(self.shard_index)
-                attempts += 1
-                try:
-                    response = await getattr(self._stub(address), method)(
-                        request, timeout=remaining / min(2, len(tier) - position), metadata=self._metadata
-                    )
-                except grpc.aio.AioRpcError as error:
-                    if error.code() in _REQUEST_ERRORS:
-                        self.stats.request_errors += 1
-                        self._observe(method, "request_error", start)
-                        raise EmbeddingRequestError(self.shard_index, error.code(), error.details()) from None
-                    last_error, served = f"{address}: {error.code().name}: {error.details()}", None
-                    if address in self._addresses:
-                        self._cooling_until[address] = time.monotonic() + self._cooldown_s
-                    continue
-                if mismatch := self._version_problem(getattr(response, "version", None)):
-                    last_error, served = f"{address}: {mismatch}", response.version
+                    return
+                if address in self._addresses:  # else removed by update_addresses during this call
+                    yield address, remaining / min(2, len(tier) - position)
+
+    def _invoke(self, method: str, request: Any, address: str, timeout: float) -> Any:
+        call = self._packed_call(address) if isinstance(request, bytes) else getattr(self._stub(address), method)
+        return call(request, timeout=timeout, metadata=self._metadata)
+
+    async def _settle(self, method: str, request: Any, start: float, timeout_s: float,
+                      attempts: Iterator[tuple[str, Any]]) -> Any:
+        last_error = "no replica addresses" if not self._addresses else f"deadline of {timeout_s:.3f}s passed"
+        served: str | None = None  # the version of the last replica refused for serving another one
+        raw = isinstance(request, bytes)
+        for attempt, (address, call) in enumerate(attempts):
+            if attempt:
+                self.stats.failovers += 1
+                self._metrics.embedding_failover(self.shard_index)
+            try:
+                response = await call
+            except grpc.aio.AioRpcError as error:
+                if error.code() in _REQUEST_ERRORS:
+                    self.stats.request_errors += 1
+                    self._observe(method, "request_error", start)
+                    raise EmbeddingRequestError(self.shard_index, error.code(), error.details()) from None
+                last_error, served = f"{address}: {error.code().name}: {error.details()}", None
+                if address in self._addresses:
                     self._cooling_until[address] = time.monotonic() + self._cooldown_s
-                    continue
-                self._cooling_until.pop(address, None)
-                self._observe(method, "ok", start)
-                sent, received = request.ByteSize(), response.ByteSize()
-                self.stats.bytes_sent += sent
-                self.stats.bytes_received += received
-                self._metrics.embedding_bytes("sent", sent)
-                self._metrics.embedding_bytes("received", received)
-                return response
+                continue
+            sent, received = (len(request), len(response)) if raw else (request.ByteSize(), response.ByteSize())
+            if raw:
+                try:
+                    response = packed.parse_reply(response, max_elements=self._max_tensor_elements)
+                except ValueError as error:
+                    self.stats.request_errors += 1
+                    self._observe(method, "request_error", start)
+                    raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INTERNAL,
+                                                f"{address}: {error}") from None
+            if mismatch := self._version_problem(getattr(response, "version", None)):
+                last_error, served = f"{address}: {mismatch}", response.version
+                self._cooling_until[address] = time.monotonic() + self._cooldown_s
+                continue
+            self._cooling_until.pop(address, None)
+            self._observe(method, "ok", start)
+            self.stats.bytes_sent += sent
+            self.stats.bytes_received += received
+            self._metrics.embedding_bytes("sent", sent)
+            self._metrics.embedding_bytes("received", received)
+            return response
         if served is not None and self.expected_version is not None:
             self.stats.version_mismatches += 1
             self._observe(method, "version_mismatch", start)
@@ -332,13 +377,23 @@ class ShardClient:
         return [a for a in rotated if a not in cooling], cooling
 
     def _stub(self, address: str) -> pb_grpc.EmbeddingShardStub:
+        return self._channel(address)[1]
+
+    def _packed_call(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        """``Lookup`` on raw bytes both ways (``disagg.rpc.packed`` writes and reads them)."""
+        return self._channel(address)[2]
+
+    def _channel(
+        self, address: str
+    ) -> tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub, grpc.aio.UnaryUnaryMultiCallable]:
         if address not in self._stubs:
             if self._credentials is None:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
             else:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-            self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel))
-        return self._stubs[address][1]
+            lookup = channel.unary_unary(f"/{SERVICE_NAME}/Lookup", _registered_method=True)
+            self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel), lookup)
+        return self._stubs[address]
 
 
 class EmbeddingClient:
@@ -372,6 +427,42 @@ class EmbeddingClient:
         finally:
             self.stats.observe(time.monotonic() - start)
         return {name: tensor for outputs in results for name, tensor in outputs.items()}
+
+    async def lookup_packed(
+        self, calls: Sequence[ShardCall], *, timeout_s: float, output_dtype: str = ""
+    ) -> list[packed.PackedReply]:
+        """Every packed call's reply, in order, the calls made concurrently (``ShardClient.lookup_packed``); the
+        first to fail cancels the others and its error propagates."""
+        return await self.start_packed(calls, timeout_s=timeout_s, output_dtype=output_dtype)
+
+    def start_packed(
+        self, calls: Sequence[ShardCall], *, timeout_s: float, output_dtype: str = ""
+    ) -> Awaitable[list[packed.PackedReply]]:
+        """``lookup_packed`` with every gRPC call created before this returns: await the replies."""
+        pending: list[Coroutine[Any, Any, packed.PackedReply]] = []
+        try:
+            for call in calls:
+                pending.append(self.shards[call.shard].start_packed(call.ids, call.counts, timeout_s=timeout_s,
+                                                                    output_dtype=output_dtype))
+        except EmbeddingRequestError:
+            for started in pending:
+                started.close()
+            self.stats.request_errors += 1
+            raise
+        return self._gathered(pending)
+
+    async def _gathered(self, pending: list[Coroutine[Any, Any, packed.PackedReply]]) -> list[packed.PackedReply]:
+        start = time.monotonic()
+        try:
+            return await _all(pending)
+        except EmbeddingRequestError:
+            self.stats.request_errors += 1
+            raise
+        except (ShardUnavailable, ShardVersionMismatch):
+            self.stats.unavailable += 1
+            raise
+        finally:
+            self.stats.observe(time.monotonic() - start)
 
     async def close(self) -> None:
         await asyncio.gather(*(shard.close() for shard in self.shards))

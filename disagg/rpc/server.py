@@ -1,8 +1,12 @@
 """gRPC server of one shard of a model's embedding table rows; CLI: ``python -m disagg.rpc.server --help``.
 
-Lookups run in a small thread pool, so the event loop keeps answering health checks; a bad request never reaches the
-tables and gets INVALID_ARGUMENT (RESOURCE_EXHAUSTED above ``max_message_bytes``) naming the problem. Floating
-outputs go out in the request's ``output_dtype``; every response and ``Info`` carry the shard's ``version``. A
+``Lookup`` is handled on raw bytes: a packed request of a table shard is answered by one gather per slice into the
+reply buffer, the reply written by hand (``disagg.rpc.packed``), on the event loop when it asks for at most
+``inline_max_ids`` ids, in a small thread pool otherwise (and for any other shard module), so health checks keep
+answering; which of grpcio's servers costs least is measured by ``benchmarks/bench_shard_server.py``. A bad request
+never reaches the tables and gets INVALID_ARGUMENT (RESOURCE_EXHAUSTED above ``max_message_bytes``) naming the
+problem. Floating outputs go out in the request's ``output_dtype``; every response and ``Info`` carry the shard's
+``version``. A
 non-private ``host`` needs TLS or a token (``exposure_problem``); with a token, ``Lookup`` and ``Info`` need
 ``authorization: Bearer <token>`` metadata (read from ``SWIFTSERVE_EMBEDDING_TOKEN``, never a flag), the health
 service stays open.
@@ -25,7 +29,7 @@ import torch
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from disagg.rpc import wire
+from disagg.rpc import packed, wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.tls import ServerTLS, read_pem
 from serving.common.constants import EMBEDDING_TOKEN
@@ -36,6 +40,8 @@ from serving.common.tokens import SecretDigest
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 MiB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
+#: Table-shard lookups of at most this many ids run on the event loop (no thread hop); larger ones in the pool.
+INLINE_MAX_IDS = 1 << 16
 
 #: Longest status details sent (gRPC refuses trailers above 16 KiB), longest input name quoted in them, and most
 #: unknown input names listed.
@@ -115,7 +121,12 @@ class _BearerToken:
 
 
 class _Servicer:
-    """``Lookup`` and ``Info`` on parsed requests, behind handlers that authenticate and parse the raw bytes."""
+    """``Lookup`` (raw bytes in and out: ``answer``) and ``Info``, behind handlers that authenticate.
+
+    A packed lookup of a table shard is one gather per slice into the reply buffer (``TableLookup.gather``), its
+    reply written by hand (``disagg.rpc.packed``); lookups of at most ``inline_max_ids`` ids run on the event loop,
+    larger ones (and every lookup of a shard module without ``gather``) in ``pool``, so health checks keep answering.
+    """
 
     def __init__(
         self,
@@ -124,6 +135,7 @@ class _Servicer:
         pool: ThreadPoolExecutor,
         max_elements: int,
         token: _BearerToken | None = None,
+        inline_max_ids: int = 0,
     ) -> None:
         self._shard = shard
         self._info = info
@@ -131,36 +143,35 @@ class _Servicer:
         self._max_elements = max_elements
         self._expected = frozenset(shard.input_names)
         self._token = token
+        self._gather = getattr(shard.module, "gather", None)
+        self._widths = list(getattr(shard.module, "widths", ()))
+        self._inline_max_ids = inline_max_ids if self._gather is not None else 0
         self.lookups_in_flight = 0
         self._busy_seconds = 0.0  # finished busy spells (a Lookup in flight); the current one began at _busy_since
         self._busy_since = 0.0
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {
-            "Lookup": self._handler("Lookup", pb.LookupRequest, pb.LookupResponse, self.Lookup),
-            "Info": self._handler("Info", pb.InfoRequest, pb.ShardInfo, self.Info),
-        }
+        info = self._handler("Info", pb.InfoRequest.FromString, pb.ShardInfo.SerializeToString, self.Info)
+        return {"Lookup": self._handler("Lookup", None, None, self.Lookup), "Info": info}
 
     def _handler(
         self,
         method: str,
-        request_type: type[Message],
-        response_type: type[Message],
-        call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Message]],
+        parse: Callable[[bytes], Message] | None,
+        serialize: Callable[[Message], bytes] | None,
+        call: Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]],
     ) -> grpc.RpcMethodHandler:
-        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Message:
+        async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
             await self._authenticate(method, context)
+            if parse is None:
+                return await call(raw, context)
             try:
-                request = request_type.FromString(raw)
+                request = parse(raw)
             except DecodeError as error:
-                await _abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"malformed {request_type.DESCRIPTOR.name} message: {error}",
-                )
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method}Request message: {error}")
             return await call(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=response_type.SerializeToString)
+        return grpc.unary_unary_rpc_method_handler(handle, response_serializer=serialize)
 
     async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> None:
         if self._token is None:
@@ -173,13 +184,20 @@ class _Servicer:
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.ShardInfo:
         return self._info
 
-    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        """Counted in ``lookups_in_flight`` until answered, refused or cancelled; a refusal leaves the count first."""
+    async def Lookup(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """The serialized ``LookupResponse`` to the serialized ``LookupRequest`` ``raw``; counted in
+        ``lookups_in_flight`` until answered, refused or cancelled (a refusal leaves the count first)."""
         if not self.lookups_in_flight:
             self._busy_since = time.monotonic()
         self.lookups_in_flight += 1
         try:
-            return await self._lookup(request, context)
+            remaining = context.time_remaining()
+            if remaining is not None and remaining <= 0:
+                raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
+            if len(raw) <= self._inline_max_ids * 4:  # int32 ids: a bound on the ids, not counting the framing
+                return self.answer(raw)
+            # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self.answer, raw)
         except _Refusal as caught:
             refusal = caught
         finally:
@@ -193,41 +211,48 @@ class _Servicer:
         current = time.monotonic() - self._busy_since if self.lookups_in_flight else 0.0
         return self._busy_seconds + current
 
-    async def _lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        """The reply to ``request``; raises ``_Refusal`` with the status a refused call ends with."""
-        remaining = context.time_remaining()
-        if remaining is not None and remaining <= 0:
-            raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
-        output_dtype = wire.ROW_DTYPES.get(request.output_dtype)
-        if output_dtype is None:
-            raise _Refusal(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"output_dtype {_shorten(request.output_dtype)} is not one of {', '.join(wire.ROW_DTYPE_NAMES)} "
-                "(empty means float32)",
-            )
-        packed = request.HasField("ids")
+    def answer(self, raw: bytes) -> bytes:
+        """The serialized reply to the serialized ``LookupRequest`` ``raw``; raises ``_Refusal`` with the status a
+        refused call ends with."""
         try:
-            inputs = self._packed_inputs(request) if packed else self._named_inputs(request)
+            request = packed.parse_request(raw, max_elements=self._max_elements)
+        except ValueError as error:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed LookupRequest message: {error}") from error
+        if request is None:
+            try:
+                return self._named_reply(pb.LookupRequest.FromString(raw)).SerializeToString()
+            except DecodeError as error:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed LookupRequest message: {error}") from error
+        dtype = self._output_dtype(request.output_dtype)
+        try:
+            parts = self._packed_parts(request)
         except ValueError as error:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
-        # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
-        try:
-            outputs = await asyncio.get_running_loop().run_in_executor(self._pool, self._run, inputs)
-        except Exception as error:  # ids out of their slices, wrong ranks or dtypes: the request's fault
+        rows, widths = self._packed_rows(parts, dtype)
+        return packed.encode_reply(rows, widths, self._shard.version)
+
+    def _output_dtype(self, name: str) -> torch.dtype:
+        dtype = wire.ROW_DTYPES.get(name)
+        if dtype is None:
             raise _Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})",
-            ) from error
+                f"output_dtype {_shorten(name)} is not one of {', '.join(wire.ROW_DTYPE_NAMES)} (empty means float32)",
+            )
+        return dtype
+
+    def _named_reply(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        dtype = self._output_dtype(request.output_dtype)
         try:
-            if packed:
-                return self._packed_reply(
-                    [outputs[name] for name in self._shard.output_names], list(request.counts), output_dtype
-                )
-            selected = {name: _cast(outputs[name], output_dtype) for name in self._shard.output_names}
+            inputs = self._named_inputs(request)
+        except ValueError as error:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+        outputs = self._run(inputs)
+        try:
+            selected = {name: _cast(outputs[name], dtype) for name in self._shard.output_names}
             encoded = wire.encode_all(selected, max_elements=self._max_elements)
-            return pb.LookupResponse(outputs=encoded, version=self._shard.version)
         except (KeyError, TypeError, ValueError) as error:  # the module broke its contract, not the request
             raise _Refusal(grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: {error!r}") from error
+        return pb.LookupResponse(outputs=encoded, version=self._shard.version)
 
     def _named_inputs(self, request: pb.LookupRequest) -> dict[str, torch.Tensor]:
         """One tensor per input name; ValueError naming what is wrong."""
@@ -236,37 +261,39 @@ class _Servicer:
         _check_spans(request.inputs, self._max_elements)
         return wire.decode_all(request.inputs, max_elements=self._max_elements)
 
-    def _packed_inputs(self, request: pb.LookupRequest) -> dict[str, torch.Tensor]:
+    def _packed_parts(self, request: packed.PackedRequest) -> list[torch.Tensor]:
         """The packed ``ids`` split by ``counts`` into the inputs, in input-name order (views, no copy)."""
         names = self._shard.input_names
-        if request.inputs:
-            raise ValueError(f"shard {self._shard.index}: a packed request (ids, counts) carries no `inputs`")
-        ids = wire.decode(request.ids, max_elements=self._max_elements)
-        counts = list(request.counts)
+        ids, counts = request.ids, request.counts
         if ids.dim() != 1:
             raise ValueError(f"shard {self._shard.index}: packed ids must be 1-D, got shape {list(ids.shape)}")
-        if len(counts) != len(names) or min(counts, default=0) < 0 or sum(counts) != ids.shape[0]:
+        if len(counts) != len(names) or sum(counts) != ids.shape[0]:
             raise ValueError(
                 f"shard {self._shard.index}: counts must give the ids of each of the {len(names)} inputs "
                 f"({', '.join(names)}) and add up to the {ids.shape[0]} packed ids; got {len(counts)} counts "
                 f"summing to {sum(counts)}"
             )
-        return dict(zip(names, ids.split(counts), strict=True))
+        return list(ids.split(counts))
 
-    def _packed_reply(self, outputs: list[torch.Tensor], counts: list[int], dtype: torch.dtype) -> pb.LookupResponse:
-        """Every output flattened into one tensor, cast once to ``dtype``; output ``i`` must be [counts[i], width]
-        (one row per id)."""
+    def _packed_rows(self, parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+        """Every input's rows flattened into one ``dtype`` tensor, and each output's width. A shard with ``gather``
+        writes them there at once; any other runs its module, whose output ``i`` must be [counts[i], width]."""
+        if self._gather is not None:
+            try:
+                return self._gather(parts, dtype), self._widths
+            except Exception as error:  # ids out of their slices, wrong dtypes: the request's fault
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"shard {self._shard.index}: {error}") from error
+        outputs = self._run(dict(zip(self._shard.input_names, parts, strict=True)))
         widths = []
-        for name, output, count in zip(self._shard.output_names, outputs, counts, strict=True):
-            if output.dim() != 2 or output.shape[0] != count:
-                raise ValueError(
-                    f"packed replies need output {name!r} to be [{count}, width], got {list(output.shape)}"
-                )
+        for name, part in zip(self._shard.output_names, parts, strict=True):
+            output = outputs.get(name) if isinstance(outputs, Mapping) else None
+            if output is None or output.dim() != 2 or output.shape[0] != part.shape[0]:
+                shape = None if output is None else list(output.shape)
+                raise _Refusal(grpc.StatusCode.INTERNAL, f"shard {self._shard.index} output: packed replies need "
+                                                         f"output {name!r} to be [{part.shape[0]}, width], got {shape}")
             widths.append(output.shape[1])
-        rows = _cast(torch.cat([output.reshape(-1) for output in outputs]) if outputs else torch.empty(0), dtype)
-        return pb.LookupResponse(
-            rows=wire.encode("rows", rows, max_elements=self._max_elements), widths=widths, version=self._shard.version
-        )
+        flat = [outputs[name].reshape(-1) for name in self._shard.output_names]
+        return _cast(torch.cat(flat) if flat else torch.empty(0), dtype), widths
 
     def _name_problem(self, names: Sequence[str]) -> str | None:
         """What is wrong with the input names, before any tensor is decoded; names at most ``_LISTED`` unknown
@@ -283,8 +310,14 @@ class _Servicer:
         return f"shard {self._shard.index}: {'; '.join(parts)}; expected inputs: {', '.join(self._shard.input_names)}"
 
     def _run(self, inputs: Mapping[str, torch.Tensor]) -> Any:
-        with torch.inference_mode():  # the shard's module checks its ids (``TableLookup``: each in its slice)
-            return self._shard.module(**inputs)
+        """The shard module's outputs; its error for bad ids (out of their slices, wrong ranks or dtypes) is the
+        request's fault."""
+        try:
+            with torch.inference_mode():  # the shard's module checks its ids (``TableLookup``: each in its slice)
+                return self._shard.module(**inputs)
+        except Exception as error:
+            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"shard {self._shard.index}: {error} (inputs: {_describe(inputs)})") from error
 
 
 def _check_spans(messages: Iterable[pb.Tensor], max_elements: int) -> None:
@@ -347,6 +380,7 @@ class EmbeddingServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_tensor_elements: int = wire.DEFAULT_MAX_ELEMENTS,
         worker_threads: int = 2,
+        inline_max_ids: int = INLINE_MAX_IDS,
         torch_threads: int | None = None,
         tls: ServerTLS | None = None,
         token: str = "",
@@ -368,6 +402,7 @@ class EmbeddingServer:
         self._max_message_bytes = max_message_bytes
         self._max_tensor_elements = max_tensor_elements
         self._worker_threads = worker_threads
+        self._inline_max_ids = inline_max_ids
         self._torch_threads = torch_threads
         self._tls = tls
         self._token = _BearerToken(token) if token else None
@@ -402,7 +437,7 @@ class EmbeddingServer:
         set_torch_threads(self._torch_threads)
         self._pool = ThreadPoolExecutor(self._worker_threads, thread_name_prefix=f"embedding-shard-{self._shard.index}")
         servicer = self._servicer = _Servicer(
-            self._shard, self._info, self._pool, self._max_tensor_elements, self._token
+            self._shard, self._info, self._pool, self._max_tensor_elements, self._token, self._inline_max_ids
         )
         self._server = grpc.aio.server(
             options=[

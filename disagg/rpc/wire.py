@@ -42,14 +42,19 @@ if sys.byteorder != "little":  # the wire is little-endian and tensors are sent 
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
+def dtype_name(tensor: torch.Tensor, name: str = "") -> str:
+    """The wire name of ``tensor``'s dtype; ValueError (naming tensor ``name``) for one the wire does not carry."""
+    if (found := _NAMES.get(tensor.dtype)) is None:
+        raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} is not supported; supported: {', '.join(DTYPES)}")
+    return found
+
+
 def encode(name: str, tensor: torch.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> pb.Tensor:
     """``tensor`` as a wire ``Tensor`` called ``name``; ValueError for a dtype, rank or size the wire refuses."""
-    dtype_name = _NAMES.get(tensor.dtype)
-    if dtype_name is None:
-        raise ValueError(f"tensor {name!r}: dtype {tensor.dtype} is not supported; supported: {', '.join(DTYPES)}")
+    element_type = dtype_name(tensor, name)
     _check_shape(name, tuple(tensor.shape), max_elements)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return pb.Tensor(name=name, dtype=dtype_name, shape=tensor.shape, data=flat.view(torch.uint8).numpy().tobytes())
+    return pb.Tensor(name=name, dtype=element_type, shape=tensor.shape, data=flat.view(torch.uint8).numpy().tobytes())
 
 
 def decode(message: pb.Tensor, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:

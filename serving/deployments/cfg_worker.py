@@ -28,13 +28,14 @@ from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, Metrics
+from serving.common.tensors import from_numpy, to_numpy
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import MeasuredControlNets
 from serving.controlnet.runner import gather_context
 from serving.deployments.batching import forward_by_shape
 from serving.deployments.controlnet import ServeControlNets
 from serving.deployments.pinning import pin_replica
-from serving.deployments.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
+from serving.deployments.transport import ResolvedTensors, SharedTensors
 from serving.deployments.wire import PendingReply, WireNoise, WireRows
 from serving.engine import DiffusionEngine, LocalBackend
 from serving.engine.band_decode import BOTTOM, BandGenerator, BandPeer, BandStep, BandSync, decode_band, next_step

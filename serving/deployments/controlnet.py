@@ -19,6 +19,7 @@ from serving.common.device import DTYPES, placement, resolve_device, set_torch_t
 from serving.common.logging import get_logger
 from serving.common.memory import MemoryReport
 from serving.common.metrics import NO_METRICS, Metrics
+from serving.common.tensors import from_numpy, to_numpy
 from serving.config import ControlNetConfig
 from serving.controlnet.client import ControlNetClient, ControlNetNotFound
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
@@ -32,7 +33,7 @@ from serving.controlnet.runner import (
 )
 from serving.deployments.batching import forward_by_shape
 from serving.deployments.pinning import pin_replica
-from serving.deployments.transport import ResolvedTensors, SharedTensors, from_numpy, to_numpy
+from serving.deployments.transport import ResolvedTensors, SharedTensors
 from serving.deployments.wire import PendingReply, WireCall, WireResiduals
 
 logger = get_logger("deployments.controlnet")

@@ -9,7 +9,6 @@ tests pass their own.
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -19,20 +18,11 @@ import numpy as np
 import ray
 import torch
 
+from serving.common.tensors import from_numpy, to_numpy
 from serving.controlnet.runner import ContextRow
 
 _RESOLVED_BYTES = 256 * 2**20  # a receiver's resolved tensors at most
 _RESOLVED_IDLE_S = 30.0  # a resolved tensor no call used for this long is dropped
-
-
-def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    return tensor.detach().to("cpu").contiguous().numpy()
-
-
-def from_numpy(array: np.ndarray) -> torch.Tensor:
-    with warnings.catch_warnings():  # object-store buffers are read-only; nothing writes to them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
 
 
 class SharedTensors:

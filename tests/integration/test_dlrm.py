@@ -55,8 +55,9 @@ def test_disaggregated_equals_monolithic_and_the_model(http, model, hotness):
         np.testing.assert_allclose(disaggregated, expected, rtol=0, atol=1e-6)
 
 
-def test_tritonclient_with_binary_tensors_through_serve(base_url, model):
-    client = triton.InferenceServerClient(base_url.removeprefix("http://"))
+@pytest.mark.parametrize("prefix", ["", "/mono"], ids=["disaggregated", "monolithic"])
+def test_tritonclient_with_binary_tensors_through_serve(base_url, model, prefix):
+    client = triton.InferenceServerClient(base_url.removeprefix("http://") + prefix)
     assert client.is_server_ready() and client.is_model_ready("dlrm")
     metadata = client.get_model_metadata("dlrm")
     assert [tensor["name"] for tensor in metadata["inputs"]] == ["dense_features", "sparse_features"]

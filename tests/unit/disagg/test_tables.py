@@ -340,6 +340,31 @@ def test_module_refuses_bad_ids_naming_the_input(split_shard, ids, message):
     assert f"input {piece.name!r}: " + message.format(rows=piece.rows) in str(info.value)
 
 
+@pytest.mark.parametrize("storage", ["float32", "float16", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gather_writes_every_slices_rows_into_one_buffer_as_the_module_returns_them(storage, dtype):
+    shard = build_embedding_shard(PresetSource("tiny", SEED), 1,
+                                  TableLayout(2, row_wise_min_bytes=SPLIT_TINY, storage_dtype=storage))
+    generator = torch.Generator().manual_seed(4)
+    ids = [torch.randint(0, piece.rows, (at % 4,), generator=generator, dtype=torch.int32)
+           for at, piece in enumerate(shard.slices)]  # some slices asked for nothing
+    rows = shard.module.gather(ids, dtype)
+    expected = shard.module(**dict(zip(shard.input_names, ids, strict=True)))
+    assert rows.dtype == dtype and rows.dim() == 1
+    assert shard.module.widths == tuple(piece.dim for piece in shard.slices)
+    assert torch.equal(rows, torch.cat([expected[name].to(dtype).reshape(-1) for name in shard.output_names]))
+
+
+def test_gather_refuses_bad_ids_naming_the_input(split_shard):
+    piece = split_shard.slices[-1]
+    ids = [torch.zeros(1, dtype=torch.int64) for _ in split_shard.slices]
+    ids[-1] = torch.tensor([piece.rows])
+    with pytest.raises(ValueError, match=re.escape(f"input {piece.name!r}: id {piece.rows} is out of range")):
+        split_shard.module.gather(ids, torch.float32)
+    with pytest.raises(ValueError, match="ids of 1 slices given"):
+        split_shard.module.gather(ids[:1], torch.float32)
+
+
 def test_a_store_error_with_ids_in_range_is_not_reported_as_a_bad_id(monkeypatch):
     shard = build_embedding_shard(PresetSource("tiny", SEED), 0, TableLayout(2))  # its own: the store is patched
     store = shard.stores[0]

@@ -80,7 +80,7 @@ def packed_request(shard, change: str) -> pb.LookupRequest:
 @pytest.mark.parametrize(("change", "detail"), [
     ("counts short", "counts must give the ids of each of the"),
     ("counts sum", "add up to the"),
-    ("negative count", "counts must give the ids"),
+    ("negative count", "`counts` holds a negative value"),
     ("2-D ids", "packed ids must be 1-D"),
     ("inputs too", "a packed request (ids, counts) carries no `inputs`"),
     ("float ids", "ids must be a 1-D int32 or int64 tensor, got float32"),
