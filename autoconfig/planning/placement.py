@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -48,6 +48,9 @@ class Placement:
     reasons: dict[int, str]
     state: NodeState
     shapes: Shapes
+    #: The nodes' free resources after the first ``n`` instances, for each ``n`` asked for (``place``'s
+    #: ``snapshots``): a placement's state at an earlier point of its own arrivals.
+    snapshots: dict[int, NodeState] = field(default_factory=dict)
 
     @property
     def unplaced(self) -> list[int]:
@@ -131,9 +134,10 @@ class _Chooser:
 
 
 def place(instances: Sequence[Instance], cluster: Cluster, policy: Policy, *, shapes: Shapes | None = None,
-          progress: Progress | None = None) -> Placement:
+          progress: Progress | None = None, snapshots: Sequence[int] = ()) -> Placement:
     """Place ``instances`` in order on ``cluster`` with ``policy``; ``shapes`` is the target workload of the
-    fragmentation measure (default: the instances' own shapes)."""
+    fragmentation measure (default: the instances' own shapes); ``snapshots``: counts ``n`` after whose first ``n``
+    instances the nodes' free resources are kept (``Placement.snapshots``)."""
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r}: one of {', '.join(POLICIES)}")
     instances = tuple(instances)
@@ -148,7 +152,14 @@ def place(instances: Sequence[Instance], cluster: Cluster, policy: Policy, *, sh
     fits_somewhere: dict[tuple[float, float, float], bool] = {}
     whole, top = state.whole_gpus(), state.gpus.max(axis=1)  # kept up to date node by node
     nodes, reasons = np.full(len(instances), -1), {}
+    wanted = {int(n) for n in snapshots}
+    if any(n < 0 or n > len(instances) for n in wanted):
+        raise ValueError(f"snapshots: counts from 0 to {len(instances)} (the instances placed)")
+    kept: dict[int, NodeState] = {}
+    everything = np.arange(len(cluster))
     for i, instance in enumerate(instances):
+        if i in wanted:
+            kept[i] = state.rows(everything)
         if progress is not None and i % 256 == 0:
             progress(i, len(instances))
         room = (state.cpus >= instance.cpus - EPS) & (state.memory_gib >= instance.memory_gib - EPS)
@@ -185,6 +196,8 @@ def place(instances: Sequence[Instance], cluster: Cluster, policy: Policy, *, sh
         touched[node] = True
         in_group[instance.group][node] += 1
         nodes[i] = node
+    if len(instances) in wanted:
+        kept[len(instances)] = state.rows(everything)
     if progress is not None:
         progress(len(instances), len(instances))
-    return Placement(instances, cluster, policy, nodes, reasons, state, shapes)
+    return Placement(instances, cluster, policy, nodes, reasons, state, shapes, kept)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoconfig.planning.cluster import Cluster
-from autoconfig.planning.fragmentation import DEFINITIONS, NodeState, report
+from autoconfig.planning.fragmentation import DEFINITIONS, NodeState, Shapes, report
 from autoconfig.planning.placement import Placement, Policy, Progress, place
 from autoconfig.planning.services import Workload
 
@@ -91,10 +91,12 @@ def details(plan: Plan) -> dict[str, Any]:
                                     "reason": plan.placement.reasons[i]} for i in plan.placement.unplaced]}
 
 
-def places_all(workload: Workload, cluster: Cluster, policy: Policy, *, skip: frozenset[int] = frozenset()) -> bool:
+def places_all(workload: Workload, cluster: Cluster, policy: Policy, *, skip: frozenset[int] = frozenset(),
+               shapes: Shapes | None = None) -> bool:
     """Whether ``policy`` places on ``cluster`` every instance but those in ``skip`` (the instances that fit no
-    node of the family of clusters searched: ``unplaceable`` of its largest)."""
-    return set(place(workload.instances, cluster, policy).unplaced) <= skip
+    node of the family of clusters searched: ``unplaceable`` of its largest); ``shapes``: the target workload the
+    policy steers by (default: the instances' own shapes)."""
+    return set(place(workload.instances, cluster, policy, shapes=shapes).unplaced) <= skip
 
 
 def smallest(feasible: Callable[[int], bool], low: int, high: int) -> int | None:
