@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import re
 import shutil
 import subprocess
 import sys
@@ -27,13 +28,15 @@ import torch
 from ray import serve
 
 from benchmarks import bench_dlrm
-from benchmarks.records import RESULTS, provenance
+from benchmarks.records import REPO, RESULTS, provenance
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.net import free_port
 from serving.common.tensors import register_ray_serializer
 
 PROFILES = RESULTS / "profiles"
+#: What a frame's path is cut after: site-packages, the standard library, this repository.
+_PREFIX = re.compile(r"^.*(site-packages/|lib/python3\.\d+/|" + re.escape(str(REPO)) + "/)")
 SYSTEMS = bench_dlrm.SAME_CORES
 
 
@@ -59,10 +62,7 @@ def frame_totals(collapsed: str) -> tuple[int, collections.Counter[str], collect
 def _short(frame: str) -> str:
     """``function (path/to/file.py:line)`` with the path cut to its package-relative tail and no line."""
     name, _, where = frame.partition(" (")
-    where = where.rstrip(")").rsplit(":", 1)[0]
-    for marker in ("site-packages/", "/main/", "/lib/python3"):
-        if marker in where:
-            where = where.split(marker, 1)[1]
+    where = _PREFIX.sub("", where.rstrip(")").rsplit(":", 1)[0])
     return f"{name} ({where})" if where else name
 
 
