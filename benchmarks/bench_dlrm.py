@@ -58,19 +58,25 @@ GiB = 2**30
 #: Every replica of both layouts: OpenMP threads sleep when a parallel region ends instead of spinning for the next
 #: (a replica with two torch threads spent a third of its CPU spinning).
 REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-#: The same-cores systems. Both layouts' compute pools in the same two shapes: one replica with ``--threads``
-#: (``--dense-threads``) torch threads, or two of one thread each (for the monolithic layout, twice the tables); the
-#: model's own modules, one table at a time; every table on one shard.
+#: The same-cores systems. Both layouts' compute pools in the same three shapes: one replica with ``--threads``
+#: (``--dense-threads``) torch threads, one of one thread (two batches in flight still use two cores), or two of
+#: one thread each (for the monolithic layout, twice the tables); the model's own modules, one table at a time;
+#: every table on one shard.
 SAME_CORES = {
     "monolithic": {"serving": "monolithic"},
+    "monolithic_1x1": {"serving": "monolithic", "threads": 1},
     "monolithic_2x1": {"serving": "monolithic", "replicas": 2, "threads": 1},
     "monolithic_per_table": {"serving": "monolithic", "stacked": False},
     "disagg_fp32": {"serving": "disaggregated"},
+    "disagg_fp32_1x1": {"serving": "disaggregated", "threads": 1},
     "disagg_fp32_2x1": {"serving": "disaggregated", "replicas": 2, "threads": 1},
     "disagg_fp32_1shard": {"serving": "disaggregated", "shards": 1},
 }
+#: The same_cores default: the summary's systems, alive at once in 24 GiB with criteo-kaggle's tables
+DEFAULT_SYSTEMS = ["monolithic", "monolithic_1x1", "monolithic_2x1", "disagg_fp32", "disagg_fp32_1x1",
+                   "disagg_fp32_2x1"]
 #: The float32 disaggregated systems the summary ratios take the best of, as they take the best monolithic system.
-SUMMARY_DISAGGREGATED = ("disagg_fp32", "disagg_fp32_2x1")
+SUMMARY_DISAGGREGATED = ("disagg_fp32", "disagg_fp32_1x1", "disagg_fp32_2x1")
 
 
 # -- deployment ----------------------------------------------------------------------------------------------------
@@ -234,8 +240,8 @@ def median_range(values: list[float]) -> dict[str, float]:
 # -- sections ------------------------------------------------------------------------------------------------------
 
 def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: int) -> dict[str, Any]:
-    systems = {name: {**options, "cache_fraction": args.cache_fraction} if options["serving"] == "disaggregated"
-               else options for name, options in SAME_CORES.items()}
+    systems = {name: {**SAME_CORES[name], "cache_fraction": args.cache_fraction}
+               if SAME_CORES[name]["serving"] == "disaggregated" else SAME_CORES[name] for name in args.systems}
     handles = deploy([app_config(name.replace("_", "-"), args, **options) for name, options in systems.items()], port)
     handles = {name: handles[name.replace("_", "-")] for name in systems}
     rows: dict[str, dict[int, dict[str, list]]] = {name: {} for name in systems}
@@ -380,7 +386,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
     if same := results.get("same_cores"):
         lines += ["## Same cores", "",
                   f"Every system on the same {psutil.cpu_count()} cores; monolithic replicas {args.threads} torch "
-                  f"threads (`monolithic_2x1`: two replicas of one), dense replica {args.dense_threads}, shards 1 "
+                  f"threads, dense replica {args.dense_threads}, shards 1 "
                   f"each, cache {args.cache_fraction:.0%} of the table bytes; every replica with "
                   f"{', '.join(f'{k}={v}' for k, v in REPLICA_ENV.items())}. Throughput: the callers column's "
                   f"concurrent callers (about {args.rows_in_flight:,} rows in flight) for {args.seconds:g} s per run "
@@ -388,8 +394,9 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
                   f"({args.latency_repeats} runs), p99 over all of a run's requests, written `max` where a run had "
                   "fewer than 100. `monolithic` stacks each width's tables and pools every bag in one call "
                   "(`model.stacked_tables`, the default); `monolithic_per_table` runs the model's own modules, one "
-                  "table at a time; `_2x1`: two replicas of one torch thread. Ratios are against the best monolithic "
-                  "system at each batch size on that measure (most rows/s, lowest p50, least CPU per row); the "
+                  "table at a time; `_1x1`: one replica of one torch thread; `_2x1`: two of one. Ratios are "
+                  "against the best monolithic system at each batch size on that measure (most rows/s, lowest p50, "
+                  "least CPU per row); the "
                   f"summary's take the best of {', '.join(f'`{name}`' for name in SUMMARY_DISAGGREGATED)} on the "
                   "same measure. `disagg_fp32_1shard` holds every table on one shard.", "",
                   "CPU µs per row: CPU time of the app's replica processes during the throughput runs over the rows "
@@ -532,6 +539,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--sections", nargs="+", default=["same_cores", "scale_out", "cache", "dense_memory",
                                                            "quality"])
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 256, 2048])
+    parser.add_argument("--systems", nargs="+", choices=list(SAME_CORES), default=DEFAULT_SYSTEMS,
+                        help="same_cores systems, alive at once (each monolithic replica holds every table)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each throughput run")
     parser.add_argument("--latency-seconds", type=float, default=6.0, help="length of each latency run")
     parser.add_argument("--repeats", type=int, default=3, help="throughput runs per point (latency: see below)")
