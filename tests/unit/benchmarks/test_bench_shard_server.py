@@ -32,5 +32,5 @@ def test_report_takes_the_ratios_from_the_kept_flavour():
     args = bench.arguments().parse_args(["--flavours", "aio-pool-protobuf", "aio-inline", "sync-pool"])
     table, summary = bench.report(args, results)
     assert summary == {"machinery_over_tensor_work_b256": 2.0, "cpu_ratio_before_over_kept_b256": 2.0}
-    assert "cheapest: sync-pool" in table
+    assert "cheapest serving rows: sync-pool" in table
     assert "| 256 | 2500 | 200 | aio-inline | 1000 [1000, 1000] | 600 [600, 600] |" in table
