@@ -55,6 +55,8 @@ FLAVOURS = ("aio-pool-protobuf", "aio-pool", "aio-inline", "aio-inline-uvloop", 
 #: What the product's shard server runs (``disagg.rpc.server.EmbeddingServer`` below ``INLINE_MAX_IDS`` ids).
 KEPT = "aio-inline"
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+#: The flavour that serves no rows: its whole CPU is grpcio's per-call machinery
+NULL = "aio-null"
 _NULL_REPLY = bytes(16)
 
 
@@ -95,7 +97,7 @@ def serve(flavour: str, args: argparse.Namespace, ready: Any, stop: Any) -> None
     pool = ThreadPoolExecutor(args.sync_threads if flavour == "sync-pool" else 2)
     servicer = _Servicer(shard, pb.ShardInfo(), pool, wire.DEFAULT_MAX_ELEMENTS)
     answer = {"aio-pool-protobuf": lambda raw: protobuf_reply(shard, raw),
-              "aio-null": lambda raw: _NULL_REPLY}.get(flavour, servicer.answer)
+              NULL: lambda raw: _NULL_REPLY}.get(flavour, servicer.answer)
     if flavour == "sync-pool":
         def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
             try:
@@ -116,7 +118,7 @@ def serve(flavour: str, args: argparse.Namespace, ready: Any, stop: Any) -> None
         loop = asyncio.get_running_loop()
 
         async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            if flavour.startswith("aio-inline") or flavour == "aio-null":
+            if flavour.startswith("aio-inline") or flavour == NULL:
                 return answer(raw)
             return await loop.run_in_executor(pool, answer, raw)
 
@@ -229,7 +231,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
              f"Server and client in processes of their own, one torch thread, loopback TCP, {args.in_flight} calls in "
              f"flight, {args.seconds:g} s per run. CPU is the server process's (user + system) per answered call; "
              "machinery is that minus the tensor work (one gather of the call's rows into a buffer, timed alone); "
-             "`vs tensor work` is machinery over tensor work.", "",
+             f"`vs tensor work` is machinery over tensor work (`{NULL}` does none: all its CPU is machinery).", "",
              "| batch | ids per call | tensor work µs | flavour | calls/s | CPU µs per call | system µs | "
              "machinery µs | vs tensor work | errors |", "|---|---|---|---|---|---|---|---|---|---|"]
     summary: dict[str, float] = {}
@@ -239,9 +241,10 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
         for flavour, runs in entry["flavours"].items():
             cpu = [run["cpu_us_per_call"] for run in runs]
             medians[flavour] = statistics.median(cpu)
-            machinery = medians[flavour] - work
+            served = 0.0 if flavour == NULL else work
+            machinery = medians[flavour] - served
             lines.append(
-                f"| {batch} | {entry['ids_per_call']:.0f} | {work:.0f} | {flavour} | "
+                f"| {batch} | {entry['ids_per_call']:.0f} | {served:.0f} | {flavour} | "
                 f"{_cell([run['calls_per_s'] for run in runs], '.0f')} | {_cell(cpu, '.0f')} | "
                 f"{statistics.median(run['system_us_per_call'] for run in runs):.0f} | {machinery:.0f} | "
                 f"{machinery / work:.2f}x | {sum(run['errors'] for run in runs)} |")
@@ -249,10 +252,13 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> tuple[str, dict
             summary[f"machinery_over_tensor_work_b{batch}"] = (medians[KEPT] - work) / work
             if "aio-pool-protobuf" in medians:
                 summary[f"cpu_ratio_before_over_kept_b{batch}"] = medians["aio-pool-protobuf"] / medians[KEPT]
-        serving = {name: cpu for name, cpu in medians.items() if name != "aio-null"}
+        if NULL in medians:
+            summary[f"grpc_floor_over_tensor_work_b{batch}"] = medians[NULL] / work
+        serving = {name: cpu for name, cpu in medians.items() if name != NULL}
         lines.append(f"| {batch} | | | cheapest serving rows: {min(serving, key=serving.get)} | | | | | | |")
     lines += ["", f"The product's shard server runs `{KEPT}` (summary keys `machinery_over_tensor_work_b<batch>`, "
-              "`cpu_ratio_before_over_kept_b<batch>`: `aio-pool-protobuf` over it)."]
+              "`cpu_ratio_before_over_kept_b<batch>`: `aio-pool-protobuf` over it); "
+              f"`grpc_floor_over_tensor_work_b<batch>` is `{NULL}`'s CPU over the tensor work."]
     return "\n".join(lines), summary
 
 
