@@ -146,7 +146,6 @@ def arguments() -> argparse.ArgumentParser:
     parser = bench_dlrm.arguments()
     parser.description = __doc__
     parser.add_argument("--label", required=True, help="name of this profile (before, after, ...)")
-    parser.add_argument("--systems", nargs="+", default=["monolithic", "disagg_fp32"], choices=sorted(SYSTEMS))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     parser.add_argument("--native", action="store_true", help="sample native (C/C++) frames too")
@@ -155,7 +154,7 @@ def arguments() -> argparse.ArgumentParser:
                         "py-spy counts as running while they wait in native code")
     parser.add_argument("--top", type=int, default=30, help="frames listed per process")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"))
-    parser.set_defaults(seconds=15.0)
+    parser.set_defaults(seconds=15.0, systems=["monolithic", "disagg_fp32"])  # --systems: bench_dlrm's
     return parser
 
 
