@@ -85,8 +85,8 @@ def split_rows(outputs: Sequence[torch.Tensor], row_counts: Sequence[int]) -> li
 
 class BatchedDLRM(DLRMBackend, MemoryReport):
     """A ``DLRMBackend`` deployment: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
-    up to four batches may be in flight, so their forwards run at once in worker threads and one's embedding
-    lookups overlap the others' compute.
+    two batches may be in flight: with one torch thread a replica computes both at once (in worker threads), and a
+    disaggregated one's lookups overlap the other's compute.
 
     Subclasses set ``signature``, ``id_ranges``, ``config`` and ``metrics`` and call ``_apply_batching`` in their
     constructor;
@@ -123,8 +123,6 @@ class BatchedDLRM(DLRMBackend, MemoryReport):
                 raise result
             return result
 
-    # Batches in flight: with one torch thread a replica computes as many at once (in worker threads), and a
-    # disaggregated one's lookups overlap the others' compute.
     @serve.batch(max_concurrent_batches=2)
     async def _infer_batch(self, requests: list[Inputs]) -> list[list[torch.Tensor] | APIError]:
         return await self._run_requests(requests)

@@ -12,6 +12,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,6 @@ if TYPE_CHECKING:
     from disagg.lookup import ShardCall
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 #: Status codes that blame the request, not the replica: raised at once, never retried elsewhere.
 _REQUEST_ERRORS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
@@ -240,22 +240,17 @@ class ShardClient:
                                         f"inputs must be exactly {', '.join(names)}; got {', '.join(inputs)}")
         counts = [inputs[name].numel() for name in names]
         ids = torch.cat([inputs[name].reshape(-1) for name in names])
-        reply = await self.lookup_packed(ids, counts, timeout_s=timeout_s, output_dtype=output_dtype)
+        reply = await self.start_packed(ids, counts, timeout_s=timeout_s, output_dtype=output_dtype)
         sizes = [count * width for count, width in zip(counts, reply.widths, strict=True)]
         return {name: part.view(count, width)
                 for name, part, count, width in zip(names, reply.rows.split(sizes), counts, reply.widths, strict=True)}
 
-    async def lookup_packed(
-        self, ids: torch.Tensor, counts: Sequence[int], *, timeout_s: float, output_dtype: str = ""
-    ) -> packed.PackedReply:
-        """Rows of a packed lookup: ``ids`` (1-D) holds ``counts[i]`` ids of input ``i`` (``input_names`` order);
-        the reply's ``rows`` hold input ``i``'s rows, ``widths[i]`` wide, in order (a view of the received bytes)."""
-        return await self.start_packed(ids, counts, timeout_s=timeout_s, output_dtype=output_dtype)
-
     def start_packed(
         self, ids: torch.Tensor, counts: Sequence[int], *, timeout_s: float, output_dtype: str = ""
     ) -> Coroutine[Any, Any, packed.PackedReply]:
-        """``lookup_packed`` with its gRPC call created before this returns (``_call``): await the reply."""
+        """A packed lookup, its gRPC call created before this returns (``_call``): ``ids`` (1-D) holds ``counts[i]``
+        ids of input ``i`` (``input_names`` order); the awaited reply's ``rows`` hold input ``i``'s rows,
+        ``widths[i]`` wide, in order (a view of the received bytes)."""
         try:
             request = packed.encode_request(ids, counts, output_dtype)
         except ValueError as error:
@@ -391,7 +386,7 @@ class ShardClient:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
             else:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-            lookup = channel.unary_unary(f"/{SERVICE_NAME}/Lookup", _registered_method=True)
+            lookup = channel.unary_unary(f"/{wire.SERVICE_NAME}/Lookup", _registered_method=True)
             self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel), lookup)
         return self._stubs[address]
 
@@ -408,9 +403,8 @@ class EmbeddingClient:
     ) -> dict[str, torch.Tensor]:
         """Every called shard's outputs merged; a shard whose inputs are all empty is not called (its outputs are
         left out). The first shard to fail cancels the others and its error propagates."""
-        start = time.monotonic()
-        deadline = start + timeout_s
-        try:
+        deadline = time.monotonic() + timeout_s
+        with self._counted():
             await _all(s.info(timeout_s=deadline - time.monotonic()) for s in self.shards if s.input_names is None)
             routed = self._route(inputs)
             results = await _all(
@@ -418,27 +412,13 @@ class EmbeddingClient:
                 for shard, shard_inputs in routed
                 if any(tensor.numel() for tensor in shard_inputs.values())
             )
-        except EmbeddingRequestError:
-            self.stats.request_errors += 1
-            raise
-        except (ShardUnavailable, ShardVersionMismatch):
-            self.stats.unavailable += 1
-            raise
-        finally:
-            self.stats.observe(time.monotonic() - start)
         return {name: tensor for outputs in results for name, tensor in outputs.items()}
-
-    async def lookup_packed(
-        self, calls: Sequence[ShardCall], *, timeout_s: float, output_dtype: str = ""
-    ) -> list[packed.PackedReply]:
-        """Every packed call's reply, in order, the calls made concurrently (``ShardClient.lookup_packed``); the
-        first to fail cancels the others and its error propagates."""
-        return await self.start_packed(calls, timeout_s=timeout_s, output_dtype=output_dtype)
 
     def start_packed(
         self, calls: Sequence[ShardCall], *, timeout_s: float, output_dtype: str = ""
     ) -> Awaitable[list[packed.PackedReply]]:
-        """``lookup_packed`` with every gRPC call created before this returns: await the replies."""
+        """Every packed call's reply, in order (``ShardClient.start_packed``), every gRPC call created before this
+        returns: await the replies. The first to fail cancels the others and its error propagates."""
         pending: list[Coroutine[Any, Any, packed.PackedReply]] = []
         try:
             for call in calls:
@@ -452,9 +432,15 @@ class EmbeddingClient:
         return self._gathered(pending)
 
     async def _gathered(self, pending: list[Coroutine[Any, Any, packed.PackedReply]]) -> list[packed.PackedReply]:
+        with self._counted():
+            return await _all(pending)
+
+    @contextmanager
+    def _counted(self) -> Iterator[None]:
+        """``stats`` of one lookup: its time, and its error by kind."""
         start = time.monotonic()
         try:
-            return await _all(pending)
+            yield
         except EmbeddingRequestError:
             self.stats.request_errors += 1
             raise

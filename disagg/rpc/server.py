@@ -32,12 +32,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from disagg.rpc import packed, wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc.tls import ServerTLS, read_pem
+from disagg.rpc.wire import SERVICE_NAME
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.device import set_torch_threads
 from serving.common.logging import get_logger
 from serving.common.tokens import SecretDigest
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 MiB = 1024 * 1024
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MiB
 #: Table-shard lookups of at most this many ids run on the event loop (no thread hop); larger ones in the pool.

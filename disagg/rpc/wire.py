@@ -16,6 +16,8 @@ import torch
 
 from disagg.rpc._proto import embedding_pb2 as pb
 
+#: The embedding service's full name in embedding.proto (gRPC method paths, health checks).
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
 #: Element types the wire accepts, by their names in ``Tensor.dtype``.
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
