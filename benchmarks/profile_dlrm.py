@@ -18,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,14 +110,10 @@ def profile_system(name: str, args: argparse.Namespace, batches: list, port: int
     disaggregated = SYSTEMS[name]["serving"] == "disaggregated"
     calls_before = _shard_calls(handle) if disaggregated else 0
     cpu_before = bench_dlrm.app_cpu_seconds(app)
-    caller_before, machine_before = psutil.Process().cpu_times(), psutil.cpu_times()
-    served: dict[str, Any] = {}
-    driver = threading.Thread(target=lambda: served.update(
-        bench_dlrm.throughput(handle, batches, bench_dlrm.callers(args, args.batch), args.seconds)))
-    driver.start()
-    driver.join()
+    caller_before, machine_before = psutil.Process().cpu_times(), bench_dlrm.machine_cpu()
+    served = bench_dlrm.throughput(handle, batches, bench_dlrm.callers(args, args.batch), args.seconds)
     cpu_after = bench_dlrm.app_cpu_seconds(app)
-    caller_after, machine_after = psutil.Process().cpu_times(), psutil.cpu_times()
+    caller_after, machine_after = psutil.Process().cpu_times(), bench_dlrm.machine_cpu()
     calls = _shard_calls(handle) - calls_before if disaggregated else 0
     for title, recorder in recorders.items():
         _, error = recorder.communicate(timeout=120)
@@ -126,12 +121,11 @@ def profile_system(name: str, args: argparse.Namespace, batches: list, port: int
             print(f"py-spy failed on {title}: {error.decode()[-500:]}", file=sys.stderr)
     serve.delete(app)
     per_row = {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / max(1, served["rows"]) for role in cpu_after}
-    machine_total = sum(machine_after) - sum(machine_before)
     return {"batch": args.batch, "rows_per_s": served["rows_per_s"], "errors": served["errors"],
             "caller_cpu_us_per_row": 1e6 * (sum(caller_after[:2]) - sum(caller_before[:2])) / max(1, served["rows"]),
             "rows_per_shard_call": served["rows"] / calls if calls else None,
-            "machine_idle": (machine_after.idle - machine_before.idle) / machine_total,
-            "machine_steal": (machine_after.steal - machine_before.steal) / machine_total,
+            **{f"machine_{share}": value
+               for share, value in bench_dlrm.idle_and_steal(machine_before, machine_after).items()},
             "cpu_us_per_row": per_row, "cpu_us_per_row_total": sum(per_row.values()),
             "stacks": {title.split("#")[0]: path.read_text() if path.exists() else ""
                        for title, path in outputs.items()}}
