@@ -99,7 +99,8 @@ CONTROLNET_CALL_LATENCY = MetricSpec(
 )
 CFG_LOCAL_FALLBACKS = MetricSpec(
     "swiftserve_cfg_local_fallbacks", "counter",
-    "Denoising steps whose unconditional rows the model replica computed itself because the CFG worker failed.",
+    "Denoising steps whose unconditional rows the model replica computed itself because the CFG worker failed or "
+    "was late, or was pausing after such a failure.",
 )
 CFG_LORA_LOCAL_ROWS = MetricSpec(
     "swiftserve_cfg_lora_local_rows", "counter",

@@ -81,12 +81,18 @@ class WireResiduals:
 
 
 class PendingReply(Generic[T]):
-    """A deployment call in flight; ``result()`` waits at most ``timeout_s`` and decodes the answer."""
+    """A deployment call in flight; ``result()`` waits at most ``timeout_s`` (or less when asked) and decodes the
+    answer."""
 
     def __init__(self, response: DeploymentResponse, timeout_s: float, decode: Callable[[object], T]) -> None:
         self._response = response
         self._timeout_s = timeout_s
         self._decode = decode
 
-    def result(self) -> T:
-        return self._decode(self._response.result(timeout_s=self._timeout_s))
+    def result(self, timeout: float | None = None) -> T:
+        timeout_s = self._timeout_s if timeout is None else min(timeout, self._timeout_s)
+        return self._decode(self._response.result(timeout_s=timeout_s))
+
+    def cancel(self) -> bool:
+        self._response.cancel()
+        return True

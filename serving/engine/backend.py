@@ -15,7 +15,7 @@ from serving.common.errors import RequestItemError
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient
-from serving.engine.cfg import CFGWorker
+from serving.engine.cfg import CFGWorker, WorkerPatience
 from serving.engine.diffusion_engine import DiffusionEngine
 from serving.engine.loop import EngineLoop, StepCallback
 from serving.engine.types import (
@@ -41,7 +41,9 @@ class LocalBackend(ImageGenerationBackend):
     def from_config(cls, config: DiffusionAppConfig, *, controlnets: ControlNetClient | None = None,
                     cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None,
                     metrics: Metrics = NO_METRICS) -> LocalBackend:
-        engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker, metrics)
+        worker = config.engine.cfg_worker
+        patience = WorkerPatience(worker.patience, worker.min_wait_s, worker.retry_after_s, worker.max_retry_after_s)
+        engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker, patience, metrics)
         return cls.for_engine(engine, config, on_step=on_step, metrics=metrics)
 
     @staticmethod

@@ -2,14 +2,16 @@
 runs the conditional rows. The worker is a second copy of the model on its own device: an in-process engine on a
 thread (``LocalCFGWorker``) or a Serve deployment (``serving.deployments.cfg_worker``). A step whose worker fails
 is finished by the engine alone; so are the rows a worker answers it did not compute (their LoRAs still loading
-there: the engine ``prefetch``es a request's LoRAs on the worker when the request arrives). Once a request is
-denoised, the worker's device also decodes the lower half of its image (``band_peer``).
+there: the engine ``prefetch``es a request's LoRAs on the worker when the request arrives), and so is a step whose
+worker is late (``WorkerPatience``: a dead worker's calls may wait in Serve's queue for its replacement). Once a
+request is denoised, the worker's device also decodes the lower half of its image (``band_peer``).
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -34,7 +36,48 @@ class WorkerNoise:
 class PendingNoise(Protocol):
     """A CFG worker's step in flight: a ``Future``, or a Serve deployment's reply."""
 
-    def result(self) -> WorkerNoise: ...
+    def result(self, timeout: float | None = None) -> WorkerNoise:
+        """The answer, waiting at most ``timeout`` seconds (None: the call's own deadline); raises past it."""
+
+    def cancel(self) -> bool:
+        """Gives the call up (its answer, if one still comes, is dropped)."""
+
+
+class WorkerPatience:
+    """How long an engine relies on its CFG worker. After its own rows of a step it waits for the worker's at most
+    ``patience`` times as long as its own took, at least ``min_wait_s``. After a failure (an error or that wait
+    passed) the worker is not ``available`` for ``retry_after_s``, doubled per failure in a row up to
+    ``max_retry_after_s``; an answer resets it. Used from the engine's one thread."""
+
+    def __init__(self, patience: float = 4.0, min_wait_s: float = 0.5, retry_after_s: float = 1.0,
+                 max_retry_after_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if patience <= 0 or min_wait_s < 0 or retry_after_s <= 0 or max_retry_after_s < retry_after_s:
+            raise ValueError("patience and retry_after_s must be > 0, min_wait_s >= 0, "
+                             "max_retry_after_s >= retry_after_s")
+        self._patience, self._min_wait_s = patience, min_wait_s
+        self._retry_after_s, self._max_retry_after_s = retry_after_s, max_retry_after_s
+        self._clock = clock
+        self._failures = 0
+        self._retry_at = -float("inf")
+
+    def available(self) -> bool:
+        """Whether to call the worker now (False while pausing after a failure)."""
+        return self._clock() >= self._retry_at
+
+    def wait_s(self, own_s: float) -> float:
+        """How long to wait for the worker's rows once the engine's own took ``own_s`` seconds."""
+        return max(self._min_wait_s, self._patience * own_s)
+
+    def failed(self) -> float:
+        """Records a failure; the seconds until the worker is called again."""
+        pause = min(self._max_retry_after_s, self._retry_after_s * 2 ** min(self._failures, 32))
+        self._failures += 1
+        self._retry_at = self._clock() + pause
+        return pause
+
+    def answered(self) -> None:
+        """Records an answer: the next failure pauses ``retry_after_s`` again."""
+        self._failures = 0
 
 
 class CFGWorker(ABC):

@@ -30,7 +30,7 @@ from serving.controlnet.client import ControlNetClient, ControlNetNotFound, Cont
 from serving.controlnet.conditioning import to_controlnet_input
 from serving.controlnet.runner import ControlNetCall, ControlNetResiduals
 from serving.engine.band_decode import BandDecodeUnsupported, check_band_decodable, decode_with_peer
-from serving.engine.cfg import CFGWorker
+from serving.engine.cfg import CFGWorker, WorkerPatience
 from serving.engine.denoisers import denoiser_for
 from serving.engine.prompts import prompt_encoder
 from serving.engine.request import Inpainting, LoRAActivation, PendingLoRA, RequestState
@@ -76,7 +76,8 @@ class DiffusionEngine:
     def __init__(self, name: str, components: DiffusionComponents, device: torch.device,
                  dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
-                 cfg_worker: CFGWorker | None = None, metrics: Metrics = NO_METRICS) -> None:
+                 cfg_worker: CFGWorker | None = None, cfg_patience: WorkerPatience | None = None,
+                 metrics: Metrics = NO_METRICS) -> None:
         self.schedulers = SchedulerChoices(components.scheduler)
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple, family=components.family,
@@ -102,6 +103,7 @@ class DiffusionEngine:
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         self.controlnets = controlnets
         self.cfg_worker = cfg_worker
+        self.cfg_patience = cfg_patience or WorkerPatience()
         self.metrics = metrics
         self._band_decodable = _band_decodable(self.vae)  # with a CFG worker, set now or later
         #: an inpainting checkpoint: its denoiser takes the mask and the masked image's latents beside the latents
@@ -110,14 +112,14 @@ class DiffusionEngine:
     @classmethod
     def from_config(cls, config: DiffusionModelConfig, lora: LoRAConfig | None = None,
                     controlnets: ControlNetClient | None = None, cfg_worker: CFGWorker | None = None,
-                    metrics: Metrics = NO_METRICS) -> DiffusionEngine:
+                    cfg_patience: WorkerPatience | None = None, metrics: Metrics = NO_METRICS) -> DiffusionEngine:
         device = resolve_device(config.device)
         set_torch_threads(config.torch_threads)
         lora = lora or LoRAConfig()
         started = time.perf_counter()
         engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
                      merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards,
-                     controlnets=controlnets, cfg_worker=cfg_worker, metrics=metrics)
+                     controlnets=controlnets, cfg_worker=cfg_worker, cfg_patience=cfg_patience, metrics=metrics)
         source = f"preset={config.preset}" if config.preset else f"path={config.path}"
         logger.info("diffusion model %r loaded (%s, device=%s, dtype=%s) in %.1fs on %s",
                     config.name, source, device, config.dtype, time.perf_counter() - started, placement())
@@ -286,40 +288,18 @@ class DiffusionEngine:
     @torch.inference_mode()
     def step(self, states: Sequence[RequestState]) -> None:
         """One denoising step for every request in ``states``: all rows in one denoiser forward, or with a CFG
-        worker, the unconditional rows there and the rest here, at the same time. When the worker fails, this
-        engine computes its rows too (logged and counted): the step is slower, no request fails for it. So it does
-        the rows the worker skipped (their LoRAs still loading there; counted)."""
+        worker, the unconditional rows there and the rest here, at the same time. When the worker fails or is late
+        (``cfg_patience``), this engine computes its rows too (logged and counted), and every row itself while the
+        worker pauses after that: the step is slower, no request fails or stalls for it. So it does the rows the
+        worker skipped (their LoRAs still loading there; counted)."""
         batch = RowBatch.for_states(states)
         if self.cfg_worker is None or not any(state.params.uses_cfg for state in states):
             noise = self.predict_noise(batch)
+        elif not self.cfg_patience.available():
+            self.metrics.cfg_local_fallback()
+            noise = self.predict_noise(batch)
         else:
-            remote, local, offset = [], [], 0
-            for state in states:
-                half = state.params.n if state.params.uses_cfg else 0
-                remote += range(offset, offset + half)
-                local += range(offset + half, offset + state.rows)
-                offset += state.rows
-            pending = self.cfg_worker.submit(batch.select(remote))
-            local_noise = self.predict_noise(batch.select(local))
-            noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
-            noise[local] = local_noise
-            try:
-                answer = pending.result()
-            except Exception as exc:
-                logger.warning("CFG worker failed (%s: %s); computing its %d rows here", type(exc).__name__, exc,
-                               len(remote))
-                self.metrics.cfg_local_fallback()
-                left = remote
-            else:
-                skipped = set(answer.skipped)
-                done = [row for index, row in enumerate(remote) if index not in skipped]
-                if done:
-                    noise[done] = answer.noise.to(noise.device, noise.dtype)
-                left = [remote[index] for index in answer.skipped]
-                if left:
-                    self.metrics.cfg_lora_local_rows(len(left))
-            if left:
-                noise[left] = self.predict_noise(batch.select(left))
+            noise = self._predict_with_worker(states, batch)
         offset = 0
         for state in states:
             prediction = noise[offset:offset + state.rows]
@@ -347,16 +327,55 @@ class DiffusionEngine:
                                                         self._submit_controlnets(batch))
             return self.denoiser.predict(batch.sample, batch.timestep, batch.context, batch.added)
 
+    def _predict_with_worker(self, states: Sequence[RequestState], batch: RowBatch) -> torch.Tensor:
+        """The step's noise: the unconditional rows on the CFG worker, the rest here meanwhile; the worker's rows
+        here too when it fails, is late, or skipped them."""
+        remote, local, offset = [], [], 0
+        for state in states:
+            half = state.params.n if state.params.uses_cfg else 0
+            remote += range(offset, offset + half)
+            local += range(offset + half, offset + state.rows)
+            offset += state.rows
+        pending = self.cfg_worker.submit(batch.select(remote))
+        started = time.monotonic()
+        local_noise = self.predict_noise(batch.select(local))
+        noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
+        noise[local] = local_noise
+        try:
+            answer = pending.result(timeout=self.cfg_patience.wait_s(time.monotonic() - started))
+        except Exception as exc:
+            pending.cancel()
+            pause = self.cfg_patience.failed()
+            logger.warning("CFG worker failed or late (%s: %s); computing its %d rows here, and every row for %.1fs",
+                           type(exc).__name__, exc, len(remote), pause)
+            self.metrics.cfg_local_fallback()
+            left = remote
+        else:
+            self.cfg_patience.answered()
+            skipped = set(answer.skipped)
+            done = [row for index, row in enumerate(remote) if index not in skipped]
+            if done:
+                noise[done] = answer.noise.to(noise.device, noise.dtype)
+            left = [remote[index] for index in answer.skipped]
+            if left:
+                self.metrics.cfg_lora_local_rows(len(left))
+        if left:
+            noise[left] = self.predict_noise(batch.select(left))
+        return noise
+
     @torch.inference_mode()
     def decode(self, state: RequestState) -> np.ndarray:
-        """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker, its device decodes the lower
-        half of the rows meanwhile (``band_decode``); if it fails, this engine decodes the whole (logged, counted)."""
+        """The request's images as float32 [n, H, W, 3] in [0, 1]. With a CFG worker (not pausing after a failure),
+        its device decodes the lower half of the rows meanwhile (``band_decode``); if it fails, this engine decodes
+        the whole (logged, counted)."""
         latents = to_vae_latents(self.vae, state.latents, self.vae_dtype)
         images = None
-        if self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2:
+        if (self.cfg_worker is not None and self._band_decodable and latents.shape[2] >= 2
+                and self.cfg_patience.available()):
             try:
                 images = decode_with_peer(self.vae, latents, self.cfg_worker.band_peer(latents))
             except Exception as exc:
+                self.cfg_patience.failed()
                 logger.warning("band decode with the CFG worker failed (%s: %s); decoding here", type(exc).__name__,
                                exc)
                 self.metrics.band_decode("fallback")

@@ -5,7 +5,10 @@ The app (``dlrm-autoscaling`` at /autoscaling/v2) is deployed beside the session
 (started here, and stopped again, when no other test started Serve) and deleted at the end. Both pools run
 ``BusyTimePolicy`` with short delays and look-back periods, between one and two replicas, on the simulated pool nodes.
 Every process shares the machine's cores, so a pool's busy fraction stays well below 1 even when it is the
-bottleneck; ``TARGET_UTILIZATION`` sits between what each pool reports under its own load and under the other one.
+bottleneck. Under the lookup-heavy load the dense replica reports about as much busy time as the shard (it
+deduplicates and pools every id the shard gathers); under the dense-heavy load it is busy nearly all the time and the
+shard nearly never. So no one target sits between both pools' figures: each pool's ``TARGET_UTILIZATION`` sits between
+what it reports under its own load and under the other one, a factor of about two from each on a 2-core machine.
 
 Lookup-heavy: one row per request with 1024 uniformly drawn ids per bag, so each request makes the shard gather
 thousands of distinct int8 rows (several chunks under a 1 MiB message limit) while the dense stages compute one row.
@@ -36,21 +39,26 @@ pytestmark = pytest.mark.integration
 APP, ROUTE = "dlrm-autoscaling", "/autoscaling/v2"
 PRESET = "small"
 DENSE, SHARD = "DisaggregatedDLRM", "EmbeddingShard_0"
-TARGET_UTILIZATION = 0.2
+#: Per pool: between its busy fraction under its own load and under the other pool's (see the module docstring)
+TARGET_UTILIZATION = {DENSE: 0.5, SHARD: 0.1}
 GROWTH_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 120.0
-AUTOSCALING = {
-    "min_replicas": 1,
-    "max_replicas": 2,
-    "upscale_delay_s": 1.0,
-    "downscale_delay_s": 2.0,
-    "look_back_period_s": 2.0,
-    "metrics_interval_s": 0.5,  # replicas push their metrics this often (Serve's default: every 10 s)
-    "policy": {
-        "policy_function": f"{BusyTimePolicy.__module__}:{BusyTimePolicy.__name__}",
-        "policy_kwargs": {"target_utilization": TARGET_UTILIZATION},
-    },
-}
+
+
+def _autoscaling(deployment: str) -> dict[str, Any]:
+    """Short delays and look-back periods, one or two replicas, ``BusyTimePolicy`` at the pool's own target."""
+    return {
+        "min_replicas": 1,
+        "max_replicas": 2,
+        "upscale_delay_s": 1.0,
+        "downscale_delay_s": 2.0,
+        "look_back_period_s": 2.0,
+        "metrics_interval_s": 0.5,  # replicas push their metrics this often (Serve's default: every 10 s)
+        "policy": {
+            "policy_function": f"{BusyTimePolicy.__module__}:{BusyTimePolicy.__name__}",
+            "policy_kwargs": {"target_utilization": TARGET_UTILIZATION[deployment]},
+        },
+    }
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ def _app_config() -> dict[str, Any]:
         },
         "deployments": [
             *({"name": name, "ray_actor_options": {"num_cpus": 0, "resources": {pool: 1}},
-               "autoscaling_config": AUTOSCALING} for name, pool in pools.items()),
+               "autoscaling_config": _autoscaling(name)} for name, pool in pools.items()),
             {"name": "ShardDirectory", "ray_actor_options": {"num_cpus": 0}},
         ],
     }
