@@ -61,7 +61,8 @@ REPLICA_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 #: The same-cores systems. Both layouts' compute pools in the same three shapes: one replica with ``--threads``
 #: (``--dense-threads``) torch threads, one of one thread (two batches in flight still use two cores), or two of
 #: one thread each (for the monolithic layout, twice the tables); the model's own modules, one table at a time;
-#: every table on one shard.
+#: every table on one shard; ``_call``: lookups as one gRPC call each instead of messages on a stream (the
+#: transport before it).
 SAME_CORES = {
     "monolithic": {"serving": "monolithic"},
     "monolithic_1x1": {"serving": "monolithic", "threads": 1},
@@ -71,6 +72,8 @@ SAME_CORES = {
     "disagg_fp32_1x1": {"serving": "disaggregated", "threads": 1},
     "disagg_fp32_2x1": {"serving": "disaggregated", "replicas": 2, "threads": 1},
     "disagg_fp32_1shard": {"serving": "disaggregated", "shards": 1},
+    "disagg_fp32_call": {"serving": "disaggregated", "transport": "call"},
+    "disagg_fp32_call_1x1": {"serving": "disaggregated", "threads": 1, "transport": "call"},
 }
 #: The same_cores default: the summary's systems, alive at once in 24 GiB with criteo-kaggle's tables
 DEFAULT_SYSTEMS = ["monolithic", "monolithic_1x1", "monolithic_2x1", "disagg_fp32", "disagg_fp32_1x1",
@@ -83,9 +86,11 @@ SUMMARY_DISAGGREGATED = ("disagg_fp32", "disagg_fp32_1x1", "disagg_fp32_2x1")
 
 def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str | None = None, replicas: int = 1,
                wire: str = "float32", cache_fraction: float = 0.0, policy: str = "lru", threads: int | None = None,
-               storage: str = "float32", stacked: bool = True, shards: int | None = None) -> dict[str, Any]:
+               storage: str = "float32", stacked: bool = True, shards: int | None = None,
+               transport: str = "stream") -> dict[str, Any]:
     """One app of the Serve config: ``name`` at ``/<name>/v2``; ``threads`` (default ``--threads`` monolithic,
-    ``--dense-threads`` disaggregated) per monolithic or dense replica; ``shards`` (default ``--shards``)."""
+    ``--dense-threads`` disaggregated) per monolithic or dense replica; ``shards`` (default ``--shards``);
+    ``transport``: how dense replicas send lookups (``EmbeddingServiceConfig.transport``)."""
     shards = shards or args.shards
     spec = preset_spec(preset or args.preset)
     table_bytes = spec.total_rows * spec.embedding_dim * 4
@@ -101,7 +106,7 @@ def app_config(name: str, args: argparse.Namespace, *, serving: str, preset: str
                       "torch_threads": threads or (args.threads if serving == "monolithic" else args.dense_threads)},
             "serving": serving,
             "embedding": {"num_shards": shards, "bind_host": "127.0.0.1", "lookup_timeout_s": 30.0,
-                          "torch_threads": 1, "wire_dtype": wire, "storage_dtype": storage,
+                          "transport": transport, "torch_threads": 1, "wire_dtype": wire, "storage_dtype": storage,
                           "cache": {"max_bytes": int(cache_fraction * table_bytes), "policy": policy}},
             "batching": {"max_batch_size": args.max_batch_size},
         },

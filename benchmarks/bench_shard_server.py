@@ -17,6 +17,8 @@ Flavours:
 - ``sync-pool``: grpcio's synchronous server (a thread pool of ``--sync-threads``), the hand-written reply.
 - ``aio-null``: ``aio-inline`` answering every call with the same 16 bytes, no lookup: grpcio's own cost of a call
   carrying the request (the floor under any flavour), beside which the others' machinery is read.
+- ``aio-stream``: the lookups as messages on one ``LookupStream`` call (``--in-flight`` outstanding), answered on the
+  event loop: what dense replicas use by default (``EmbeddingServiceConfig.transport``).
 
 Summary: the kept flavour's machinery over the tensor work, and the server CPU per call before issue 45 over the
 kept flavour's, per batch size.
@@ -30,7 +32,6 @@ import argparse
 import asyncio
 import multiprocessing
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,9 +52,12 @@ from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from disagg.tables import TableLayout, TableShard, build_embedding_shard
 
-FLAVOURS = ("aio-pool-protobuf", "aio-pool", "aio-inline", "aio-inline-uvloop", "sync-pool", "aio-null")
-#: What the product's shard server runs (``disagg.rpc.server.EmbeddingServer`` below ``INLINE_MAX_IDS`` ids).
-KEPT = "aio-inline"
+FLAVOURS = ("aio-pool-protobuf", "aio-pool", "aio-inline", "aio-inline-uvloop", "sync-pool", "aio-null", "aio-stream")
+#: What the product's shard server runs for a dense replica (``disagg.rpc.server.EmbeddingServer`` below
+#: ``INLINE_MAX_IDS`` ids, lookups on a stream)
+KEPT = "aio-stream"
+#: The flavour whose lookups are messages on one stream rather than calls
+STREAM = "aio-stream"
 _OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 #: The flavour that serves no rows: its whole CPU is grpcio's per-call machinery
 NULL = "aio-null"
@@ -122,8 +126,12 @@ def serve(flavour: str, args: argparse.Namespace, ready: Any, stop: Any) -> None
                 return answer(raw)
             return await loop.run_in_executor(pool, answer, raw)
 
+        async def handle_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for reply in servicer.LookupStream(requests, context):
+                yield reply
+
         server = grpc.aio.server(options=_OPTIONS)
-        _add(server, handle)
+        _add(server, handle, handle_stream)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ready.put((port, multiprocessing.current_process().pid))
@@ -139,8 +147,10 @@ def serve(flavour: str, args: argparse.Namespace, ready: Any, stop: Any) -> None
         asyncio.run(main())
 
 
-def _add(server: Any, handle: Any) -> None:
+def _add(server: Any, handle: Any, handle_stream: Any = None) -> None:
     handlers = {"Lookup": grpc.unary_unary_rpc_method_handler(handle)}
+    if handle_stream is not None:
+        handlers["LookupStream"] = grpc.stream_stream_rpc_method_handler(handle_stream)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
@@ -155,36 +165,62 @@ def tensor_work_us(shard: TableShard, requests: list[bytes], calls: int) -> floa
     return 1e6 * (time.thread_time() - started) / calls
 
 
-def drive(port: int, pid: int, requests: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
-    """``--in-flight`` callers for ``--seconds``: calls per second and the server's CPU per call."""
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS)
-    call = channel.unary_unary(f"/{SERVICE_NAME}/Lookup")
-    for raw in requests[:8]:
-        call(raw, timeout=30)  # warm-up
-    process = psutil.Process(pid)
-    answered, errors = [0] * args.in_flight, [0] * args.in_flight
-    deadline = time.perf_counter() + args.seconds
+def drive(port: int, pid: int, requests: list[bytes], args: argparse.Namespace, stream: bool = False) -> dict[str, Any]:
+    """``--in-flight`` lookups outstanding for ``--seconds``, sent by a ``grpc.aio`` client as the dense replicas'
+    is: ``--in-flight`` callers of ``Lookup``, or (``stream``) ``--in-flight`` messages outstanding on one
+    ``LookupStream``, the next written as each reply arrives. Calls per second and the server's CPU per call."""
+    return asyncio.run(_drive(port, psutil.Process(pid), requests, args, stream))
 
-    def caller(slot: int) -> None:
-        index = slot
-        while time.perf_counter() < deadline:
-            try:
-                call(requests[index % len(requests)], timeout=30)
-                answered[slot] += 1
-            except grpc.RpcError:
-                errors[slot] += 1
-            index += args.in_flight
 
-    before, started = process.cpu_times(), time.perf_counter()
-    threads = [threading.Thread(target=caller, args=(slot,)) for slot in range(args.in_flight)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    after, elapsed = process.cpu_times(), time.perf_counter() - started
-    channel.close()
-    calls = sum(answered)
-    return {"calls_per_s": calls / elapsed, "calls": calls, "errors": sum(errors),
+async def _drive(port: int, process: psutil.Process, requests: list[bytes], args: argparse.Namespace,
+                 stream: bool) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=_OPTIONS) as channel:
+        call = channel.unary_unary(f"/{SERVICE_NAME}/Lookup")
+        lookups = channel.stream_stream(f"/{SERVICE_NAME}/LookupStream")() if stream else None
+        for raw in requests[:8]:  # warm-up
+            if lookups is None:
+                await call(raw, timeout=30)
+            else:
+                await lookups.write(raw)
+                await lookups.read()
+        errors = 0
+        before, started = process.cpu_times(), time.perf_counter()
+        deadline = started + args.seconds
+        if lookups is None:
+            answered = [0] * args.in_flight
+
+            async def caller(slot: int) -> None:
+                nonlocal errors
+                index = slot
+                while time.perf_counter() < deadline:
+                    try:
+                        await call(requests[index % len(requests)], timeout=30)
+                        answered[slot] += 1
+                    except grpc.aio.AioRpcError:
+                        errors += 1
+                    index += args.in_flight
+
+            await asyncio.gather(*(caller(slot) for slot in range(args.in_flight)))
+            calls = sum(answered)
+        else:
+            sent = calls = 0
+            for _ in range(args.in_flight):
+                await lookups.write(requests[sent % len(requests)])
+                sent += 1
+            while calls < sent:
+                reply = await lookups.read()
+                if packed.stream_header(reply).status:
+                    errors += 1
+                else:
+                    calls += 1
+                if time.perf_counter() < deadline:
+                    await lookups.write(requests[sent % len(requests)])
+                    sent += 1
+                elif calls + errors >= sent:
+                    break
+            await lookups.done_writing()
+        after, elapsed = process.cpu_times(), time.perf_counter() - started
+    return {"calls_per_s": calls / elapsed, "calls": calls, "errors": errors,
             "cpu_us_per_call": 1e6 * ((after.user - before.user) + (after.system - before.system)) / max(1, calls),
             "system_us_per_call": 1e6 * (after.system - before.system) / max(1, calls)}
 
@@ -215,7 +251,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for repeat in range(args.repeats):
                 order = args.flavours if repeat % 2 == 0 else list(reversed(args.flavours))
                 for flavour in order:
-                    run = drive(*endpoints[flavour], requests, args)
+                    run = drive(*endpoints[flavour], requests, args, stream=flavour == STREAM)
                     entry["flavours"][flavour].append(run)
                     print(f"batch {batch} {flavour} run {repeat}: {run}", flush=True)
     finally:

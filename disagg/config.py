@@ -218,6 +218,10 @@ class EmbeddingServiceConfig(BaseModel):
     table_storage: dict[str, StorageDtype] = Field(
         default_factory=dict, description="Per-table override of `storage_dtype`, by table name (`embeddings.3`)."
     )
+    transport: Literal["stream", "call"] = Field(
+        "stream", description="How dense replicas send lookups: `stream` (messages on one long-lived LookupStream "
+        "call per shard replica: the least CPU and latency per lookup) or `call` (one Lookup call each)."
+    )
     wire_dtype: WireDtype = Field(
         "float32", description="Element type of the rows shards send back: `float32` (bit-equal to monolithic "
         "serving), or `float16`/`bfloat16` (half the bytes, rounded)."

@@ -91,7 +91,8 @@ class DisaggregatedDLRM(BatchedDLRM):
             ShardClient(index, [], input_names=[piece.name for piece in slices],
                         max_message_bytes=embedding.max_message_bytes, credentials=credentials,
                         server_name=embedding.tls_server_name, token=EMBEDDING_TOKEN,
-                        expected_version=shard_version(source, slices, layout), packed=True, metrics=self.metrics)
+                        expected_version=shard_version(source, slices, layout), packed=True,
+                        stream=embedding.transport == "stream", metrics=self.metrics)
             for index, slices in enumerate(plan)
         ])
         cache = embedding.cache

@@ -22,6 +22,7 @@ import torch
 from disagg.rpc import packed, wire
 from disagg.rpc._proto import embedding_pb2 as pb
 from disagg.rpc._proto import embedding_pb2_grpc as pb_grpc
+from disagg.rpc.stream import LookupStream
 from serving.common.errors import APIError, retry_after
 from serving.common.metrics import NO_METRICS, Metrics, RPCStatus
 
@@ -133,7 +134,9 @@ class ShardClient:
     for shards whose output ``i`` has one row per id of input ``i`` (table shards): outputs are then keyed by input
     name, and the encode and decode cost no longer grows with the number of slices. Packed calls travel as raw
     bytes written and read by ``disagg.rpc.packed`` (the same protobuf messages, rows viewed where they arrived);
-    ``start_packed`` creates the call before returning, so a caller can compute while it is in flight.
+    ``start_packed`` creates the call before returning, so a caller can compute while it is in flight. With
+    ``stream``, packed lookups go as messages on one ``LookupStream`` call per replica (``disagg.rpc.stream``),
+    failing over as ``Lookup`` calls do.
 
     gRPC's own round-robin, retry policy (service config) and client-side health checking are not used for
     failover: the replica list changes at run time and Python's grpc cannot update a channel's addresses without a
@@ -159,10 +162,13 @@ class ShardClient:
         expected_version: str | None = None,
         on_new_version: Callable[[int, str], None] | None = None,
         packed: bool = False,
+        stream: bool = False,
         metrics: Metrics = NO_METRICS,
     ) -> None:
         self.shard_index = shard_index
         self.packed = packed
+        self.stream = stream
+        self._sequences = itertools.count(1)
         self.expected_version = expected_version
         self.on_new_version = on_new_version
         self._last_version: str | None = None
@@ -183,8 +189,7 @@ class ShardClient:
         self._credentials = credentials
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._addresses: tuple[str, ...] = ()
-        self._stubs: dict[str, tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub,
-                                     grpc.aio.UnaryUnaryMultiCallable]] = {}
+        self._stubs: dict[str, _Replica] = {}
         self._cooling_until: dict[str, float] = {}
         self._next = 0
         self._retired: list[grpc.aio.Channel] = []
@@ -199,7 +204,9 @@ class ShardClient:
         """Serve from ``addresses`` from now on; channels of removed replicas close (in-flight calls fail over)."""
         self._addresses = tuple(dict.fromkeys(addresses))
         for address in set(self._stubs) - set(self._addresses):
-            self._retired.append(self._stubs.pop(address)[0])
+            replica = self._stubs.pop(address)
+            replica.stream.close()
+            self._retired.append(replica.channel)
             self._cooling_until.pop(address, None)
         try:
             asyncio.get_running_loop()
@@ -251,11 +258,12 @@ class ShardClient:
         """A packed lookup, its gRPC call created before this returns (``_call``): ``ids`` (1-D) holds ``counts[i]``
         ids of input ``i`` (``input_names`` order); the awaited reply's ``rows`` hold input ``i``'s rows,
         ``widths[i]`` wide, in order (a view of the received bytes)."""
+        sequence = next(self._sequences) if self.stream else 0
         try:
-            request = packed.encode_request(ids, counts, output_dtype)
+            request = packed.encode_request(ids, counts, output_dtype, sequence)
         except ValueError as error:
             raise EmbeddingRequestError(self.shard_index, grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
-        return self._checked(self._call("Lookup", request, timeout_s), list(counts))
+        return self._checked(self._call("Lookup", request, timeout_s, sequence), list(counts))
 
     async def _checked(self, pending: Awaitable[packed.PackedReply], counts: list[int]) -> packed.PackedReply:
         reply = await pending
@@ -270,13 +278,15 @@ class ShardClient:
         self.update_addresses(())
         await asyncio.gather(*self._closing)
 
-    def _call(self, method: str, request: Any, timeout_s: float) -> Awaitable[Any]:
-        """The reply to ``request`` (protobuf, or raw bytes of a packed lookup) from the first replica that answers
-        in time with the expected version. The first attempt's gRPC call is created before this returns, so it is
-        on its way after the caller's next pass through the event loop, whatever the caller computes meanwhile."""
+    def _call(self, method: str, request: Any, timeout_s: float, sequence: int = 0) -> Awaitable[Any]:
+        """The reply to ``request`` (protobuf, or raw bytes of a packed lookup: numbered ``sequence`` on a stream)
+        from the first replica that answers in time with the expected version. The first attempt's gRPC call (or
+        stream message) is created before this returns, so it is on its way after the caller's next pass through
+        the event loop, whatever the caller computes meanwhile."""
         start = time.monotonic()
         targets = self._targets(start + timeout_s)
-        attempts = ((address, self._invoke(method, request, address, timeout)) for address, timeout in targets)
+        attempts = ((address, self._invoke(method, request, address, timeout, sequence))
+                    for address, timeout in targets)
         first = next(attempts, None)
         return self._settle(method, request, start, timeout_s, itertools.chain([first] if first else [], attempts))
 
@@ -291,7 +301,9 @@ class ShardClient:
                 if address in self._addresses:  # else removed by update_addresses during this call
                     yield address, remaining / min(2, len(tier) - position)
 
-    def _invoke(self, method: str, request: Any, address: str, timeout: float) -> Any:
+    def _invoke(self, method: str, request: Any, address: str, timeout: float, sequence: int) -> Any:
+        if isinstance(request, bytes) and self.stream:
+            return asyncio.ensure_future(self._channel(address).stream.lookup(request, sequence, timeout))
         call = self._packed_call(address) if isinstance(request, bytes) else getattr(self._stub(address), method)
         return call(request, timeout=timeout, metadata=self._metadata)
 
@@ -372,23 +384,33 @@ class ShardClient:
         return [a for a in rotated if a not in cooling], cooling
 
     def _stub(self, address: str) -> pb_grpc.EmbeddingShardStub:
-        return self._channel(address)[1]
+        return self._channel(address).stub
 
     def _packed_call(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
         """``Lookup`` on raw bytes both ways (``disagg.rpc.packed`` writes and reads them)."""
-        return self._channel(address)[2]
+        return self._channel(address).lookup
 
-    def _channel(
-        self, address: str
-    ) -> tuple[grpc.aio.Channel, pb_grpc.EmbeddingShardStub, grpc.aio.UnaryUnaryMultiCallable]:
+    def _channel(self, address: str) -> _Replica:
         if address not in self._stubs:
             if self._credentials is None:
                 channel = grpc.aio.insecure_channel(address, options=self._options)
             else:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             lookup = channel.unary_unary(f"/{wire.SERVICE_NAME}/Lookup", _registered_method=True)
-            self._stubs[address] = (channel, pb_grpc.EmbeddingShardStub(channel), lookup)
+            open_stream = channel.stream_stream(f"/{wire.SERVICE_NAME}/LookupStream", _registered_method=True)
+            stream = LookupStream(lambda: open_stream(metadata=self._metadata))
+            self._stubs[address] = _Replica(channel, pb_grpc.EmbeddingShardStub(channel), lookup, stream)
         return self._stubs[address]
+
+
+@dataclass(frozen=True)
+class _Replica:
+    """One replica's channel and what calls it: the protobuf stub, raw-bytes ``Lookup``, the ``LookupStream``."""
+
+    channel: grpc.aio.Channel
+    stub: pb_grpc.EmbeddingShardStub
+    lookup: grpc.aio.UnaryUnaryMultiCallable
+    stream: LookupStream
 
 
 class EmbeddingClient:

@@ -19,18 +19,21 @@ from disagg.rpc import wire
 
 _VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
 #: Field numbers in embedding.proto.
-_REQUEST_INPUTS, _REQUEST_DTYPE, _REQUEST_IDS, _REQUEST_COUNTS = 1, 2, 3, 4
+_REQUEST_INPUTS, _REQUEST_DTYPE, _REQUEST_IDS, _REQUEST_COUNTS, _REQUEST_SEQUENCE = 1, 2, 3, 4, 5
 _REPLY_OUTPUTS, _REPLY_VERSION, _REPLY_ROWS, _REPLY_WIDTHS = 1, 2, 3, 4
+_REPLY_SEQUENCE, _REPLY_STATUS, _REPLY_ERROR = 5, 6, 7
 _TENSOR_NAME, _TENSOR_DTYPE, _TENSOR_SHAPE, _TENSOR_DATA = 1, 2, 3, 4
 _INT64_SIGN = 1 << 63
 
 
 class PackedRequest(NamedTuple):
-    """A packed ``LookupRequest``: ``ids`` (1-D, viewing the request bytes), ``counts`` per input, ``output_dtype``."""
+    """A packed ``LookupRequest``: ``ids`` (1-D, viewing the request bytes), ``counts`` per input, ``output_dtype``,
+    and its ``sequence`` on a ``LookupStream`` (0 otherwise)."""
 
     ids: torch.Tensor
     counts: list[int]
     output_dtype: str
+    sequence: int = 0
 
 
 class PackedReply(NamedTuple):
@@ -39,6 +42,15 @@ class PackedReply(NamedTuple):
     rows: torch.Tensor
     widths: list[int]
     version: str
+
+
+class StreamHeader(NamedTuple):
+    """What routes a ``LookupResponse`` on a ``LookupStream``: the request's ``sequence``, and for a refusal its
+    gRPC ``status`` code (0: answered) and ``error``."""
+
+    sequence: int
+    status: int
+    error: str
 
 
 class _TensorField(NamedTuple):
@@ -51,25 +63,57 @@ class _TensorField(NamedTuple):
     data: memoryview
 
 
-def encode_request(ids: torch.Tensor, counts: Sequence[int], output_dtype: str = "") -> bytes:
-    """A packed ``LookupRequest``: ``ids`` (1-D) holding ``counts[i]`` ids of input ``i`` in order."""
+def encode_request(ids: torch.Tensor, counts: Sequence[int], output_dtype: str = "", sequence: int = 0) -> bytes:
+    """A packed ``LookupRequest``: ``ids`` (1-D) holding ``counts[i]`` ids of input ``i`` in order; ``sequence``
+    numbers it on a ``LookupStream``."""
     return _message([(_REQUEST_DTYPE, output_dtype.encode()), (_REQUEST_COUNTS, _packed(counts))],
-                    (_REQUEST_IDS, "ids", ids))
+                    (_REQUEST_IDS, "ids", ids), _varint_field(_REQUEST_SEQUENCE, sequence))
 
 
-def encode_reply(rows: torch.Tensor, widths: Sequence[int], version: str) -> bytes:
-    """A packed ``LookupResponse``: ``rows`` (1-D, every output flattened in order), ``widths`` per output."""
-    return _message([(_REPLY_VERSION, version.encode()), (_REPLY_WIDTHS, _packed(widths))], (_REPLY_ROWS, "rows", rows))
+def encode_reply(rows: torch.Tensor, widths: Sequence[int], version: str, sequence: int = 0) -> bytes:
+    """A packed ``LookupResponse``: ``rows`` (1-D, every output flattened in order), ``widths`` per output;
+    ``sequence``: the request's on a ``LookupStream`` (written first, where ``stream_header`` finds it at once)."""
+    return _message([(_REPLY_VERSION, version.encode()), (_REPLY_WIDTHS, _packed(widths))], (_REPLY_ROWS, "rows", rows),
+                    _varint_field(_REPLY_SEQUENCE, sequence))
+
+
+def encode_refusal(sequence: int, status: int, error: str) -> bytes:
+    """A ``LookupResponse`` on a ``LookupStream`` refusing request ``sequence`` with gRPC status code ``status``."""
+    if status <= 0:
+        raise ValueError(f"a refusal's status is a non-zero gRPC status code, got {status}")
+    return b"".join((_varint_field(_REPLY_SEQUENCE, sequence), _varint_field(_REPLY_STATUS, status),
+                     _field(_REPLY_ERROR, error.encode())))
+
+
+def stream_header(raw: bytes) -> StreamHeader:
+    """The ``sequence``, ``status`` and ``error`` of the ``LookupResponse`` ``raw`` (other fields skipped, not
+    read); ValueError naming the field for bytes that are not such a message."""
+    sequence, status, error = 0, 0, ""
+    for number, wire_type, value in _fields(memoryview(raw), "LookupResponse"):
+        if number in (_REPLY_SEQUENCE, _REPLY_STATUS):
+            if wire_type != _VARINT:
+                raise ValueError(f"`{'sequence' if number == _REPLY_SEQUENCE else 'status'}` must be an integer")
+            if number == _REPLY_SEQUENCE:
+                sequence = value
+            else:
+                status = value
+        elif number == _REPLY_ERROR:
+            error = _text(value, wire_type, "error")
+    return StreamHeader(sequence, status, error)
 
 
 def parse_request(raw: bytes, *, max_elements: int = wire.DEFAULT_MAX_ELEMENTS) -> PackedRequest | None:
     """``raw`` read as a packed ``LookupRequest``; None when it names its inputs instead (``inputs``, the protobuf
     path). ValueError naming the field for bytes that are not such a message."""
     view = memoryview(raw)
-    ids, counts, output_dtype, named = None, [], "", False
+    ids, counts, output_dtype, named, sequence = None, [], "", False, 0
     for number, wire_type, value in _fields(view, "LookupRequest"):
         if number == _REQUEST_INPUTS:
             named = True
+        elif number == _REQUEST_SEQUENCE:
+            if wire_type != _VARINT:
+                raise ValueError("`sequence` must be an integer")
+            sequence = value
         elif number == _REQUEST_DTYPE:
             output_dtype = _text(value, wire_type, "output_dtype")
         elif number == _REQUEST_IDS:
@@ -82,7 +126,7 @@ def parse_request(raw: bytes, *, max_elements: int = wire.DEFAULT_MAX_ELEMENTS) 
         return None
     if ids is None:
         raise ValueError("a LookupRequest needs `ids` (packed) or `inputs`; it has neither")
-    return PackedRequest(wire.decode(ids, max_elements=max_elements), counts, output_dtype)
+    return PackedRequest(wire.decode(ids, max_elements=max_elements), counts, output_dtype, sequence)
 
 
 def parse_reply(raw: bytes, *, max_elements: int = wire.DEFAULT_MAX_ELEMENTS) -> PackedReply:
@@ -105,8 +149,9 @@ def parse_reply(raw: bytes, *, max_elements: int = wire.DEFAULT_MAX_ELEMENTS) ->
 
 # -- writing ---------------------------------------------------------------------------------------------------------
 
-def _message(fields: list[tuple[int, bytes]], tensor: tuple[int, str, torch.Tensor]) -> bytes:
-    """``fields`` (length-delimited, empty ones left out) then the tensor field last, its data copied once."""
+def _message(fields: list[tuple[int, bytes]], tensor: tuple[int, str, torch.Tensor], first: bytes = b"") -> bytes:
+    """``first`` (written fields), ``fields`` (length-delimited, empty ones left out) then the tensor field last, its
+    data copied once."""
     number, name, values = tensor
     dtype = wire.dtype_name(values, name)
     if values.dim() != 1:
@@ -114,13 +159,18 @@ def _message(fields: list[tuple[int, bytes]], tensor: tuple[int, str, torch.Tens
     data = values.detach().to("cpu").contiguous().view(torch.uint8).numpy()
     tensor_head = b"".join((_field(_TENSOR_NAME, name.encode()), _field(_TENSOR_DTYPE, dtype.encode()),
                             _field(_TENSOR_SHAPE, _varint(values.shape[0])), _key(_TENSOR_DATA), _varint(data.nbytes)))
-    head = b"".join([_field(n, value) for n, value in fields if value]
-                    + [_key(number), _varint(len(tensor_head) + data.nbytes), tensor_head])
+    head = b"".join([first, *(_field(n, value) for n, value in fields if value),
+                     _key(number), _varint(len(tensor_head) + data.nbytes), tensor_head])
     return b"".join((head, data))
 
 
 def _field(number: int, value: bytes) -> bytes:
     return b"".join((_key(number), _varint(len(value)), value))
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    """A varint field (nothing for 0, proto3's default)."""
+    return _varint(number << 3 | _VARINT) + _varint(value) if value else b""
 
 
 def _key(number: int) -> bytes:

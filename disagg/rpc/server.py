@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import ipaddress
 import math
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import grpc
@@ -121,7 +123,8 @@ class _BearerToken:
 
 
 class _Servicer:
-    """``Lookup`` (raw bytes in and out: ``answer``) and ``Info``, behind handlers that authenticate.
+    """``Lookup`` and ``LookupStream`` (raw bytes in and out: ``answer``) and ``Info``, behind handlers that
+    authenticate.
 
     A packed lookup of a table shard is one gather per slice into the reply buffer (``TableLookup.gather``), its
     reply written by hand (``disagg.rpc.packed``); lookups of at most ``inline_max_ids`` ids run on the event loop,
@@ -152,7 +155,14 @@ class _Servicer:
 
     def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         info = self._handler("Info", pb.InfoRequest.FromString, pb.ShardInfo.SerializeToString, self.Info)
-        return {"Lookup": self._handler("Lookup", None, None, self.Lookup), "Info": info}
+
+        async def stream(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            await self._authenticate("LookupStream", context)
+            async for reply in self.LookupStream(requests, context):
+                yield reply
+
+        return {"Lookup": self._handler("Lookup", None, None, self.Lookup), "Info": info,
+                "LookupStream": grpc.stream_stream_rpc_method_handler(stream)}
 
     def _handler(
         self,
@@ -187,49 +197,82 @@ class _Servicer:
     async def Lookup(self, raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """The serialized ``LookupResponse`` to the serialized ``LookupRequest`` ``raw``; counted in
         ``lookups_in_flight`` until answered, refused or cancelled (a refusal leaves the count first)."""
+        try:
+            with self._in_flight():
+                remaining = context.time_remaining()
+                if remaining is not None and remaining <= 0:
+                    raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
+                return await self._answered(raw, stream=False)
+        except _Refusal as caught:
+            refusal = caught
+        await _abort(context, refusal.code, refusal.details)
+
+    async def LookupStream(self, requests: AsyncIterator[bytes],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        """Each packed ``LookupRequest`` of the stream answered in turn by a ``LookupResponse`` with its sequence,
+        a refused one by a refusal (``packed.encode_refusal``: the stream goes on); bytes that are no packed
+        request end the stream with INVALID_ARGUMENT (no sequence to answer)."""
+        async for raw in requests:
+            try:
+                with self._in_flight():
+                    reply = await self._answered(raw, stream=True)
+            except _Refusal as refusal:
+                await _abort(context, refusal.code, refusal.details)
+            yield reply
+
+    @contextmanager
+    def _in_flight(self) -> Iterator[None]:
+        """A lookup counted in ``lookups_in_flight`` and busy time."""
         if not self.lookups_in_flight:
             self._busy_since = time.monotonic()
         self.lookups_in_flight += 1
         try:
-            remaining = context.time_remaining()
-            if remaining is not None and remaining <= 0:
-                raise _Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the lookup started")
-            if len(raw) <= self._inline_max_ids * 4:  # int32 ids: a bound on the ids, not counting the framing
-                return self.answer(raw)
-            # A call that ends (deadline, cancellation) while queued for a worker is dropped from the queue.
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.answer, raw)
-        except _Refusal as caught:
-            refusal = caught
+            yield
         finally:
             self.lookups_in_flight -= 1
             if not self.lookups_in_flight:
                 self._busy_seconds += time.monotonic() - self._busy_since
-        await _abort(context, refusal.code, refusal.details)
+
+    async def _answered(self, raw: bytes, *, stream: bool) -> bytes:
+        """``answer(raw)``, on the event loop for at most ``inline_max_ids`` ids, else in the pool (a call that
+        ends while queued for a worker is dropped from the queue)."""
+        if len(raw) <= self._inline_max_ids * 4:  # int32 ids: a bound on the ids, not counting the framing
+            return self.answer(raw, stream=stream)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(self.answer, raw,
+                                                                                             stream=stream))
 
     def busy_seconds(self) -> float:
         """Wall time with at least one ``Lookup`` in flight, the current spell included (the autoscaling metric)."""
         current = time.monotonic() - self._busy_since if self.lookups_in_flight else 0.0
         return self._busy_seconds + current
 
-    def answer(self, raw: bytes) -> bytes:
+    def answer(self, raw: bytes, *, stream: bool = False) -> bytes:
         """The serialized reply to the serialized ``LookupRequest`` ``raw``; raises ``_Refusal`` with the status a
-        refused call ends with."""
+        refused call ends with. On a stream (``stream``): packed requests only, and a refusal of a request that
+        could be read is the reply (``packed.encode_refusal``, with its sequence)."""
         try:
             request = packed.parse_request(raw, max_elements=self._max_elements)
         except ValueError as error:
             raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed LookupRequest message: {error}") from error
         if request is None:
+            if stream:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, "LookupStream takes packed requests (ids, counts)")
             try:
                 return self._named_reply(pb.LookupRequest.FromString(raw)).SerializeToString()
             except DecodeError as error:
                 raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"malformed LookupRequest message: {error}") from error
-        dtype = self._output_dtype(request.output_dtype)
         try:
-            parts = self._packed_parts(request)
-        except ValueError as error:
-            raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
-        rows, widths = self._packed_rows(parts, dtype)
-        return packed.encode_reply(rows, widths, self._shard.version)
+            dtype = self._output_dtype(request.output_dtype)
+            try:
+                parts = self._packed_parts(request)
+            except ValueError as error:
+                raise _Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from error
+            rows, widths = self._packed_rows(parts, dtype)
+        except _Refusal as refusal:
+            if not stream:
+                raise
+            return packed.encode_refusal(request.sequence, refusal.code.value[0], _cut(refusal.details))
+        return packed.encode_reply(rows, widths, self._shard.version, request.sequence)
 
     def _output_dtype(self, name: str) -> torch.dtype:
         dtype = wire.ROW_DTYPES.get(name)
@@ -349,9 +392,12 @@ class _Refusal(Exception):
 
 async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
     """End the call with ``code``; ``details`` cut to what a status trailer carries (it may echo request text)."""
-    if len(details) > _MAX_DETAILS:
-        details = details[: _MAX_DETAILS - 3] + "..."
-    await context.abort(code, details)
+    await context.abort(code, _cut(details))
+
+
+def _cut(details: str) -> str:
+    """``details`` cut to what a status trailer carries."""
+    return details if len(details) <= _MAX_DETAILS else details[: _MAX_DETAILS - 3] + "..."
 
 
 def _shorten(name: str) -> str:

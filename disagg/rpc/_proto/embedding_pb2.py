@@ -27,7 +27,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!disagg/rpc/_proto/embedding.proto\x12\x17swiftserve.embedding.v1\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\x94\x01\n\rLookupRequest\x12/\n\x06inputs\x18\x01 \x03(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x14\n\x0coutput_dtype\x18\x02 \x01(\t\x12,\n\x03ids\x18\x03 \x01(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\x03\"\x92\x01\n\x0eLookupResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\t\x12-\n\x04rows\x18\x03 \x01(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0e\n\x06widths\x18\x04 \x03(\x03\"\r\n\x0bInfoRequest\"\x98\x01\n\tShardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x13\n\x0binput_names\x18\x04 \x03(\t\x12\x14\n\x0coutput_names\x18\x05 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07version\x18\x07 \x01(\t2\xbd\x01\n\x0e\x45mbeddingShard\x12Y\n\x06Lookup\x12&.swiftserve.embedding.v1.LookupRequest\x1a\'.swiftserve.embedding.v1.LookupResponse\x12P\n\x04Info\x12$.swiftserve.embedding.v1.InfoRequest\x1a\".swiftserve.embedding.v1.ShardInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!disagg/rpc/_proto/embedding.proto\x12\x17swiftserve.embedding.v1\"B\n\x06Tensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xa6\x01\n\rLookupRequest\x12/\n\x06inputs\x18\x01 \x03(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x14\n\x0coutput_dtype\x18\x02 \x01(\t\x12,\n\x03ids\x18\x03 \x01(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0e\n\x06\x63ounts\x18\x04 \x03(\x03\x12\x10\n\x08sequence\x18\x05 \x01(\x04\"\xc3\x01\n\x0eLookupResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0f\n\x07version\x18\x02 \x01(\t\x12-\n\x04rows\x18\x03 \x01(\x0b\x32\x1f.swiftserve.embedding.v1.Tensor\x12\x0e\n\x06widths\x18\x04 \x03(\x03\x12\x10\n\x08sequence\x18\x05 \x01(\x04\x12\x0e\n\x06status\x18\x06 \x01(\r\x12\r\n\x05\x65rror\x18\x07 \x01(\t\"\r\n\x0bInfoRequest\"\x98\x01\n\tShardInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\x05\x12\x12\n\nnum_shards\x18\x03 \x01(\x05\x12\x13\n\x0binput_names\x18\x04 \x03(\t\x12\x14\n\x0coutput_names\x18\x05 \x03(\t\x12\x17\n\x0fparameter_bytes\x18\x06 \x01(\x03\x12\x0f\n\x07version\x18\x07 \x01(\t2\xa2\x02\n\x0e\x45mbeddingShard\x12Y\n\x06Lookup\x12&.swiftserve.embedding.v1.LookupRequest\x1a\'.swiftserve.embedding.v1.LookupResponse\x12\x63\n\x0cLookupStream\x12&.swiftserve.embedding.v1.LookupRequest\x1a\'.swiftserve.embedding.v1.LookupResponse(\x01\x30\x01\x12P\n\x04Info\x12$.swiftserve.embedding.v1.InfoRequest\x1a\".swiftserve.embedding.v1.ShardInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,13 +37,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TENSOR']._serialized_start=62
   _globals['_TENSOR']._serialized_end=128
   _globals['_LOOKUPREQUEST']._serialized_start=131
-  _globals['_LOOKUPREQUEST']._serialized_end=279
-  _globals['_LOOKUPRESPONSE']._serialized_start=282
-  _globals['_LOOKUPRESPONSE']._serialized_end=428
-  _globals['_INFOREQUEST']._serialized_start=430
-  _globals['_INFOREQUEST']._serialized_end=443
-  _globals['_SHARDINFO']._serialized_start=446
-  _globals['_SHARDINFO']._serialized_end=598
-  _globals['_EMBEDDINGSHARD']._serialized_start=601
-  _globals['_EMBEDDINGSHARD']._serialized_end=790
+  _globals['_LOOKUPREQUEST']._serialized_end=297
+  _globals['_LOOKUPRESPONSE']._serialized_start=300
+  _globals['_LOOKUPRESPONSE']._serialized_end=495
+  _globals['_INFOREQUEST']._serialized_start=497
+  _globals['_INFOREQUEST']._serialized_end=510
+  _globals['_SHARDINFO']._serialized_start=513
+  _globals['_SHARDINFO']._serialized_end=665
+  _globals['_EMBEDDINGSHARD']._serialized_start=668
+  _globals['_EMBEDDINGSHARD']._serialized_end=958
 # @@protoc_insertion_point(module_scope)

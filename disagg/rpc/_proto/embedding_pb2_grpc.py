@@ -43,6 +43,11 @@ class EmbeddingShardStub:
                 request_serializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.SerializeToString,
                 response_deserializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.FromString,
                 _registered_method=True)
+        self.LookupStream = channel.stream_stream(
+                '/swiftserve.embedding.v1.EmbeddingShard/LookupStream',
+                request_serializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.SerializeToString,
+                response_deserializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/swiftserve.embedding.v1.EmbeddingShard/Info',
                 request_serializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.InfoRequest.SerializeToString,
@@ -60,6 +65,14 @@ class EmbeddingShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupStream(self, request_iterator, context):
+        """Packed lookups on one long-lived call: one LookupResponse per LookupRequest, matched by `sequence`. Cheaper per
+        lookup than Lookup calls (no call to set up and tear down each time).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -71,6 +84,11 @@ def add_EmbeddingShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
+                    request_deserializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.FromString,
+                    response_serializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.SerializeToString,
+            ),
+            'LookupStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.LookupStream,
                     request_deserializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.FromString,
                     response_serializer=disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.SerializeToString,
             ),
@@ -106,6 +124,33 @@ class EmbeddingShard:
             request,
             target,
             '/swiftserve.embedding.v1.EmbeddingShard/Lookup',
+            disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.SerializeToString,
+            disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/swiftserve.embedding.v1.EmbeddingShard/LookupStream',
             disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupRequest.SerializeToString,
             disagg_dot_rpc_dot___proto_dot_embedding__pb2.LookupResponse.FromString,
             options,

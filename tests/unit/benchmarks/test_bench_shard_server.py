@@ -27,12 +27,12 @@ def test_report_takes_the_ratios_from_the_kept_flavour():
         return {"calls_per_s": 1000.0, "calls": 5000, "errors": 0, "cpu_us_per_call": cpu, "system_us_per_call": 50.0}
 
     results = {256: {"ids_per_call": 2500, "request_bytes": 10_000, "tensor_work_us": [200.0, 200.0],
-                     "flavours": {"aio-pool-protobuf": [run(1200.0)], "aio-inline": [run(600.0)],
+                     "flavours": {"aio-pool-protobuf": [run(1200.0)], "aio-stream": [run(600.0)],
                                   "sync-pool": [run(500.0)], "aio-null": [run(300.0)]}}}
-    args = bench.arguments().parse_args(["--flavours", "aio-pool-protobuf", "aio-inline", "sync-pool", "aio-null"])
+    args = bench.arguments().parse_args(["--flavours", "aio-pool-protobuf", "aio-stream", "sync-pool", "aio-null"])
     table, summary = bench.report(args, results)
     assert summary == {"machinery_over_tensor_work_b256": 2.0, "cpu_ratio_before_over_kept_b256": 2.0,
                        "grpc_floor_over_tensor_work_b256": 1.5}
     assert "cheapest serving rows: sync-pool" in table
-    assert "| 256 | 2500 | 200 | aio-inline | 1000 [1000, 1000] | 600 [600, 600] | 50 | 400 | 2.00x | 0 |" in table
+    assert "| 256 | 2500 | 200 | aio-stream | 1000 [1000, 1000] | 600 [600, 600] | 50 | 400 | 2.00x | 0 |" in table
     assert "| 256 | 2500 | 0 | aio-null | 1000 [1000, 1000] | 300 [300, 300] | 50 | 300 | 1.50x | 0 |" in table
