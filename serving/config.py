@@ -64,23 +64,6 @@ class ControlNetConfig(_ModelSource):
     name: str = Field(..., pattern=_NAME, description="Name requests use in `controlnets[].name`.")
     max_batch_size: int = Field(8, ge=1, description="Calls (from any requests and steps) merged per forward.")
     batch_wait_timeout_s: float = Field(0.002, ge=0.0, description="How long a call waits for others to batch.")
-    patience: float = Field(
-        4.0, gt=0.0, description="Once a model replica's own rows of a step are done, it waits for the worker's at "
-                                 "most this many times as long as its own took (at least `min_wait_s`), then computes "
-                                 "them itself: a dead or stalled worker slows a step, it never stalls it.")
-    min_wait_s: float = Field(0.5, ge=0.0, description="Least time a model replica waits for the worker's rows.")
-    retry_after_s: float = Field(
-        1.0, gt=0.0, description="After the worker fails or keeps a step waiting, the model replica computes every "
-                                 "row itself this long before it calls the worker again; doubled per failure in a "
-                                 "row, up to `max_retry_after_s`.")
-    max_retry_after_s: float = Field(30.0, gt=0.0, description="Longest pause between calls to a failing worker.")
-
-    @model_validator(mode="after")
-    def _retry_bounds(self) -> CFGWorkerConfig:
-        if self.max_retry_after_s < self.retry_after_s:
-            raise ValueError(f"max_retry_after_s ({self.max_retry_after_s}) must be at least retry_after_s "
-                             f"({self.retry_after_s})")
-        return self
 
 
 #: How a request waits for LoRAs not in memory (``GenerationDefaults.lora_mode`` describes both).

@@ -20,24 +20,17 @@ from disagg.deployments.autoscaling import (
     desired_replicas,
 )
 from disagg.rpc.server import EmbeddingServer
+from tests.helpers.clock import ManualClock
 from tests.helpers.embedding_shards import Gate, toy_inputs, toy_shard
 from tests.unit.disagg.rpc.test_server import lookup_request, stub_for
 
 POLICY_PATH = "disagg.deployments.autoscaling:BusyTimePolicy"
 
 
-class FakeClock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 # --- BusyMeter -------------------------------------------------------------------------------------------------
 
 def test_meter_counts_sections_and_the_running_one_up_to_now():
-    clock = FakeClock()
+    clock = ManualClock()
     meter = BusyMeter(clock)
     clock.now += 5.0  # idle
     assert meter.busy_seconds() == 0.0
@@ -50,7 +43,7 @@ def test_meter_counts_sections_and_the_running_one_up_to_now():
 
 
 def test_overlapping_sections_count_once():
-    clock = FakeClock()
+    clock = ManualClock()
     meter = BusyMeter(clock)
     meter.__enter__()  # section A starts at 100
     clock.now += 1.0
@@ -64,7 +57,7 @@ def test_overlapping_sections_count_once():
 
 
 def test_a_section_that_raises_still_ends():
-    clock = FakeClock()
+    clock = ManualClock()
     meter = BusyMeter(clock)
     with pytest.raises(RuntimeError), meter:
         clock.now += 1.5
@@ -74,7 +67,7 @@ def test_a_section_that_raises_still_ends():
 
 
 def test_sections_on_many_threads_leave_the_meter_idle():
-    clock = FakeClock()
+    clock = ManualClock()
     meter = BusyMeter(clock)
     entered, release = threading.Barrier(9), threading.Event()
 
@@ -98,7 +91,7 @@ def test_sections_on_many_threads_leave_the_meter_idle():
 # --- BusyFraction ----------------------------------------------------------------------------------------------
 
 def test_fraction_is_the_busy_share_since_the_previous_read():
-    clock = FakeClock()
+    clock = ManualClock()
     meter = BusyMeter(clock)
     fraction = BusyFraction(meter.busy_seconds, clock)
     with meter:
@@ -116,7 +109,7 @@ def test_fraction_is_the_busy_share_since_the_previous_read():
 
 
 def test_fraction_of_no_elapsed_time_is_zero_and_it_stays_within_0_and_1():
-    clock = FakeClock()
+    clock = ManualClock()
     counter = iter([0.0, 0.0, 7.0, 6.0])
     fraction = BusyFraction(lambda: next(counter), clock)
     assert fraction.fraction() == 0.0  # no time elapsed
@@ -199,7 +192,7 @@ def test_serve_loads_the_policy_and_its_kwargs_from_a_config():
 # --- the shard server's busy seconds ---------------------------------------------------------------------------
 
 def test_shard_server_counts_time_with_a_lookup_in_flight(monkeypatch):
-    clock = FakeClock()
+    clock = ManualClock()
     monkeypatch.setattr(server_module, "time", SimpleNamespace(monotonic=clock))
 
     async def body():

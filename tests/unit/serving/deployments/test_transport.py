@@ -7,15 +7,8 @@ import pytest
 import torch
 
 from serving.deployments.transport import ResolvedTensors, SharedTensors
+from tests.helpers.clock import ManualClock
 from tests.helpers.fake_serve import FakeStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_tensor_is_put_once_while_it_lives_and_forgotten_when_freed():
@@ -66,7 +59,7 @@ def test_resolved_tensors_are_fetched_once_while_in_use():
 
 
 def test_resolved_tensors_unused_for_idle_s_are_dropped():
-    store, clock = FakeStore(), Clock()
+    store, clock = FakeStore(), ManualClock(0.0)
     resolved = ResolvedTensors(get=store.get, idle_s=10.0, clock=clock)
     old, kept = store.put(np.zeros(4, np.float32)), store.put(np.ones(4, np.float32))
     resolved.get(old)

@@ -12,18 +12,11 @@ from serving.config import CFGWorkerConfig
 from serving.engine import DiffusionEngine, GenerationParams
 from serving.engine.cfg import LocalCFGWorker, WorkerPatience
 from serving.presets import build_preset
+from tests.helpers.clock import ManualClock
 from tests.helpers.denoising import denoise_together
 
 CPU = torch.device("cpu")
 TOLERANCE = 1e-3
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_the_wait_is_the_engines_own_time_times_the_patience_and_never_below_the_floor():
@@ -33,7 +26,7 @@ def test_the_wait_is_the_engines_own_time_times_the_patience_and_never_below_the
 
 
 def test_each_failure_in_a_row_doubles_the_pause_up_to_the_cap_and_an_answer_resets_it():
-    clock = FakeClock()
+    clock = ManualClock()
     patience = WorkerPatience(retry_after_s=1.0, max_retry_after_s=3.0, clock=clock)
     assert patience.available()
     assert [patience.failed() for _ in range(4)] == [1.0, 2.0, 3.0, 3.0]
@@ -77,7 +70,7 @@ def _params(**overrides) -> GenerationParams:
 
 
 def test_a_worker_that_never_answers_costs_one_bounded_wait_then_is_left_alone_until_the_pause_ends():
-    clock = FakeClock()
+    clock = ManualClock()
     sink = InMemorySink()
     worker = Silent(DiffusionEngine("tiny", build_preset("tiny"), CPU))
     patience = WorkerPatience(patience=1.0, min_wait_s=0.05, retry_after_s=10.0, clock=clock)
