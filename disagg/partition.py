@@ -8,8 +8,10 @@ the full model's values (the same seed, or the same weights file, of which only 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
+import itertools
 import operator
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -109,23 +111,26 @@ class EmbeddingLookups:
         number of tables. Raises ValueError naming the table when an id is outside ``[0, rows)``.
         """
         fed = self.ids(**{name: inputs[name] for name in self.inputs})
-        plan = self._plan
-        flat, sizes, counts = self._flat_ids(fed)
-        ids, inverse = torch.unique(flat + torch.repeat_interleave(plan.op_base, counts), sorted=True,
-                                    return_inverse=True)
-        table_counts = torch.searchsorted(ids, plan.table_bounds).diff().tolist()
+        flat, sizes, repeats = self._flat_ids(fed)
+        ids, inverse = torch.unique(flat + repeats.base, sorted=True, return_inverse=True)
+        table_counts = torch.searchsorted(ids, self._plan.table_bounds).diff().tolist()
         groups: dict[int, GroupIds] = {}
-        starts: dict[int, int] = {}  # width -> where its run starts in ``ids``
         first_table = start = 0
         for group in self.space.groups:
             counts_of_group = table_counts[first_table:first_table + len(group.tables)]
             stop = start + sum(counts_of_group)
-            groups[group.dim], starts[group.dim] = GroupIds(ids[start:stop], counts_of_group), start
+            groups[group.dim] = GroupIds(ids[start:stop], counts_of_group)
             first_table, start = first_table + len(group.tables), stop
-        index = {}
-        for op, positions in zip(plan.ops, inverse.split(sizes), strict=True):
-            shift = starts[plan.op_dims[op]]
-            index[op] = (positions - shift if shift else positions).reshape(fed[op].shape).to(fed[op].dtype)
+        if len(groups) > 1:  # positions within each op's width group: minus where the group's run starts
+            group_starts = torch.tensor([0, *itertools.accumulate(len(groups[dim].ids) for dim in groups)][:-1])
+            inverse = inverse - group_starts[repeats.group]
+        ops = self._plan.ops
+        first = fed[ops[0]]
+        if all(fed[op].shape == first.shape and fed[op].dtype == first.dtype for op in ops):  # the usual case
+            index = dict(zip(ops, inverse.to(first.dtype).view(len(ops), *first.shape).unbind(0), strict=True))
+        else:
+            index = {op: positions.view(fed[op].shape).to(fed[op].dtype)
+                     for op, positions in zip(ops, inverse.split(sizes), strict=True)}
         return UniqueIds(groups, index)
 
     def table_ids(self, unique: UniqueIds, table: str) -> Tensor:
@@ -143,8 +148,8 @@ class EmbeddingLookups:
         id outside its rows."""
         fed = self.ids(**{name: inputs[name] for name in self.inputs})
         plan = self._plan
-        flat, sizes, counts = self._flat_ids(fed)
-        shifted = flat + torch.repeat_interleave(plan.op_shift, counts)
+        flat, sizes, repeats = self._flat_ids(fed)
+        shifted = flat + repeats.shift
         feeds = {name: inputs[name] for name in self.inputs}
         for group in self.space.groups:
             feeds[rows_input(group.dim)] = tables[group.dim]
@@ -154,20 +159,42 @@ class EmbeddingLookups:
                 feeds[padding_input(op)] = int(plan.op_shift[at]) + self.padding[op]
         return self.pool(**feeds)
 
-    def _flat_ids(self, fed: Mapping[str, Tensor]) -> tuple[Tensor, list[int], Tensor]:
-        """Every op's ids in one int64 tensor (ops in plan order), the sizes as a list and a tensor; ValueError
-        names the table of an id outside its rows."""
+    def _flat_ids(self, fed: Mapping[str, Tensor]) -> tuple[Tensor, list[int], _Repeats]:
+        """Every op's ids in one int64 tensor (ops in plan order), the sizes, and the per-id repeats of the ops'
+        constants; ValueError names the table of an id outside its rows."""
         plan = self._plan
         sizes = [fed[op].numel() for op in plan.ops]
-        counts = torch.tensor(sizes)
-        flat = torch.cat([fed[op].reshape(-1) for op in plan.ops]).to(torch.int64)
-        outside = (flat < 0) | (flat >= torch.repeat_interleave(plan.op_rows, counts))
+        repeats = self._repeats(sizes)
+        fed_ids = [fed[op] for op in plan.ops]
+        head = fed_ids[0]
+        uniform = all(ids.shape == head.shape and ids.dtype == head.dtype for ids in fed_ids)
+        flat = (torch.stack(fed_ids).reshape(-1) if uniform else torch.cat([ids.reshape(-1) for ids in fed_ids])
+                ).to(torch.int64)
+        outside = (flat < 0) | (flat >= repeats.rows)
         if bool(outside.any()):
             first = int(outside.to(torch.uint8).argmax())
-            op = plan.ops[int(torch.searchsorted(counts.cumsum(0), torch.tensor(first), right=True))]
+            op = plan.ops[bisect.bisect_right(list(itertools.accumulate(sizes)), first)]
             table = self.op_tables[op]
             raise ValueError(f"table {table!r}: id {int(flat[first])} is outside its rows [0, {self.tables[table][0]})")
-        return flat, sizes, counts
+        return flat, sizes, repeats
+
+    def _repeats(self, sizes: list[int]) -> _Repeats:
+        """The ops' constants repeated over their ids for ops fed ``sizes`` ids; kept per sizes seen (a batch's
+        shape recurs), at most ``_MAX_REPEATS`` of them."""
+        key = tuple(sizes)
+        cache = self._repeats_seen
+        repeats = cache.get(key)
+        if repeats is None:
+            if len(cache) >= _MAX_REPEATS:
+                cache.clear()
+            plan, counts = self._plan, torch.tensor(sizes)
+            repeats = cache[key] = _Repeats(*(torch.repeat_interleave(values, counts) for values in (
+                plan.op_base, plan.op_rows, plan.op_shift, plan.op_group)))
+        return repeats
+
+    @functools.cached_property
+    def _repeats_seen(self) -> dict[tuple[int, ...], _Repeats]:
+        return {}
 
     @functools.cached_property
     def _plan(self) -> _OpPlan:
@@ -201,19 +228,33 @@ class _OpPlan:
     ops: list[str]
     op_base: Tensor  # int64 [ops]: the first space id of each op's table
     op_rows: Tensor  # int64 [ops]: the rows of each op's table
-    op_dims: dict[str, int]
     op_shift: Tensor  # int64 [ops]: the first row of each op's table in its width's stack
+    op_group: Tensor  # int64 [ops]: the position of each op's width group in the space
     table_bounds: Tensor  # int64 [tables + 1] in space order
 
     @classmethod
     def of(cls, space: IdSpace, op_tables: Mapping[str, str], tables: Mapping[str, tuple[int, int]]) -> _OpPlan:
         ops = [op for table in space.tables for op, used in op_tables.items() if used == table]
         start = {table: group.start for group in space.groups for table in group.tables}
+        group_of = {table: at for at, group in enumerate(space.groups) for table in group.tables}
         return cls(ops, torch.tensor([space.base[op_tables[op]] for op in ops], dtype=torch.int64),
                    torch.tensor([space.rows[op_tables[op]] for op in ops], dtype=torch.int64),
-                   {op: tables[op_tables[op]][1] for op in ops},
                    torch.tensor([space.base[op_tables[op]] - start[op_tables[op]] for op in ops], dtype=torch.int64),
+                   torch.tensor([group_of[op_tables[op]] for op in ops], dtype=torch.int64),
                    space.bounds(space.tables))
+
+
+class _Repeats(NamedTuple):
+    """``_OpPlan``'s per-op constants repeated over each op's ids (int64, one entry per id of the flat ids)."""
+
+    base: Tensor
+    rows: Tensor
+    shift: Tensor
+    group: Tensor
+
+
+#: the most id-size patterns ``EmbeddingLookups`` keeps repeats for (one per batch shape seen)
+_MAX_REPEATS = 256
 
 
 def rows_input(dim: int) -> str:

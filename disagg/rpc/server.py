@@ -242,7 +242,8 @@ class _Servicer:
                                                                                              stream=stream))
 
     def busy_seconds(self) -> float:
-        """Wall time with at least one ``Lookup`` in flight, the current spell included (the autoscaling metric)."""
+        """Wall time with at least one lookup in flight (a ``Lookup`` call or a ``LookupStream`` message being
+        answered), the current spell included (the autoscaling metric)."""
         current = time.monotonic() - self._busy_since if self.lookups_in_flight else 0.0
         return self._busy_seconds + current
 
@@ -459,12 +460,13 @@ class EmbeddingServer:
 
     @property
     def lookups_in_flight(self) -> int:
-        """Lookup calls received and not answered yet (the autoscaling load signal); 0 before ``start``."""
+        """Lookups (calls and stream messages) received and not answered yet (the autoscaling load signal); 0 before
+        ``start``."""
         return 0 if self._servicer is None else self._servicer.lookups_in_flight
 
     @property
     def busy_seconds(self) -> float:
-        """Seconds with at least one Lookup in flight since ``start`` (non-decreasing; autoscaling reads its rate)."""
+        """Seconds with at least one lookup in flight since ``start`` (non-decreasing; autoscaling reads its rate)."""
         return 0.0 if self._servicer is None else self._servicer.busy_seconds()
 
     @property

@@ -9,6 +9,7 @@ from disagg.id_space import stack_tables
 from disagg.model import DLRM, build_preset
 from disagg.model_source import PresetSource
 from disagg.partition import (
+    _MAX_REPEATS,
     EmbeddingLookups,
     Partition,
     UniqueIds,
@@ -219,6 +220,21 @@ def test_unique_ids_deduplicate_each_table_and_index_back_every_id(model: DLRM) 
         assert torch.equal(group.ids[unique.index[f"embeddings_{t}"]] - lookups.space.base[table], used), table
         duplicated += ids.numel() < used.numel()
     assert duplicated == len(lookups.tables)  # Zipf ids repeat in every table: the dedup really shrinks the fetch
+
+
+def test_unique_ids_index_every_batch_shape_right_past_the_bound_on_kept_shapes(model: DLRM) -> None:
+    """The per-op constants are kept per batch shape, at most ``_MAX_REPEATS`` shapes: a shape seen again, a new
+    one and one seen before the keep was emptied all index back to their own ids."""
+    lookups = embedding_lookups(partition_embeddings(model))
+    requests = SyntheticRequests(model.spec, seed=9, max_hotness=2)
+    for rows in [*range(1, _MAX_REPEATS + 3), 1, 7, _MAX_REPEATS + 2]:
+        _, sparse = requests.batch(rows)
+        unique = lookups.unique_ids({"sparse": sparse})
+        group = unique.groups[model.spec.embedding_dim]
+        for t, table in enumerate(lookups.tables):
+            got = group.ids[unique.index[f"embeddings_{t}"]] - lookups.space.base[table]
+            assert torch.equal(got, sparse[:, t].clamp(min=0)), (rows, table)
+        assert len(lookups._repeats_seen) <= _MAX_REPEATS
 
 
 def test_out_of_range_ids_and_misshapen_rows_are_named(model: DLRM) -> None:
