@@ -63,8 +63,12 @@ class DLRM(nn.Module):
         self.spec = spec
         with torch.device("meta"):
             self.bottom_mlp = mlp(spec.num_dense, spec.bottom_mlp, relu_last=True)
+            # ``_weight`` skips the module's own init: ``normal_`` on a meta tensor runs torch's Python reference,
+            # whose imports (sympy, symbolic shapes) cost every process building the model tens of MiB
+            # (``materialize_`` gives the values)
             self.embeddings = nn.ModuleList(
-                nn.EmbeddingBag(rows, spec.embedding_dim, mode="sum") for rows in spec.table_sizes
+                nn.EmbeddingBag(rows, spec.embedding_dim, mode="sum", _weight=torch.empty(rows, spec.embedding_dim))
+                for rows in spec.table_sizes
             )
             self.top_mlp = mlp(spec.interaction_width, spec.top_mlp, relu_last=False)
         rows, cols = torch.tril_indices(spec.num_tables + 1, spec.num_tables + 1, offset=-1, device="cpu")
@@ -125,8 +129,7 @@ def materialize_(
         layers = {name: layer for name, layer in layers.items() if name in only}
     with _open_weights(weights) as trained:
         for name, layer in layers.items():
-            if any(parameter.device.type != "cpu" for parameter in layer.parameters(recurse=False)):
-                layer.to_empty(device="cpu", recurse=False)
+            _allocate_on_cpu(layer)
             if trained is None:
                 _initialise(layer, _generator(seed, name))
             else:
@@ -136,6 +139,17 @@ def materialize_(
         if left:
             raise ValueError(f"materialize_ only initialises Linear and EmbeddingBag layers; still on meta: {left}")
     return module
+
+
+def _allocate_on_cpu(layer: nn.Module) -> None:
+    """Gives ``layer``'s own parameters off the CPU (meta) uninitialised CPU storage of their shape and dtype.
+
+    Not ``Module.to_empty``: ``empty_like`` of a meta tensor runs torch's Python reference, whose imports (sympy,
+    symbolic shapes) cost every process that builds the model tens of MiB."""
+    for name, parameter in list(layer.named_parameters(recurse=False)):
+        if parameter.device.type != "cpu":  # replaced in place, as ``to_empty`` does (no register_parameter hook)
+            layer._parameters[name] = nn.Parameter(torch.empty(parameter.shape, dtype=parameter.dtype),
+                                                   requires_grad=parameter.requires_grad)
 
 
 def _initialise(layer: nn.Linear | nn.EmbeddingBag, generator: torch.Generator) -> None:

@@ -1,6 +1,8 @@
 """DLRM model: preset specs, per-module deterministic weights, meta build, multi-hot forward (no Ray)."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -256,3 +258,24 @@ def test_model_traces_with_torch_fx_even_on_meta(tiny: DLRM) -> None:
     dense, sparse = random_inputs(tiny.spec, rows=4, hotness=2)
     with torch.inference_mode():
         assert torch.equal(traced(dense, sparse), tiny(dense, sparse))
+
+
+def test_building_the_model_or_any_part_never_imports_sympy() -> None:
+    """A meta skeleton given values (whole, its dense part, one shard) never runs an op on a meta tensor: torch's
+    Python references would import sympy and symbolic shapes, tens of MiB in every replica process."""
+    code = (
+        "import sys\n"
+        "from disagg.model import DLRM\n"
+        "from disagg.model_source import PresetSource\n"
+        "from disagg.partition import build_dense_part\n"
+        "from disagg.spec import preset_spec\n"
+        "from disagg.tables import TableLayout, build_embedding_shard\n"
+        "assert 'sympy' not in sys.modules\n"
+        "DLRM(preset_spec('tiny'))\n"
+        "build_dense_part(PresetSource('tiny', 0))\n"
+        "build_embedding_shard(PresetSource('tiny', 0), 0, TableLayout(2))\n"
+        "heavy = ('sympy', 'mpmath', 'torch.fx.experimental.symbolic_shapes')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
