@@ -73,6 +73,7 @@ from serving.config import (
     DiffusionModelConfig,
     EngineConfig,
     GenerationDefaults,
+    ImagesAppConfig,
     LoRAConfig,
 )
 from serving.controlnet.conditioning import encode_image
@@ -248,7 +249,7 @@ def vanilla_app(config: DiffusionAppConfig, cores: list[list[int]], adapters: bo
     core leaves room for the ingress); pinning decides where they run."""
     model = VanillaDiffusers.options(num_replicas=len(cores),
                                      ray_actor_options={"num_cpus": 0.9 * len(cores[0])}).bind(config, cores, adapters)
-    return ImagesIngress.bind(model, config)
+    return ImagesIngress.bind([model], ImagesAppConfig(models=[config]))
 
 
 def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching: bool = True) -> DiffusionAppConfig:
