@@ -228,9 +228,11 @@ def throughput(handle: DeploymentHandle, batches: list, clients: int, seconds: f
             "errors": outcomes.errors}
 
 
-def grpc_bytes(handle: DeploymentHandle) -> int:
-    stats = handle.embedding_stats.remote().result(timeout_s=30)
-    return sum(shard.bytes_sent + shard.bytes_received for shard in stats.values())
+def grpc_bytes(app: str, shards: int) -> int:
+    """Lookup bytes both ways so far, counted by the shard replicas (one each here), so every dense replica's
+    traffic counts."""
+    return sum(sum(serve.get_deployment_handle(f"EmbeddingShard_{index}", app_name=app).traffic.remote()
+                   .result(timeout_s=30)) for index in range(shards))
 
 
 def cache_counts(handle: DeploymentHandle) -> tuple[int, int]:
@@ -262,10 +264,11 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
                                                       "rows_per_s": [], "bytes_per_request": [], "cpu_us_per_row": [],
                                                       "machine": [], "errors": [], "callers": callers(args, batch)})
                 if repeat < args.latency_repeats:
-                    before = grpc_bytes(handle) if disaggregated else 0
+                    app, shards = name.replace("_", "-"), SAME_CORES[name].get("shards", args.shards)
+                    before = grpc_bytes(app, shards) if disaggregated else 0
                     measured = latency(handle, batches, args.latency_seconds)
                     if disaggregated:
-                        entry["bytes_per_request"].append((grpc_bytes(handle) - before) / measured["samples"])
+                        entry["bytes_per_request"].append((grpc_bytes(app, shards) - before) / measured["samples"])
                     entry["p50_ms"].append(measured["p50_ms"])
                     entry["p99_ms"].append(measured["p99_ms"])
                     entry["latency_samples"].append(measured["samples"])

@@ -98,6 +98,10 @@ class EmbeddingShardServer:
         lookup in flight."""
         return {BUSY_METRIC: self._busy.fraction()}
 
+    async def traffic(self) -> tuple[int, int]:
+        """Bytes of the lookups this replica answered: serialized requests received and replies sent."""
+        return self._server.traffic
+
     async def address(self) -> str:
         """Where this replica serves gRPC (``host:port``, the node's IP when bound to every interface)."""
         return self._address

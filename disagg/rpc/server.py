@@ -150,6 +150,8 @@ class _Servicer:
         self._widths = list(getattr(shard.module, "widths", ()))
         self._inline_max_ids = inline_max_ids if self._gather is not None else 0
         self.lookups_in_flight = 0
+        #: serialized lookup requests and replies of the lookups answered (refusals not counted)
+        self.bytes_received = self.bytes_sent = 0
         self._busy_seconds = 0.0  # finished busy spells (a Lookup in flight); the current one began at _busy_since
         self._busy_since = 0.0
 
@@ -237,9 +239,13 @@ class _Servicer:
         """``answer(raw)``, on the event loop for at most ``inline_max_ids`` ids, else in the pool (a call that
         ends while queued for a worker is dropped from the queue)."""
         if len(raw) <= self._inline_max_ids * 4:  # int32 ids: a bound on the ids, not counting the framing
-            return self.answer(raw, stream=stream)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(self.answer, raw,
-                                                                                             stream=stream))
+            reply = self.answer(raw, stream=stream)
+        else:
+            reply = await asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(
+                self.answer, raw, stream=stream))
+        self.bytes_received += len(raw)
+        self.bytes_sent += len(reply)
+        return reply
 
     def busy_seconds(self) -> float:
         """Wall time with at least one lookup in flight (a ``Lookup`` call or a ``LookupStream`` message being
@@ -468,6 +474,11 @@ class EmbeddingServer:
     def busy_seconds(self) -> float:
         """Seconds with at least one lookup in flight since ``start`` (non-decreasing; autoscaling reads its rate)."""
         return 0.0 if self._servicer is None else self._servicer.busy_seconds()
+
+    @property
+    def traffic(self) -> tuple[int, int]:
+        """Bytes of the lookups answered since ``start``: serialized requests received and replies sent."""
+        return (0, 0) if self._servicer is None else (self._servicer.bytes_received, self._servicer.bytes_sent)
 
     @property
     def address(self) -> str:

@@ -204,6 +204,22 @@ def test_out_of_range_ids_are_invalid_argument_and_the_server_keeps_serving():
     asyncio.run(body())
 
 
+def test_traffic_counts_the_bytes_of_answered_lookups_and_not_of_refused_ones():
+    async def body():
+        shard = toy_shard(rows=10)
+        good = lookup_request({"ids_a": torch.tensor([0, 9, 3]), "ids_b": torch.tensor([5, 5, 1])})
+        refused = lookup_request({"ids_a": torch.tensor([0, 10]), "ids_b": torch.tensor([0, 1])})
+        async with serving(shard) as server, stub_for(server) as (stub, _):
+            assert server.traffic == (0, 0)
+            first = await stub.Lookup(good, timeout=5)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Lookup(refused, timeout=5)
+            second = await stub.Lookup(good, timeout=5)
+            assert server.traffic == (2 * good.ByteSize(), first.ByteSize() + second.ByteSize())
+
+    asyncio.run(body())
+
+
 def test_module_breaking_its_output_contract_is_internal():
     async def body():
         shard = toy_shard()
