@@ -208,7 +208,8 @@ def check_merged(engine: DiffusionEngine, expected: int, when: str) -> None:
     held = merged_copy_bytes(engine)
     if held != expected:
         raise SystemExit(f"merged copies hold {held} bytes {when}, {expected} expected: the merged cache "
-                         f"({LoRAConfig().merged_cache_bytes} bytes) does not keep every merged case whole")
+                         f"({engine._denoiser_loras.merged_budget_bytes} bytes, lora.merged_cache_bytes "
+                         f"{LoRAConfig().merged_cache_bytes}) does not keep every merged case whole")
 
 
 def markdown(payload: dict, rows: list[dict]) -> str:

@@ -202,10 +202,12 @@ class LoRAConfig(_Config):
         description="Most tensors in one LoRA file (a kohya SDXL LoRA has about 3,500); a file listing more is "
                     "refused after counting only this many.")
     load_workers: int = Field(2, ge=1, description="Background threads loading LoRA files.")
-    merged_cache_bytes: int = Field(
-        2**30, ge=0,
+    merged_cache_bytes: NonNegativeInt | Literal["auto"] = Field(
+        "auto",
         description="Device memory for merged weight copies, used when every row of a denoiser batch has the same "
-                    "LoRAs (no per-step LoRA cost); 0: always apply LoRAs unmerged.")
+                    "LoRAs (no per-step LoRA cost). `auto`: the weights of every module the LoRAs in use target, so "
+                    "any one combination runs wholly merged, at most half the device memory free once the model is "
+                    "loaded (a warning says when that cap binds); 0: always apply LoRAs unmerged.")
     merge_after_forwards: int = Field(
         8, ge=0,
         description="Denoiser forwards a LoRA combination runs unmerged before its merged copy is built (building "

@@ -317,19 +317,28 @@ def _build_sdxl_tiny() -> DiffusionComponents:
     )
 
 
+#: The SDXL 1.0 base UNet's architecture (``_sdxl_unet`` arguments of the ``sdxl-shape`` preset).
+_SDXL_SHAPE_UNET = {
+    "sample_size": 128,
+    "block_out_channels": (320, 640, 1280),
+    "layers_per_block": 2,
+    "attention_head_dim": (5, 10, 20),
+    "transformer_layers_per_block": (1, 2, 10),
+    "cross_attention_dim": 2048,  # CLIP ViT-L (768) + OpenCLIP ViT-bigG (1280)
+    "addition_time_embed_dim": 256,
+    "projection_class_embeddings_input_dim": 2816,  # 6 x 256 + 1280
+}
+
+
+def sdxl_shape_unet() -> UNet2DConditionModel:
+    """The ``sdxl-shape`` preset's UNet alone, random weights (built under ``torch.device("meta")``: shapes only)."""
+    return _sdxl_unet(**_SDXL_SHAPE_UNET)
+
+
 def _build_sdxl_shape() -> DiffusionComponents:
     tokenizer = build_tokenizer()
     return DiffusionComponents(
-        denoiser=_sdxl_unet(
-            sample_size=128,
-            block_out_channels=(320, 640, 1280),
-            layers_per_block=2,
-            attention_head_dim=(5, 10, 20),
-            transformer_layers_per_block=(1, 2, 10),
-            cross_attention_dim=2048,  # CLIP ViT-L (768) + OpenCLIP ViT-bigG (1280)
-            addition_time_embed_dim=256,
-            projection_class_embeddings_input_dim=2816,  # 6 x 256 + 1280
-        ),
+        denoiser=sdxl_shape_unet(),
         vae=_vae((128, 256, 512, 512), sample_size=1024, layers_per_block=2, scaling_factor=0.13025),
         text_encoder=_text_encoder(tokenizer, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
                                    num_attention_heads=12),

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Sequence
 
+import psutil
 import torch
 
 from serving.common import constants
@@ -25,6 +26,17 @@ def resolve_device(requested: str = "auto") -> torch.device:
         index = torch.cuda.current_device() if device.index is None else device.index  # torch refuses a bare "cuda"
         torch.cuda.set_per_process_memory_fraction(constants.CUDA_MEMORY_FRACTION, index)
     return device
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now: the CUDA device's free bytes (within this process's
+    ``SWIFTSERVE_CUDA_MEMORY_FRACTION`` cap, when set), else the host's available memory."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        if constants.CUDA_MEMORY_FRACTION is not None:
+            free = min(free, int(constants.CUDA_MEMORY_FRACTION * total) - torch.cuda.memory_reserved(device))
+        return max(0, free)
+    return psutil.virtual_memory().available
 
 
 def set_torch_threads(threads: int | None) -> None:

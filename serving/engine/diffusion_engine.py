@@ -13,7 +13,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ from diffusers import SchedulerMixin
 from diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3 import calculate_shift
 from PIL import Image
 
-from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
+from serving.common.device import DTYPES, free_memory_bytes, placement, resolve_device, set_torch_threads
 from serving.common.errors import APIError
 from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, Metrics
@@ -46,6 +46,9 @@ from serving.presets import DiffusionComponents, build_preset, load_local
 logger = get_logger("engine")
 
 _DEVICE_LORA_COPIES = 16
+#: ``lora.merged_cache_bytes: auto`` keeps merged copies within this share of the device memory free once the
+#: model is loaded
+AUTO_MERGED_FREE_SHARE = 0.5
 
 
 class InvalidImageSize(APIError, ValueError):
@@ -74,7 +77,7 @@ class DiffusionEngine:
     """Denoising primitives on one model and device. Called from a single thread (the engine loop)."""
 
     def __init__(self, name: str, components: DiffusionComponents, device: torch.device,
-                 dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int = 2**30,
+                 dtype: torch.dtype = torch.float32, *, merged_lora_bytes: int | Literal["auto"] = "auto",
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
                  cfg_worker: CFGWorker | None = None, cfg_patience: WorkerPatience | None = None,
                  metrics: Metrics = NO_METRICS) -> None:
@@ -97,8 +100,11 @@ class DiffusionEngine:
         self.vae_scale_factor = components.vae_scale_factor
         self.lora_targets = LoRATargets.from_modules(components.denoiser, self.text_encoder, components.text_encoder_2)
         # The denoiser runs every step: a merged copy can pay off. A text encoder runs once per request: never merge.
-        self._denoiser_loras = LoRAHooks(self.denoiser.module, merged_cache_bytes=merged_lora_bytes,
-                                         merge_after=lora_merge_after)
+        # ``auto``: merged copies of whatever the LoRAs in use target, within a share of the memory left now
+        self._denoiser_loras = LoRAHooks(
+            self.denoiser.module, merged_cache_bytes=merged_lora_bytes, merge_after=lora_merge_after,
+            max_merged_bytes=int(AUTO_MERGED_FREE_SHARE * free_memory_bytes(device))
+            if merged_lora_bytes == "auto" else None)
         self.prompts = prompt_encoder(components, device, dtype)
         self._device_loras: OrderedDict[int, tuple[LoRAWeights, LoRAWeights]] = OrderedDict()
         self.controlnets = controlnets

@@ -16,13 +16,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from serving.common.logging import get_logger
 from serving.lora.weights import LoRALayer
+
+logger = get_logger("serving.lora.apply")
 
 LoRAPairs = tuple[tuple[Mapping[str, LoRALayer], float], ...]  # (layers, request scale) active on a row
 
@@ -207,18 +210,30 @@ class _Stacked(NamedTuple):
 
 
 class LoRAHooks:
-    """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged.
+    """Per-row LoRA application on one model. ``merged_cache_bytes=0`` keeps every forward unmerged; ``"auto"``
+    sizes the merged copies to the weights of every module a LoRA in use targets (so any one combination runs
+    wholly merged), at most ``max_merged_bytes``.
 
     Targeted ``nn.Linear`` / ``nn.Conv2d`` modules get their ``forward`` wrapped on first use; outside
     :meth:`active` the wrapper calls the original forward directly.
     """
 
-    def __init__(self, model: nn.Module, *, merged_cache_bytes: int = 0, merge_after: int = 8) -> None:
+    def __init__(self, model: nn.Module, *, merged_cache_bytes: int | Literal["auto"] = 0, merge_after: int = 8,
+                 max_merged_bytes: int | None = None) -> None:
         self._modules = dict(model.named_modules())
         self._wrapped: set[str] = set()
         self._plan: LoRAPlan | None = None
-        self._merged = _MergedWeights(merged_cache_bytes, merge_after) if merged_cache_bytes > 0 else None
+        self._auto = merged_cache_bytes == "auto"
+        self._max_merged_bytes = max_merged_bytes
+        self._targeted_bytes = 0  # weight bytes of the wrapped modules
+        budget = 0 if self._auto else int(merged_cache_bytes)
+        self._merged = _MergedWeights(budget, merge_after) if self._auto or budget > 0 else None
         self._stacked = _StackedFactors()
+
+    @property
+    def merged_budget_bytes(self) -> int:
+        """Bytes the merged copies may hold now (``"auto"``: grows as LoRAs target more modules)."""
+        return 0 if self._merged is None else self._merged.budget_bytes
 
     def ensure_hooks(self, module_names: Iterable[str]) -> None:
         """Wrap every named module not wrapped yet (names come from validated LoRA files)."""
@@ -230,6 +245,16 @@ class LoRAHooks:
                 raise TypeError(f"LoRA target {name} is a {type(module).__name__}, not Linear or Conv2d")
             module.forward = functools.partial(self._forward, name, module, module.forward)
             self._wrapped.add(name)
+            self._targeted_bytes += module.weight.numel() * module.weight.element_size()
+        if self._auto and self._merged is not None:
+            wanted = self._targeted_bytes
+            if self._max_merged_bytes is not None and wanted > self._max_merged_bytes:
+                if self._merged.budget_bytes < self._max_merged_bytes:
+                    logger.warning("merged LoRA weights capped at %s bytes of the %s the LoRAs in use target "
+                                   "(lora.merged_cache_bytes: auto, bounded by free device memory): some modules "
+                                   "of a combination run unmerged", f"{self._max_merged_bytes:,}", f"{wanted:,}")
+                wanted = self._max_merged_bytes
+            self._merged.budget_bytes = max(self._merged.budget_bytes, wanted)
 
     @contextmanager
     def active(self, plan: LoRAPlan | None) -> Iterator[None]:

@@ -1,11 +1,11 @@
-"""``DiffusionAppConfig.device_map``: what a device map accepts, and each refusal naming its field."""
+"""Diffusion app config: what a device map accepts, and each refusal naming its field; the merged LoRA cache setting."""
 
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from serving.config import DeviceMap, DiffusionAppConfig
+from serving.config import DeviceMap, DiffusionAppConfig, LoRAConfig
 
 
 def _app(device_map: dict[str, Any], **fields: Any) -> DiffusionAppConfig:
@@ -60,3 +60,11 @@ def test_a_controlnet_preset_must_be_the_model_presets_own():
     local = DiffusionAppConfig.model_validate({"model": {"preset": None, "path": "/models/sdxl"},
                                                "controlnets": [{"name": "edges"}]})
     assert local.controlnets[0].preset == "tiny"  # a local model's architecture is known once loaded, not here
+
+
+def test_merged_lora_cache_is_auto_by_default_and_takes_bytes_or_auto_only():
+    assert LoRAConfig().merged_cache_bytes == "auto"
+    assert LoRAConfig(merged_cache_bytes=0).merged_cache_bytes == 0
+    for bad in (-1, "all", 1.5):
+        with pytest.raises(ValidationError, match="merged_cache_bytes"):
+            LoRAConfig(merged_cache_bytes=bad)

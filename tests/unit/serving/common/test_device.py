@@ -4,11 +4,12 @@
 import os
 import threading
 
+import psutil
 import pytest
 import torch
 
 from serving.common import constants
-from serving.common.device import cores_for, pin_process, pin_thread, resolve_device
+from serving.common.device import cores_for, free_memory_bytes, pin_process, pin_thread, resolve_device
 
 
 def _start_reader(go: threading.Event | None = None) -> tuple[threading.Thread, list[set[int]]]:
@@ -93,3 +94,17 @@ def test_a_gpu_share_caps_the_allocator_of_the_device_the_replica_uses(monkeypat
     monkeypatch.setattr(constants, "DEVICE_OVERRIDE", "")
     assert resolve_device(requested).type == "cuda"
     assert capped == [(0.25, index)] and type(capped[0][1]) is int
+
+
+@pytest.mark.parametrize(("fraction", "expected"), [(None, 30), (0.5, 20), (0.2, 0)])
+def test_free_cuda_memory_stays_within_the_process_cap(monkeypatch, fraction, expected):
+    """A 100 GiB device, 30 free, this process holding 30 reserved: the cap leaves 0.5 x 100 - 30 = 20, or none."""
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (30 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * gib)
+    monkeypatch.setattr(constants, "CUDA_MEMORY_FRACTION", fraction)
+    assert free_memory_bytes(torch.device("cuda", 0)) == expected * gib
+
+
+def test_free_host_memory_is_what_the_host_has_available():
+    assert 0 < free_memory_bytes(torch.device("cpu")) <= psutil.virtual_memory().total
