@@ -19,6 +19,7 @@ Cases run interleaved (round robin) and medians are reported: this machine's tim
 
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import diffusion_arguments, write_attention_lora
-from benchmarks.records import machine, summary, timed, write_results
+from benchmarks.records import machine, provenance, summary, timed, write_results
 from serving.config import EngineConfig
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
 from serving.lora.cache import LoRACache
@@ -94,6 +95,7 @@ class SwiftserveCases:
 
 def main() -> None:
     args, params = diffusion_arguments(__doc__, steps=6, repeats=5)
+    source = provenance()  # before this run writes its results into the tree
 
     with tempfile.TemporaryDirectory() as tmp:
         lora_path = Path(tmp) / "style.safetensors"
@@ -127,16 +129,29 @@ def main() -> None:
         "| system | case | median latency (s) | added over its no-LoRA median |",
         "|---|---|---|---|",
     ]
-    payload: dict[str, object] = {"machine": machine(), "args": vars(args), "lora_file_bytes": file_bytes,
-                                  "swiftserve_lora_reports": ours.reports, "cases": []}
+    added_by_case: dict[str, float] = {}
+    payload: dict[str, object] = {**source, "machine": machine(), "args": vars(args), "summary": added_by_case,
+                                  "lora_file_bytes": file_bytes, "swiftserve_lora_reports": ours.reports,
+                                  "cases": []}
     for system, case, runs, baseline in rows:
         stats, base = summary(runs), summary(baseline)["median_s"]
         added = stats["median_s"] / base - 1.0
         lines.append(f"| {system} | {case} | {stats['median_s']:.2f} | {added:+.1%} |")
         payload["cases"].append({"system": system, "case": case, **stats, "added_fraction": added})
+        if case != "no LoRA":
+            added_by_case[summary_key(system, case)] = added
+    lines += ["", f"Summary: the fraction each LoRA case adds to its system's no-LoRA median: "
+              f"{', '.join(f'`{key}` {value:+.3f}' for key, value in added_by_case.items())}. "
+              f"Commit `{source['commit']}`, {source['date']}: `{source['command']}`."]
     table = "\n".join(lines)
     print(table)
     write_results("bench_lora", payload, table)
+
+
+def summary_key(system: str, case: str) -> str:
+    """``added_<system>_<case>`` in lower snake case: ``("swiftserve", "warm LoRA (cached)")`` ->
+    ``added_swiftserve_warm_lora_cached``."""
+    return "added_" + "_".join(re.findall(r"[a-z0-9]+", f"{system} {case}".lower()))
 
 
 if __name__ == "__main__":

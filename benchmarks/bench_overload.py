@@ -38,7 +38,7 @@ from ray import serve
 from autoconfig.serve_config import deploy_serve_config, load_serve_config
 from autoconfig.workloads import diffusion_workload, dlrm_workload
 from benchmarks.common import Outcomes, closed_loop, open_loop, poisson_offsets
-from benchmarks.records import RESULTS, machine, write_results
+from benchmarks.records import RESULTS, machine, provenance, write_results
 from disagg.config import DLRMAppConfig
 from disagg.deployments.app import ingress_options
 from serving.common.memory import serve_processes
@@ -134,6 +134,7 @@ def main() -> None:
                         help="rows of each DLRM request: enough that the app, not the client, saturates first")
     parser.add_argument("--cpus", type=int, default=2)
     args = parser.parse_args()
+    source = provenance()  # before this run writes its results into the tree
 
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.port = free_port()
@@ -198,10 +199,28 @@ def main() -> None:
     for name, curve in sorted(memory.items()):
         lines.append(f"| {name.split('#')[0]} | {curve['first_mib']:.0f} | {curve['last_mib']:.0f} | "
                      f"{curve['max_mib']:.0f} | {curve['slope_mib_per_min']:+.2f} |")
+    summary = overload_summary(results, memory)
+    lines += ["", "Summary: " + ", ".join(f"`{key}` {value:.3g}" for key, value in summary.items()) + ". "
+              f"Commit `{source['commit']}`, {source['date']}: `{source['command']}`."]
     table = "\n".join(lines)
     print(table)
-    write_results(stem, {"machine": machine(), "args": vars(args), "apps": results, "rss": memory,
-                         "samples": sampler.samples}, table)
+    write_results(stem, {**source, "machine": machine(), "args": vars(args), "summary": summary, "apps": results,
+                         "rss": memory, "samples": sampler.samples}, table)
+
+
+def overload_summary(results: dict[str, dict], memory: dict[str, dict]) -> dict[str, float]:
+    """Per app under overload: answers per second over the capacity measured before, the share of requests
+    refused (503), admitted p99 over its p99 at capacity; the steepest RSS slope of any process (MiB/min)."""
+    summary: dict[str, float] = {}
+    for name, result in results.items():
+        cap, over = result["capacity"], result["overload"]
+        summary[f"{name}_ok_over_capacity"] = over["ok_per_s"] / cap["ok_per_s"]
+        summary[f"{name}_refused_share"] = over["refused_503"] / over["sent"] if over["sent"] else 0.0
+        if cap["ok_p99_ms"] and over["ok_p99_ms"] is not None:
+            summary[f"{name}_admitted_p99_ratio"] = over["ok_p99_ms"] / cap["ok_p99_ms"]
+    summary["max_rss_slope_mib_per_min"] = max((curve["slope_mib_per_min"] for curve in memory.values()),
+                                               default=0.0)
+    return summary
 
 
 def _fmt(value: float | None) -> str:
