@@ -148,9 +148,12 @@ class EngineConfig(_Config):
         30.0, gt=0.0, description="Deadline of one step's call to a ControlNet or CFG worker deployment; past it "
                                   "the requests using the ControlNet fail with 503 (the CFG worker's rows are "
                                   "computed by the replica itself) and the replica goes on.")
-    cfg_parallel: bool = Field(
-        False, description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment, "
-                           "its own device) while this replica runs the conditional ones.")
+    cfg_parallel: bool | Literal["auto"] = Field(
+        "auto", description="Run the unconditional CFG rows on a second worker (the `CFGWorker` deployment) while "
+                            "this replica runs the conditional ones. It pays only when the worker has a device of its "
+                            "own: `auto` turns it on only where `device_map.cfg_worker` gives the worker cores no "
+                            "`device_map.model` entry uses, and says why when it does not; `true` always (on GPUs, "
+                            "give the worker a whole GPU); `false` never.")
     cfg_worker: CFGWorkerConfig = Field(
         CFGWorkerConfig(), description="Batching of the `CFGWorker` deployment (with `cfg_parallel`).")
     lora_wait_fraction: float = Field(
@@ -239,7 +242,7 @@ class DeviceMap(_Config):
                     "sets the threads.")
     cfg_worker: list[Cores] = Field(
         default_factory=list,
-        description="Cores of each `CFGWorker` replica, by rank as `model`; only with `engine.cfg_parallel`. "
+        description="Cores of each `CFGWorker` replica, by rank as `model`; not with `engine.cfg_parallel: false`. "
                     "The model's `torch_threads` must then be null.")
     controlnets: dict[str, list[Cores]] = Field(
         default_factory=dict,
@@ -305,8 +308,8 @@ class DiffusionAppConfig(_Config):
         if unknown:
             raise ValueError(f"device_map.controlnets: {unknown} are not configured controlnets "
                              f"(configured: {sorted(configured)})")
-        if device_map.cfg_worker and not self.engine.cfg_parallel:
-            raise ValueError("device_map.cfg_worker: there is no CFG worker without engine.cfg_parallel: true")
+        if device_map.cfg_worker and self.engine.cfg_parallel is False:
+            raise ValueError("device_map.cfg_worker: there is no CFG worker with engine.cfg_parallel: false")
         threads = "must be null with a device map, which runs one torch thread per pinned core"
         if (device_map.model or device_map.cfg_worker) and self.model.torch_threads is not None:
             raise ValueError(f"model.torch_threads {threads} (device_map.model, device_map.cfg_worker)")
@@ -315,6 +318,23 @@ class DiffusionAppConfig(_Config):
                 raise ValueError(f"controlnets[{index}].torch_threads {threads} "
                                  f"(device_map.controlnets.{controlnet.name})")
         return self
+
+    def cfg_worker_choice(self) -> tuple[bool, str]:
+        """Whether this model gets a ``CFGWorker`` deployment (``engine.cfg_parallel``), and why."""
+        choice = self.engine.cfg_parallel
+        if choice is not True and choice is not False:  # auto
+            worker = {core for cores in self.device_map.cfg_worker for core in cores} if self.device_map else set()
+            if not worker:
+                return False, ("engine.cfg_parallel auto: off, no device of its own is known for a CFG worker "
+                               "(device_map.cfg_worker is unset; on GPUs give the worker a whole GPU and set "
+                               "engine.cfg_parallel: true)")
+            shared = sorted(worker & {core for cores in self.device_map.model for core in cores})
+            if shared:
+                return False, (f"engine.cfg_parallel auto: off, device_map.cfg_worker shares cores {shared} with "
+                               "device_map.model (one device computing both branches in turn is slower than one "
+                               "batch of both)")
+            return True, f"engine.cfg_parallel auto: on, the CFG worker has cores {sorted(worker)} of its own"
+        return choice, f"engine.cfg_parallel: {str(choice).lower()}"
 
     def bundled_lora_directory(self) -> Path | None:
         """The model's own ``loras/`` folder, where it has one."""

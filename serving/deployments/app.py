@@ -4,11 +4,14 @@
 
 from ray.serve import Application
 
+from serving.common.logging import get_logger
 from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.deployments.cfg_worker import CFGWorkerDeployment
 from serving.deployments.controlnet import ControlNetService
 from serving.deployments.ingress import ImagesIngress
 from serving.deployments.model import DiffusionModel
+
+logger = get_logger("serving.app")
 
 
 def build_app(args: DiffusionAppConfig) -> Application:
@@ -38,6 +41,8 @@ def _model(config: DiffusionAppConfig, suffix: str) -> Application:
             controlnet, cores.get(controlnet.name, []))
         for controlnet in config.controlnets
     }
+    parallel, why = config.cfg_worker_choice()
+    logger.info("model %r: %s", config.model.name, why)
     cfg_worker = (CFGWorkerDeployment.options(name=f"CFGWorker{suffix}").bind(config, controlnets)
-                  if config.engine.cfg_parallel else None)
+                  if parallel else None)
     return DiffusionModel.options(name=f"DiffusionModel{suffix}").bind(config, controlnets, cfg_worker)

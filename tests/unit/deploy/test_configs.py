@@ -360,3 +360,18 @@ def test_the_default_config_fits_two_cpus():
     cpus = sum(replicas * demand["CPU"] for replicas, demand in demands.values())
     assert cpus <= 2.0 + 1e-9, demands
     assert {resource for _, demand in demands.values() for resource, amount in demand.items() if amount} == {"CPU"}
+
+
+@pytest.mark.parametrize(("engine", "device_map", "deployed"), [
+    ({}, None, False),
+    ({}, {"model": [[0]], "cfg_worker": [[1]]}, True),
+    ({}, {"model": [[0]], "cfg_worker": [[0]]}, False),
+    ({"cfg_parallel": True}, None, True),
+])
+def test_the_app_deploys_a_cfg_worker_only_where_it_is_chosen(engine, device_map, deployed):
+    from serving.app import build_app
+
+    args = {"model": {"preset": "tiny"}, "engine": engine, "device_map": device_map}
+    names = {deployment.name for deployment in serve_build_app(build_app(args), name="diffusion").deployments}
+    assert ("CFGWorker" in names) is deployed
+    assert {"ImagesIngress", "DiffusionModel"} <= names

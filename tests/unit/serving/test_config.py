@@ -1,5 +1,6 @@
 """Diffusion app config: what a device map accepts, and each refusal naming its field; the merged LoRA cache setting."""
 
+import re
 from typing import Any
 
 import pytest
@@ -68,3 +69,18 @@ def test_merged_lora_cache_is_auto_by_default_and_takes_bytes_or_auto_only():
     for bad in (-1, "all", 1.5):
         with pytest.raises(ValidationError, match="merged_cache_bytes"):
             LoRAConfig(merged_cache_bytes=bad)
+
+
+@pytest.mark.parametrize(("engine", "device_map", "parallel", "why"), [
+    ({}, None, False, "auto: off, no device of its own"),
+    ({}, {"model": [[0]], "cfg_worker": [[1]]}, True, r"auto: on, the CFG worker has cores \[1\] of its own"),
+    ({}, {"model": [[0], [1]], "cfg_worker": [[1]]}, False, r"shares cores \[1\] with device_map.model"),
+    ({"cfg_parallel": True}, {"model": [[0]], "cfg_worker": [[0]]}, True, "engine.cfg_parallel: true"),
+    ({"cfg_parallel": False}, None, False, "engine.cfg_parallel: false"),
+])
+def test_cfg_worker_runs_by_default_only_on_a_device_of_its_own(engine, device_map, parallel, why):
+    config = DiffusionAppConfig.model_validate({"engine": engine, "device_map": device_map})
+    assert config.engine.cfg_parallel == engine.get("cfg_parallel", "auto")
+    chosen, reason = config.cfg_worker_choice()
+    assert chosen is parallel
+    assert re.search(why, reason), reason
