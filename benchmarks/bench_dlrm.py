@@ -259,12 +259,12 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
         for repeat in range(max(args.repeats, args.latency_repeats)):
             order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
             for name in order:
-                handle, disaggregated = handles[name], name.startswith("disagg")
+                handle, disaggregated, app = handles[name], name.startswith("disagg"), name.replace("_", "-")
                 entry = rows[name].setdefault(batch, {"p50_ms": [], "p99_ms": [], "latency_samples": [],
                                                       "rows_per_s": [], "bytes_per_request": [], "cpu_us_per_row": [],
                                                       "machine": [], "errors": [], "callers": callers(args, batch)})
                 if repeat < args.latency_repeats:
-                    app, shards = name.replace("_", "-"), SAME_CORES[name].get("shards", args.shards)
+                    shards = SAME_CORES[name].get("shards", args.shards)
                     before = grpc_bytes(app, shards) if disaggregated else 0
                     measured = latency(handle, batches, args.latency_seconds)
                     if disaggregated:
@@ -274,9 +274,9 @@ def same_cores(args: argparse.Namespace, workload: Callable[[int], list], port: 
                     entry["latency_samples"].append(measured["samples"])
                     entry["errors"].append(measured["errors"])
                 if repeat < args.repeats:
-                    cpu_before, machine_before = app_cpu_seconds(name.replace("_", "-")), machine_cpu()
+                    cpu_before, machine_before = app_cpu_seconds(app), machine_cpu()
                     served = throughput(handle, batches, entry["callers"], args.seconds)
-                    cpu_after, machine_after = app_cpu_seconds(name.replace("_", "-")), machine_cpu()
+                    cpu_after, machine_after = app_cpu_seconds(app), machine_cpu()
                     entry["cpu_us_per_row"].append(
                         {role: 1e6 * (cpu_after[role] - cpu_before.get(role, 0.0)) / served["rows"]
                          for role in cpu_after})

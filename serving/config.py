@@ -322,19 +322,19 @@ class DiffusionAppConfig(_Config):
     def cfg_worker_choice(self) -> tuple[bool, str]:
         """Whether this model gets a ``CFGWorker`` deployment (``engine.cfg_parallel``), and why."""
         choice = self.engine.cfg_parallel
-        if choice is not True and choice is not False:  # auto
-            worker = {core for cores in self.device_map.cfg_worker for core in cores} if self.device_map else set()
-            if not worker:
-                return False, ("engine.cfg_parallel auto: off, no device of its own is known for a CFG worker "
-                               "(device_map.cfg_worker is unset; on GPUs give the worker a whole GPU and set "
-                               "engine.cfg_parallel: true)")
-            shared = sorted(worker & {core for cores in self.device_map.model for core in cores})
-            if shared:
-                return False, (f"engine.cfg_parallel auto: off, device_map.cfg_worker shares cores {shared} with "
-                               "device_map.model (one device computing both branches in turn is slower than one "
-                               "batch of both)")
-            return True, f"engine.cfg_parallel auto: on, the CFG worker has cores {sorted(worker)} of its own"
-        return choice, f"engine.cfg_parallel: {str(choice).lower()}"
+        if choice != "auto":
+            return choice, f"engine.cfg_parallel: {str(choice).lower()}"
+        worker = {core for cores in self.device_map.cfg_worker for core in cores} if self.device_map else set()
+        if not worker:
+            return False, ("engine.cfg_parallel auto: off, no device of its own is known for a CFG worker "
+                           "(device_map.cfg_worker is unset; on GPUs give the worker a whole GPU and set "
+                           "engine.cfg_parallel: true)")
+        shared = sorted(worker & {core for cores in self.device_map.model for core in cores})
+        if shared:
+            return False, (f"engine.cfg_parallel auto: off, device_map.cfg_worker shares cores {shared} with "
+                           "device_map.model (one device computing both branches in turn is slower than one "
+                           "batch of both)")
+        return True, f"engine.cfg_parallel auto: on, the CFG worker has cores {sorted(worker)} of its own"
 
     def bundled_lora_directory(self) -> Path | None:
         """The model's own ``loras/`` folder, where it has one."""
