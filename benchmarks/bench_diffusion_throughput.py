@@ -3,11 +3,13 @@
 Four systems, each a Ray Serve app on a local 2-CPU Ray cluster, deployed one at a time behind the same HTTP
 front end (``ImagesIngress``: the OpenAI Images API, request validation and PNG answers), each on cores 0 and 1:
 
-- ``vanilla``: diffusers as users serve it: one replica on both cores (2 torch threads) holding the base pipeline
-  and every ControlNet; a pipeline serves one call at a time, so ``max_ongoing_requests=1`` (the rest queue in
-  Serve); each request's LoRAs are loaded from disk and fused before it, unfused and unloaded after it;
-- ``strongest_vanilla``: two such replicas, one per core (1 torch thread each), every LoRA loaded once as a PEFT
-  adapter and picked per request with ``set_adapters`` (nothing fused), the ControlNet pipelines prebuilt;
+- ``vanilla``: diffusers as users serve it (``benchmarks.vanilla``): one replica on both cores (2 torch threads)
+  holding the base pipeline and every ControlNet; a pipeline serves one call at a time, so
+  ``max_ongoing_requests=1`` (the rest queue in Serve); each request's LoRAs are loaded from disk and fused
+  before it, unfused and unloaded after it;
+- ``strongest_vanilla``: two such replicas, one per core (1 torch thread each), every LoRA loaded as a PEFT
+  adapter at its first use (the warm-up uses each) and picked per request with ``set_adapters`` (nothing fused),
+  the ControlNet pipelines prebuilt;
 - ``ours``: ``serving.app:build_app`` with its ``device_map``: the model replica on core 0 (its LoRA loads run in
   its process, so on core 0 too), every ControlNet service on core 1; step-level batching and admission control
   as configured by default;
@@ -48,8 +50,6 @@ from pathlib import Path
 
 import numpy as np
 import ray
-import torch
-from PIL import Image
 from ray import serve
 from ray.serve import Application
 
@@ -63,8 +63,9 @@ from benchmarks.common import (
     write_attention_lora,
 )
 from benchmarks.records import RESULTS, machine, provenance, write_results
+from benchmarks.vanilla import vanilla_app
 from serving.app import build_app
-from serving.common.device import DTYPES, resolve_device
+from serving.common.device import DTYPES
 from serving.common.net import free_port
 from serving.config import (
     ControlNetConfig,
@@ -73,14 +74,10 @@ from serving.config import (
     DiffusionModelConfig,
     EngineConfig,
     GenerationDefaults,
-    ImagesAppConfig,
     LoRAConfig,
 )
 from serving.controlnet.conditioning import encode_image
-from serving.controlnet.models import build_controlnet_preset, load_controlnet
-from serving.deployments.ingress import ImagesIngress
-from serving.deployments.pinning import pin_replica
-from serving.engine import GenerationParams, GenerationResult, ModelInfo, encode_png, load_components
+from serving.engine import load_components
 from serving.lora.format import LoRATargets
 from serving.preset_catalog import PRESET_NAMES
 
@@ -142,96 +139,6 @@ def _workload(bodies: list[bytes]) -> Workload:
     return Workload("POST", PATH, bodies.__getitem__)
 
 
-# -- the diffusers baseline --------------------------------------------------------------------------------------
-
-@serve.deployment(max_ongoing_requests=1)
-class VanillaDiffusers:
-    """diffusers pipelines over ``config``'s model and ControlNets (the same weights as ours), one request at a time
-    per replica: a pipeline holds per-call state and the active LoRAs. ``adapters``: every LoRA loaded once as a
-    PEFT adapter and picked per request with ``set_adapters``; otherwise each request's LoRAs are loaded from disk
-    and fused before it, unfused and unloaded after it. Answers like ``DiffusionModel``, behind the same ingress."""
-
-    def __init__(self, config: DiffusionAppConfig, cores: list[list[int]], adapters: bool) -> None:
-        import diffusers
-
-        pin_replica(cores, "VanillaDiffusers")
-        diffusers.utils.logging.set_verbosity_error()  # "no LoRA keys for the text encoder", once per load
-        device, dtype = resolve_device(config.model.device), DTYPES[config.model.dtype]
-        components = load_components(config.model)
-        # A seeded ControlNet copies from the preset's seeded denoiser: pass ours instead of building another.
-        nets = [build_controlnet_preset(net.preset, net.seed, weights=net.weights, denoiser=components.denoiser)
-                if net.preset else load_controlnet(net.path) for net in config.controlnets]
-        for module in [*components.modules().values(), *nets]:
-            module.to(device, dtype)
-        self._index = {net.name: i for i, net in enumerate(config.controlnets)}
-        self._pipelines = {(): components.as_pipeline()} | {
-            combo: components.as_controlnet_pipeline([nets[i] for i in combo])
-            for size in range(1, len(nets) + 1) for combo in itertools.combinations(range(len(nets)), size)}
-        for pipe in self._pipelines.values():
-            pipe.set_progress_bar_config(disable=True)
-        self._info = ModelInfo(config.model.name, components.default_size, components.size_multiple)
-        self._lora_dir = config.lora_directory()
-        self._loras = sorted(path.stem for path in self._lora_dir.glob("*.safetensors"))
-        self._adapters = adapters
-        if adapters:
-            for name in self._loras:
-                self._load_lora(self._pipelines[()], name)
-
-    async def model_info(self) -> ModelInfo:
-        return self._info
-
-    async def list_loras(self) -> list[str]:
-        return self._loras
-
-    async def list_controlnets(self) -> list[str]:
-        return sorted(self._index)
-
-    async def generate(self, params: GenerationParams) -> GenerationResult:
-        return await asyncio.to_thread(self._generate, params)
-
-    def _load_lora(self, pipe, name: str) -> None:
-        pipe.load_lora_weights(str(self._lora_dir), weight_name=f"{name}.safetensors", adapter_name=name,
-                               local_files_only=True)
-
-    def _generate(self, params: GenerationParams) -> GenerationResult:
-        controls = sorted(params.controlnets, key=lambda spec: self._index[spec.name])
-        pipe = self._pipelines[tuple(self._index[spec.name] for spec in controls)]
-        extra = {}
-        if controls:
-            images = [Image.fromarray(spec.image) for spec in controls]
-            scales = [spec.scale for spec in controls]
-            extra = {"image": images if len(images) > 1 else images[0],
-                     "controlnet_conditioning_scale": scales if len(scales) > 1 else scales[0]}
-        names, scales = [spec.name for spec in params.loras], [spec.scale for spec in params.loras]
-        if self._adapters:
-            if names:
-                pipe.enable_lora()
-                pipe.set_adapters(names, scales)
-            else:
-                pipe.disable_lora()
-            return self._run(pipe, params, extra)
-        for name in names:
-            self._load_lora(pipe, name)
-        if names:
-            pipe.set_adapters(names, scales)
-            pipe.fuse_lora(adapter_names=names)
-        try:
-            return self._run(pipe, params, extra)
-        finally:
-            if names:
-                pipe.unfuse_lora()
-                pipe.unload_lora_weights()
-
-    @staticmethod
-    def _run(pipe, params: GenerationParams, extra: dict) -> GenerationResult:
-        output = pipe(prompt=params.prompt, negative_prompt=params.negative_prompt, width=params.width,
-                      height=params.height, num_inference_steps=params.num_inference_steps,
-                      guidance_scale=params.guidance_scale, num_images_per_prompt=params.n,
-                      generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
-                      output_type="np", **extra)
-        return GenerationResult(images=[encode_png(image) for image in output.images], seed=params.seed)
-
-
 # -- the systems -------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -242,14 +149,6 @@ class System:
     description: str
     device_map: dict[str, list[list[int]]]
     build: Callable[[], Application]
-
-
-def vanilla_app(config: DiffusionAppConfig, cores: list[list[int]], adapters: bool) -> Application:
-    """One ``VanillaDiffusers`` replica per entry of ``cores``. Ray's CPU count only places the replicas (0.9 per
-    core leaves room for the ingress); pinning decides where they run."""
-    model = VanillaDiffusers.options(num_replicas=len(cores),
-                                     ray_actor_options={"num_cpus": 0.9 * len(cores[0])}).bind(config, cores, adapters)
-    return ImagesIngress.bind([model], ImagesAppConfig(models=[config]))
 
 
 def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching: bool = True) -> DiffusionAppConfig:
@@ -273,9 +172,9 @@ def systems(args: argparse.Namespace, lora_dir: Path) -> list[System]:
                 **{f"ControlNet_{name}": cores for name, cores in config.device_map.controlnets.items()}}
     return [
         System("vanilla", "diffusers, 1 replica x 2 cores, LoRAs loaded + fused per request",
-               {"VanillaDiffusers": [[0, 1]]}, lambda: vanilla_app(config, [[0, 1]], adapters=False)),
+               {"VanillaDiffusers": [[0, 1]]}, lambda: vanilla_app([config], [[0, 1]], adapters=False)),
         System("strongest_vanilla", "diffusers, 2 replicas x 1 core, LoRAs kept loaded as adapters",
-               {"VanillaDiffusers": [[0], [1]]}, lambda: vanilla_app(config, [[0], [1]], adapters=True)),
+               {"VanillaDiffusers": [[0], [1]]}, lambda: vanilla_app([config], [[0], [1]], adapters=True)),
         System("ours", "swiftserve, continuous batching", ours_map, lambda: build_app(config)),
         System("ours_cb_off", "swiftserve, continuous batching off", ours_map,
                lambda: build_app(app_config(args, lora_dir, continuous_batching=False))),

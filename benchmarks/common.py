@@ -23,7 +23,7 @@ from serving.engine import GenerationParams
 from serving.lora.format import LoRATargets
 
 if TYPE_CHECKING:
-    from autoconfig.workloads import Workload
+    from autoconfig.workloads import RequestSource
     from serving.presets import DiffusionComponents
 
 
@@ -115,10 +115,11 @@ REFUSALS = (429, 503)
 
 @dataclass
 class Outcomes:
-    """Every answer of one load phase: status, seconds from scheduled send to answer, Retry-After, when it came
-    (``time.monotonic``); open loop: seconds each request left after its scheduled time and when the first one
-    was scheduled."""
+    """Every answer of one load phase, in the order they came: which request (its index in the workload),
+    status, seconds from scheduled send to answer, Retry-After, when it came (``time.monotonic``); open loop:
+    seconds each request left after its scheduled time and when the first one was scheduled."""
 
+    indices: list[int] = field(default_factory=list)
     statuses: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     retry_after: list[str | None] = field(default_factory=list)
@@ -126,7 +127,8 @@ class Outcomes:
     send_lag: list[float] = field(default_factory=list)
     first_scheduled: float | None = None
 
-    def add(self, status: int, seconds: float, retry_after: str | None) -> None:
+    def add(self, index: int, status: int, seconds: float, retry_after: str | None) -> None:
+        self.indices.append(index)
         self.statuses.append(status)
         self.seconds.append(seconds)
         self.retry_after.append(retry_after)
@@ -166,18 +168,19 @@ def _ms(seconds: np.ndarray, percentile: float) -> float | None:
     return 1e3 * float(np.percentile(seconds, percentile)) if len(seconds) else None
 
 
-async def _send(session: aiohttp.ClientSession, url: str, workload: Workload, index: int, scheduled: float,
-                out: Outcomes, expect: bytes | None) -> None:
+async def _send(session: aiohttp.ClientSession, base_url: str, workload: RequestSource, index: int,
+                scheduled: float, out: Outcomes, expect: bytes | None) -> None:
+    request = workload.request(index)
     try:
-        async with session.request(workload.method, url, data=workload.body(index),
-                                   headers=dict(workload.headers)) as response:
+        async with session.request(request.method, base_url + request.path, data=request.body,
+                                   headers=dict(request.headers)) as response:
             body = await response.read()
             status = UNEXPECTED_BODY if response.status == 200 and expect and expect not in body else response.status
-            out.add(status, time.monotonic() - scheduled, response.headers.get("retry-after"))
+            out.add(index, status, time.monotonic() - scheduled, response.headers.get("retry-after"))
     except asyncio.TimeoutError:
-        out.add(TIMED_OUT, time.monotonic() - scheduled, None)
+        out.add(index, TIMED_OUT, time.monotonic() - scheduled, None)
     except aiohttp.ClientError:
-        out.add(TRANSPORT_ERROR, time.monotonic() - scheduled, None)
+        out.add(index, TRANSPORT_ERROR, time.monotonic() - scheduled, None)
 
 
 def _session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
@@ -188,16 +191,16 @@ def _session(connections: int, timeout_s: float) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=timeout_s))
 
 
-async def closed_loop(base_url: str, workload: Workload, clients: int, duration_s: float, *,
+async def closed_loop(base_url: str, workload: RequestSource, clients: int, duration_s: float, *,
                       timeout_s: float = 300.0, expect: bytes | None = None) -> Outcomes:
     """``clients`` callers, each sending its next request when the last is answered."""
-    out, end, url = Outcomes(), time.monotonic() + duration_s, base_url + workload.path
+    out, end = Outcomes(), time.monotonic() + duration_s
     async with _session(clients + 8, timeout_s) as session:
 
         async def caller(offset: int) -> None:
             index = offset
             while time.monotonic() < end:
-                await _send(session, url, workload, index, time.monotonic(), out, expect)
+                await _send(session, base_url, workload, index, time.monotonic(), out, expect)
                 index += clients
 
         await asyncio.gather(*(caller(offset) for offset in range(clients)))
@@ -216,15 +219,16 @@ def poisson_offsets(rate: float, seed: int, *, duration_s: float | None = None,
     return offsets[offsets < duration_s]
 
 
-async def open_loop(base_url: str, workload: Workload, offsets: Sequence[float], *, on_tick=None,
+async def open_loop(base_url: str, workload: RequestSource, offsets: Sequence[float], *, on_tick=None,
                     timeout_s: float = 300.0, expect: bytes | None = None) -> Outcomes:
-    """Request ``i`` sent ``offsets[i]`` seconds after the start, whatever the answers; ``on_tick()`` runs every
-    second. A 200 whose body lacks ``expect`` is recorded as ``UNEXPECTED_BODY``.
+    """Request ``i`` (``workload.request(i)``, its path under ``base_url``) sent ``offsets[i]`` seconds after the
+    start, whatever the answers; ``on_tick()`` runs every second. A 200 whose body lacks ``expect`` is recorded as
+    ``UNEXPECTED_BODY``.
 
     Latency counts from each request's scheduled time, so a client that falls behind its schedule shows it as
     latency; how late each request left is kept too (``Outcomes.send_lag``): a late client is not an overloaded app.
     """
-    out, url = Outcomes(), base_url + workload.path
+    out = Outcomes()
     async with _session(1024, timeout_s) as session:
         start, tasks, next_tick = time.monotonic(), [], 0.0
         out.first_scheduled = start + (float(offsets[0]) if len(offsets) else 0.0)
@@ -235,6 +239,6 @@ async def open_loop(base_url: str, workload: Workload, offsets: Sequence[float],
                     next_tick = now + 1.0
                 await asyncio.sleep(min(offset - now, 0.05))
             out.send_lag.append(now - offset)
-            tasks.append(asyncio.create_task(_send(session, url, workload, index, start + offset, out, expect)))
+            tasks.append(asyncio.create_task(_send(session, base_url, workload, index, start + offset, out, expect)))
         await asyncio.gather(*tasks)
     return out
