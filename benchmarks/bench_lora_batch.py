@@ -6,7 +6,9 @@ factors is built in its first step, timed apart as ``first_step``): a ``RowBatch
 timesteps, as from 8 requests; a 77-token context), the ``sd15-shape`` preset at 256x256 (32x32 latents). For
 each LoRA rank (8 and 64; PEFT files on every attention projection, loaded as the LoRA cache loads them):
 
-- none                 no row has a LoRA (the LoRA modules are hooked, as in an engine that has served LoRAs)
+- none                 no row has a LoRA, on an engine that never served one (no LoRA hooks): the baseline
+- none, hooked         no row has a LoRA, on the engine the LoRA cases run on (its LoRA modules are hooked, as in
+                       an engine that has served LoRAs)
 - mixed                each row its own LoRA: the unmerged path (the rows' factors stacked, two batched matmuls)
 - merged               every row the same LoRA, from its merged weight copy (built and checked before timing)
 - same, unmerged       every row the same LoRA on an engine with the merged cache off (a reference)
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import write_attention_lora
+from benchmarks.common import sharing_weights, write_attention_lora
 from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
 from serving.common.device import resolve_device, set_torch_threads
 from serving.config import LoRAConfig
@@ -45,7 +47,8 @@ NAME = "bench_lora_batch"
 GOAL = ("mixed", 64, 1.25)  # issue 19: ratio_mixed_to_none_rank64 <= 1.25 (S-LoRA/Punica-class)
 SUMMARY = (("mixed", 64), ("mixed", 8), ("merged", 64))  # the ratios the issue names, as (case, rank)
 DESCRIPTIONS = {
-    "none": "no LoRA",
+    "none": "no LoRA, engine without LoRA hooks",
+    "none_hooked": "no LoRA, engine with LoRA hooks",
     "mixed": "a different LoRA per row (unmerged)",
     "merged": "one LoRA on every row, merged copy",
     "same_unmerged": "one LoRA on every row, unmerged (merged cache off)",
@@ -139,13 +142,16 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     # Timed forwards take the same path whatever ``merge_after`` is; 0 builds each merged copy in its first forward.
-    engine = DiffusionEngine(args.preset, build_preset(args.preset), device, dtype,
+    components = build_preset(args.preset)
+    engine = DiffusionEngine(args.preset, components, device, dtype,
                              merged_lora_bytes=LoRAConfig().merged_cache_bytes, lora_merge_after=0)
     reference = DiffusionEngine(args.preset, build_preset(args.preset), device, dtype, merged_lora_bytes=0)
+    bare = DiffusionEngine(args.preset, sharing_weights(components), device, dtype)  # never sees a LoRA
     if args.size % engine.info.size_multiple:
         raise SystemExit(f"--size must be a multiple of {engine.info.size_multiple}")
 
-    cases = [Case("none", None, engine, row_batch(engine, args.size, [()] * args.rows))]
+    cases = [Case("none", None, bare, row_batch(bare, args.size, [()] * args.rows)),
+             Case("none_hooked", None, engine, row_batch(engine, args.size, [()] * args.rows))]
     file_bytes: dict[int, int] = {}
     expected_merged = 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -176,6 +182,8 @@ def main() -> None:
             print(f"  [{repeat + 1}/{args.repeats}] {case.label:<18} {steady:8.4f} s (first step {first:8.4f} s)",
                   flush=True)
     check_merged(engine, expected_merged, "after timing")
+    if bare._denoiser_loras._wrapped or not engine._denoiser_loras._wrapped:  # private state, as check_merged reads
+        raise SystemExit("the `none` engine must have no LoRA hooks and the LoRA cases' engine must have them")
 
     none = seconds["none"]
     rows = [{"case": case.kind, "rank": case.rank, "description": DESCRIPTIONS[case.kind],
