@@ -26,9 +26,10 @@ are interleaved: ``for r in repeats: vanilla, strongest_vanilla, ours, ours_cb_o
 Per run: successes (200 with an image), refusals (429/503: the server was overloaded), errors and timeouts, each
 counted apart; throughput = successes / wall time (first scheduled send to last answer); p50 and p99 latency of
 the successes from their scheduled send (from fewer than 100 the p99 is the maximum, and labelled so).
-``engine_busy_fraction``: seconds the model replica of ``ours`` spent in denoising steps during the run (its
-engine loop's ``busy_s``, read through ``DiffusionModel.engine_busy_s`` before and after; Ray's step-latency
-histogram will not do: it rebuilds sums from bucket midpoints) over the run's wall time. Results:
+``engine_busy_fraction``: seconds the model replica of ``ours`` spent computing denoising steps during the run,
+time blocked on ControlNet services left out (its engine loop's ``busy_s``, read through
+``DiffusionModel.engine_busy_s`` before and after; Ray's step-latency histogram will not do: it rebuilds sums from
+bucket midpoints) over the run's wall time. Results:
 ``<--out>/bench_diffusion_throughput.{json,md}``.
 
     .venv/bin/python -m benchmarks.bench_diffusion_throughput [--preset sd15-shape] [--size 128] [--steps 4]
@@ -195,7 +196,8 @@ def one_at_a_time(url: str, bodies: list[bytes], timeout_s: float) -> list[float
 
 
 def engine_busy_s(app: str) -> float:
-    """Seconds ``app``'s model replica has spent in denoising steps since it started."""
+    """Seconds ``app``'s model replica has spent computing denoising steps since it started (not waiting on
+    ControlNets)."""
     return serve.get_deployment_handle("DiffusionModel", app_name=app).engine_busy_s.remote().result()
 
 
@@ -400,7 +402,8 @@ def render(args: argparse.Namespace, payload: dict) -> str:
     tied = [key for key, tie in ties.items() if tie]
     notes.append(f"Ratios whose throughput ranges overlap (ties): {', '.join(tied)}." if tied
                  else "No throughput ranges overlap.")
-    notes.append("`engine_busy_fraction`: seconds ours' model replica spent in denoising steps (its engine loop's "
+    notes.append("`engine_busy_fraction`: seconds ours' model replica spent computing denoising steps, waits on "
+                 "ControlNet services left out (its engine loop's "
                  "`busy_s`) over the run's wall time, median of the runs.")
     return "\n".join([*lines, "", *notes])
 

@@ -58,7 +58,8 @@ class DiffusionModel(MemoryReport):
         return await self._backend.list_controlnets()
 
     async def engine_busy_s(self) -> float:
-        """Seconds this replica's engine loop has spent in denoising steps since it started."""
+        """Seconds this replica's engine loop has spent computing denoising steps since it started (waits for
+        ControlNet services and the CFG worker left out)."""
         return self._backend.loop.busy_s
 
     async def generate(self, params: GenerationParams) -> GenerationResult | APIError:

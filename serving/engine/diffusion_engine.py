@@ -13,7 +13,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
 from serving.presets import DiffusionComponents, build_preset, load_local
 
+T = TypeVar("T")
 logger = get_logger("engine")
 
 _DEVICE_LORA_COPIES = 16
@@ -111,6 +112,8 @@ class DiffusionEngine:
         self.cfg_worker = cfg_worker
         self.cfg_patience = cfg_patience or WorkerPatience()
         self.metrics = metrics
+        #: Seconds ``step`` has spent blocked on remote results (ControlNet residuals, the CFG worker's rows).
+        self.remote_wait_s = 0.0
         self._band_decodable = _band_decodable(self.vae)  # with a CFG worker, set now or later
         #: an inpainting checkpoint: its denoiser takes the mask and the masked image's latents beside the latents
         self.inpainting_denoiser = self.denoiser.in_channels == 2 * self.vae.config.latent_channels + 1
@@ -348,7 +351,8 @@ class DiffusionEngine:
         noise = local_noise.new_empty((batch.rows, *local_noise.shape[1:]))
         noise[local] = local_noise
         try:
-            answer = pending.result(timeout=self.cfg_patience.wait_s(time.monotonic() - started))
+            patience = self.cfg_patience.wait_s(time.monotonic() - started)
+            answer = self._await_remote(lambda: pending.result(timeout=patience))
         except Exception as exc:
             pending.cancel()
             pause = self.cfg_patience.failed()
@@ -393,6 +397,14 @@ class DiffusionEngine:
 
     # -- helpers -----------------------------------------------------------------------------------
 
+    def _await_remote(self, result: Callable[[], T]) -> T:
+        """``result()`` (a remote call's answer), the time blocked on it added to ``remote_wait_s``."""
+        started = time.perf_counter()
+        try:
+            return result()
+        finally:
+            self.remote_wait_s += time.perf_counter() - started
+
     def _submit_controlnets(self, batch: RowBatch) -> Callable[[], ControlNetResiduals]:
         """Starts this step's ControlNet calls, one per ControlNet, each with the rows that use it; returns what
         waits for their residuals, summed over ControlNets (as ``MultiControlNetModel`` does; zeros for a row no
@@ -424,7 +436,7 @@ class DiffusionEngine:
             mid: torch.Tensor | None = None
             for name, index, future in pending:
                 try:
-                    residuals = future.result()
+                    residuals = self._await_remote(future.result)
                 except Exception as exc:
                     raise ControlNetUnavailable(name, exc) from exc
                 if not down:

@@ -89,7 +89,9 @@ class EngineLoop:
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
         self._step_s: float | None = None  # moving average of one step's wall time
-        self.busy_s = 0.0  # seconds spent in denoising steps since the start (benchmarks read it)
+        #: seconds spent computing denoising steps since the start, time blocked on remote results (ControlNet
+        #: services, the CFG worker) left out (benchmarks read it)
+        self.busy_s = 0.0
         self._wakeup = threading.Condition()
         self._stopping = False
         self._stage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-stage")
@@ -291,7 +293,7 @@ class EngineLoop:
         return [runnable[i] for i in batch]
 
     def _step(self, batch: list[_Active]) -> None:
-        started = time.perf_counter()
+        started, waited = time.perf_counter(), self.engine.remote_wait_s
         try:
             self.engine.step([active.state for active in batch])
         except ControlNetUnavailable as exc:  # fail its users; the others step again (states are unchanged)
@@ -310,7 +312,7 @@ class EngineLoop:
             return
         took = time.perf_counter() - started
         self._step_s = took if self._step_s is None else 0.9 * self._step_s + 0.1 * took
-        self.busy_s += took
+        self.busy_s += took - (self.engine.remote_wait_s - waited)
         self._metrics.diffusion_step(took, rows=sum(active.state.rows for active in batch))
         for active in batch:
             if self._on_step is not None:

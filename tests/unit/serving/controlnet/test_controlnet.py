@@ -282,3 +282,29 @@ def test_a_slow_controlnet_call_runs_while_the_down_and_mid_blocks_do(controlnet
     assert events["call_started"] < events["down_started"] < events["mid_ended"] < call_ended[0]
     assert call_ended[0] <= events["up_started"]  # the up blocks waited for the residuals
     assert np.abs(controlled - _run(engine, _params(num_inference_steps=1))).max() > TOLERANCE
+
+
+def test_the_loops_busy_time_leaves_out_the_steps_waits_for_a_slow_controlnet(controlnets):
+    """``busy_s`` (what benchmarks call the engine's busy fraction) is every step's time but the time ``step`` sat
+    blocked on ControlNet residuals; the step-latency metric keeps the whole step."""
+    from serving.common.metrics import STEP_LATENCY, InMemorySink, Metrics
+    from serving.config import EngineConfig
+    from serving.engine import EngineLoop
+
+    class Slow(ControlNetRunner):
+        def run(self, call):
+            time.sleep(0.3)
+            return super().run(call)
+
+    sink = InMemorySink()
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, metrics=Metrics(sink),
+                             controlnets=LocalControlNets({"edges": Slow(controlnets["edges"], CPU)}))
+    loop = EngineLoop(engine, EngineConfig(), metrics=Metrics(sink))
+    try:
+        params = _params(num_inference_steps=2, controlnets=(ControlNetSpec("edges", shape_image("square")),))
+        loop.submit(params).result(timeout=60)
+    finally:
+        loop.stop()
+    steps_s = sum(sink.values(STEP_LATENCY)) / 1e3
+    assert engine.remote_wait_s >= 2 * 0.3 - 0.1  # each step waited for most of its call's sleep
+    assert loop.busy_s == pytest.approx(steps_s - engine.remote_wait_s, abs=1e-6)
