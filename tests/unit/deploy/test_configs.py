@@ -188,8 +188,11 @@ def test_gpu_example_loads_local_weights_and_places_by_resources():
     assert all(c["preset"] is None and c["path"].startswith("/") for c in diffusion["controlnets"])
     assert dlrm["embedding"]["bind_host"] == "node"
     demands = _replica_demands(config)
-    for name in ("diffusion/DiffusionModel", "diffusion/CFGWorker", "dlrm/DisaggregatedDLRM"):
+    for name in ("diffusion/DiffusionModel", "dlrm/DisaggregatedDLRM"):
         assert 0 < demands[name][1]["GPU"] < 1, f"{name} should hold a fractional GPU"
+    # parallel CFG pays only on a GPU of its own: a whole GPU, and the whole dense-pool unit of its node
+    assert diffusion["engine"]["cfg_parallel"] is True
+    assert demands["diffusion/CFGWorker"][1]["GPU"] == 1 and demands["diffusion/CFGWorker"][1]["dense_pool"] == 1
     custom = {name: set(demand) - {"CPU", "GPU"} for name, (_, demand) in demands.items()}
     placed = [name for name in demands if name.split("/")[1].startswith(("ControlNet_", "EmbeddingShard_"))]
     assert len(placed) == len(diffusion["controlnets"]) + dlrm["embedding"]["num_shards"]
