@@ -26,6 +26,10 @@ its shape's unloaded latency on the system that served it (latency from its sche
 timeouts are never good. Goodput = good requests per minute of the (compressed) window. Runs are interleaved
 (``production, strongest, ours`` per repeat). Results: ``<--out>/bench_trace.{json,md}``.
 
+``--in-process`` drives the same systems without Ray (where Ray cannot run: a GPU machine without its wheel): the
+same Images API on uvicorn in this process, over one engine loop per model (ours) or one diffusers baseline per
+model serving one request at a time, every model on one device; the results say so.
+
     .venv/bin/python -m benchmarks.bench_trace --trace ../shared/traces/gentd26_lora_request_trace.csv \\
         --load-latencies ../shared/traces/gentd26_lora_update_latency_anon.csv [--hours 1] [--compression 50]
 """
@@ -36,11 +40,14 @@ import argparse
 import asyncio
 import io
 import json
+import os
 import statistics
 import tempfile
+import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,11 +60,13 @@ from ray.serve.schema import ServeDeploySchema
 
 from autoconfig.serve_config import deploy_serve_config
 from autoconfig.workloads import JSON_HEADERS, HttpRequest
-from benchmarks import gentd
+from benchmarks import gentd, lora_storage
 from benchmarks.common import Outcomes, open_loop, ranges_overlap, write_attention_lora
 from benchmarks.lora_storage import EmulatedStorage
 from benchmarks.records import RESULTS, machine, provenance, write_results
 from serving.api.edits import EDITS_PATH
+from serving.api.models import ServedModel, ServedModels
+from serving.api.server import create_images_api
 from serving.common.device import DTYPES
 from serving.common.net import free_port
 from serving.config import (
@@ -68,7 +77,7 @@ from serving.config import (
     ImageLimits,
     LoRAConfig,
 )
-from serving.engine import load_components
+from serving.engine import LocalBackend, load_components
 from serving.lora.format import LoRATargets
 from serving.preset_catalog import PRESET_NAMES
 
@@ -189,6 +198,68 @@ def deploy(app: dict[str, Any], port: int) -> None:
     """Replaces whatever runs with ``app``."""
     deploy_serve_config(ServeDeploySchema.model_validate({"http_options": {"host": "127.0.0.1", "port": port},
                                                           "applications": [app]}), timeout_s=1800)
+
+
+@contextmanager
+def in_process(system: str, configs: list[DiffusionAppConfig], port: int) -> Iterator[None]:
+    """``system`` without Ray: the same Images API (``create_images_api``) on uvicorn in a thread of this process,
+    over one engine loop per model (ours) or one serialised ``DiffusersBaseline`` per model (one request at a
+    time, as a Serve replica of it), every model on the configs' device."""
+    import uvicorn
+
+    from benchmarks.vanilla import DiffusersBaseline, SerialBackend
+
+    if system == "ours":
+        backends = [LocalBackend.from_config(config) for config in configs]
+    else:
+        backends = [SerialBackend(DiffusersBaseline(config, [], adapters=system == "strongest"))
+                    for config in configs]
+    api = create_images_api(ServedModels([ServedModel(backend, config)
+                                          for backend, config in zip(backends, configs, strict=True)]))
+    server = uvicorn.Server(uvicorn.Config(api, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name=f"uvicorn-{system}", daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the in-process {system} server did not start")
+            time.sleep(0.05)
+        yield
+    finally:
+        server.should_exit = True
+        thread.join()
+        for backend in backends:
+            if isinstance(backend, LocalBackend):
+                backend.close()
+
+
+@contextmanager
+def serving(system: str, configs: list[DiffusionAppConfig], port: int, args: argparse.Namespace) -> Iterator[None]:
+    """``system`` answering on ``port`` for the block: deployed on Serve, or in-process with ``--in-process``."""
+    if args.in_process:
+        with in_process(system, configs, port):
+            yield
+    else:
+        deploy(serve_app(system, configs), port)
+        yield
+
+
+@contextmanager
+def lora_storage_installed(storage: EmulatedStorage, directory: Path, args: argparse.Namespace) -> Iterator[None]:
+    """The emulated LoRA storage in every process that reads LoRAs: a local Ray cluster's workers (its job's
+    runtime environment), or this process (``--in-process``)."""
+    environment = storage.runtime_env(directory)
+    if args.in_process:
+        os.environ.update(environment["env_vars"])
+        lora_storage.install()
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30, runtime_env=environment)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 # -- measuring ---------------------------------------------------------------------------------------------------
@@ -327,6 +398,9 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calibration-sends", type=int, default=3, help="timed sends per shape, alone")
     parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of every system")
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--in-process", action="store_true",
+                        help="no Ray: every system in this process behind the same Images API (where Ray cannot "
+                             "run, e.g. a GPU machine without its wheel); the results say so")
     parser.add_argument("--admission-wait-fraction", type=lambda text: None if text == "none" else float(text),
                         default=EngineConfig().admission_wait_fraction,
                         help="ours' engine.admission_wait_fraction ('none': no admission control)")
@@ -391,18 +465,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
         configs = model_configs(args, lora_root, replayed)
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30,
-                 runtime_env=storage.runtime_env(lora_root))
-        try:
+        with lora_storage_installed(storage, lora_root, args):
             for repeat in range(args.repeats):
                 for system in args.systems:
                     phase = time.monotonic()
-                    deploy(serve_app(system, configs), port)
-                    deployed = time.monotonic()
-                    warm_up(url, args, shapes, args.timeout_s)
-                    unloaded = unloaded_latencies(url, args, shapes)
-                    calibrated = time.monotonic()
-                    out = send(url, requests, offsets, args.timeout_s)
+                    with serving(system, configs, port, args):
+                        deployed = time.monotonic()
+                        warm_up(url, args, shapes, args.timeout_s)
+                        unloaded = unloaded_latencies(url, args, shapes)
+                        calibrated = time.monotonic()
+                        out = send(url, requests, offsets, args.timeout_s)
                     good = judge(out, replayed, unloaded, args.slo_factor)
                     row = run_row(system, repeat, out, good, replayed, window_s)
                     row["phase_s"] = {"deploy": deployed - phase, "warm_up_and_calibration": calibrated - deployed,
@@ -412,15 +484,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
                                         "unloaded_s": {"/".join(map(str, shape)): seconds
                                                        for shape, seconds in unloaded.items()}})
                     print(json.dumps(row), flush=True)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
     figures = aggregate(rows)
     summary, ties = summarize(figures)
     payload = {
         **provenance(), "machine": machine(), "args": {**vars(args), **{k: str(v) for k, v in vars(args).items()
                                                                         if isinstance(v, Path)}},
-        "device_map": {"every system": "one replica per served model on each of cores 0 and 1, one torch thread"},
+        "device_map": {"every system": "in one process (--in-process): one engine or pipeline per served model on "
+                                       "the model device" if args.in_process else
+                       "one replica per served model on each of cores 0 and 1, one torch thread"},
         "workload": describe(args, trace, window_s, shapes),
         "lora_file_bytes": lora_bytes, "duration_s": time.monotonic() - began,
         "calibration": calibration, "rows": rows, "figures": figures, "summary": summary,
@@ -469,7 +540,8 @@ def render(args: argparse.Namespace, payload: dict) -> str:
     figures, summary, ties, w = payload["figures"], payload["summary"], payload["summary_ranges_overlap"], \
         payload["workload"]
     lines = [
-        f"# GenTD26 replay: {args.preset} {args.size}x{args.size}, 2 cores per system "
+        f"# GenTD26 replay: {args.preset} {args.size}x{args.size}, "
+        f"{'in one process, no Ray' if args.in_process else 'Ray Serve, 2 cores per system'} "
         f"({payload['machine']['device']}, {args.dtype})",
         "",
         f"Window {w['window_utc'][0]} - {w['window_utc'][1]} UTC: {w['replayed_requests']} requests "

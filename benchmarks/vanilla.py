@@ -1,11 +1,13 @@
-"""The diffusers baseline as a Serve deployment, behind the same ingress as ours: what "vanilla" means in the
-benchmarks that serve both (``bench_diffusion_throughput``, ``bench_trace``)."""
+"""The diffusers baseline behind the same Images API as ours: what "vanilla" means in the benchmarks that serve
+both (``bench_diffusion_throughput``, ``bench_trace``). ``DiffusersBaseline`` holds the pipelines; it runs as the
+Serve deployment ``VanillaDiffusers``, or in-process behind ``SerialBackend`` (``bench_trace --in-process``)."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
 import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
@@ -15,15 +17,23 @@ from ray.serve import Application
 
 from benchmarks import lora_storage
 from serving.common.device import DTYPES, resolve_device
+from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
 from serving.deployments.ingress import ImagesIngress
 from serving.deployments.pinning import pin_replica
-from serving.engine import GenerationParams, GenerationResult, ModelInfo, encode_png, load_components
+from serving.engine import (
+    GenerationEvent,
+    GenerationParams,
+    GenerationResult,
+    ImageGenerationBackend,
+    ModelInfo,
+    encode_png,
+    load_components,
+)
 
 
-@serve.deployment(max_ongoing_requests=1)
-class VanillaDiffusers:
+class DiffusersBaseline:
     """diffusers pipelines over ``config``'s model and ControlNets (the same weights as ours), and its image-to-image
     and inpainting pipelines over the same modules; one request at a time per replica (a pipeline holds per-call
     state and the active LoRAs). ``adapters``: a LoRA is loaded as a PEFT adapter at its first use and kept, picked
@@ -127,6 +137,35 @@ class VanillaDiffusers:
                       generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)],
                       output_type="np", **extra)
         return GenerationResult(images=[encode_png(image) for image in output.images], seed=params.seed)
+
+
+VanillaDiffusers = serve.deployment(max_ongoing_requests=1)(DiffusersBaseline)
+
+
+class SerialBackend(ImageGenerationBackend):
+    """A ``DiffusersBaseline`` as the Images API's engine interface outside Serve: one request at a time, as a
+    replica with ``max_ongoing_requests=1``; streaming is refused."""
+
+    def __init__(self, baseline: DiffusersBaseline) -> None:
+        self._baseline = baseline
+        self._lock = asyncio.Lock()
+
+    async def model_info(self) -> ModelInfo:
+        return await self._baseline.model_info()
+
+    async def list_loras(self) -> list[str]:
+        return await self._baseline.list_loras()
+
+    async def list_controlnets(self) -> list[str]:
+        return await self._baseline.list_controlnets()
+
+    async def generate(self, params: GenerationParams) -> GenerationResult:
+        async with self._lock:
+            return await self._baseline.generate(params)
+
+    async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
+        raise APIError(400, "the diffusers baseline does not stream", param="stream", code="invalid_value")
+        yield  # an async generator, as the interface declares
 
 
 def vanilla_app(configs: list[DiffusionAppConfig], cores: list[list[int]], adapters: bool) -> Application:
