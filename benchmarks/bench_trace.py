@@ -174,7 +174,7 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
         model=DiffusionModelConfig(name=f"m{k}", preset=args.preset, weights="seeded", seed=k, device=args.device,
                                    dtype=args.dtype),
         limits=limits,
-        engine=EngineConfig(admission_wait_fraction=args.admission_wait_fraction),
+        engine=EngineConfig(admission_wait_fraction=args.admission_wait_fraction, max_batch_rows=args.max_batch_rows),
         lora=LoRAConfig(directory=lora_root / f"m{k}"),
         device_map=DeviceMap(model=CORES),
     ) for k in range(args.models)]
@@ -404,6 +404,8 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--admission-wait-fraction", type=lambda text: None if text == "none" else float(text),
                         default=EngineConfig().admission_wait_fraction,
                         help="ours' engine.admission_wait_fraction ('none': no admission control)")
+    parser.add_argument("--max-batch-rows", type=int, default=EngineConfig().max_batch_rows,
+                        help="ours' engine.max_batch_rows")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="client timeout of one request")
     parser.add_argument("--device", default="auto", help="torch device of every model")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
