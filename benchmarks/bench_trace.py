@@ -164,10 +164,26 @@ def shape_of(request: gentd.ReplayedRequest) -> tuple[str, int, int]:
 
 # -- systems -----------------------------------------------------------------------------------------------------
 
+def cores_by_load(replayed: list[gentd.ReplayedRequest], models: int) -> list[list[list[int]]]:
+    """Each served model's ``device_map.model`` for one replica per model: models dealt onto ``CORES`` by their
+    requests in the replay, the busiest first, each onto the core with the fewest so far."""
+    load = Counter(request.model for request in replayed)
+    placed: list[list[list[int]]] = [[] for _ in range(models)]
+    totals = [0] * len(CORES)
+    for k in sorted(range(models), key=lambda k: -load[f"m{k}"]):
+        core = totals.index(min(totals))
+        placed[k] = [CORES[core]]
+        totals[core] += load[f"m{k}"]
+    return placed
+
+
 def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gentd.ReplayedRequest],
                   ) -> list[DiffusionAppConfig]:
     """One config per served model: the preset with seed ``k``, its own LoRA directory, limits that admit every
-    replayed request, the model replicas on cores 0 and 1."""
+    replayed request, ours' replicas on cores 0 and 1 (``--ours-layout``: one per core, or one per model placed by
+    load)."""
+    cores = (cores_by_load(replayed, args.models) if args.ours_layout == "by-load"
+             else [CORES] * args.models)
     limits = ImageLimits(max_n=max(r.n for r in replayed), max_loras=max(len(r.loras) for r in replayed),
                          max_prompt_chars=args.max_prompt_chars)
     return [DiffusionAppConfig(
@@ -176,7 +192,7 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
         limits=limits,
         engine=EngineConfig(admission_wait_fraction=args.admission_wait_fraction, max_batch_rows=args.max_batch_rows),
         lora=LoRAConfig(directory=lora_root / f"m{k}"),
-        device_map=DeviceMap(model=CORES),
+        device_map=DeviceMap(model=cores[k]),
     ) for k in range(args.models)]
 
 
@@ -188,8 +204,8 @@ def serve_app(system: str, configs: list[DiffusionAppConfig]) -> dict[str, Any]:
     if system == "ours":
         return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app",
                 "args": {"models": models},
-                "deployments": [{"name": f"DiffusionModel_{config.model.name}", "num_replicas": len(CORES), **options}
-                                for config in configs]}
+                "deployments": [{"name": f"DiffusionModel_{config.model.name}",
+                                 "num_replicas": len(config.device_map.model), **options} for config in configs]}
     return {"name": system, "route_prefix": "/", "import_path": "benchmarks.vanilla:build_vanilla_app",
             "args": {"models": models, "cores": CORES, "adapters": system == "strongest"}}
 
@@ -404,6 +420,9 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--admission-wait-fraction", type=lambda text: None if text == "none" else float(text),
                         default=EngineConfig().admission_wait_fraction,
                         help="ours' engine.admission_wait_fraction ('none': no admission control)")
+    parser.add_argument("--ours-layout", choices=("per-core", "by-load"), default="per-core",
+                        help="ours' model replicas: one per model on each core (as the baselines), or one per model, "
+                             "the models dealt onto the cores by their requests")
     parser.add_argument("--max-batch-rows", type=int, default=EngineConfig().max_batch_rows,
                         help="ours' engine.max_batch_rows")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="client timeout of one request")
@@ -491,9 +510,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     payload = {
         **provenance(), "machine": machine(), "args": {**vars(args), **{k: str(v) for k, v in vars(args).items()
                                                                         if isinstance(v, Path)}},
-        "device_map": {"every system": "in one process (--in-process): one engine or pipeline per served model on "
-                                       "the model device" if args.in_process else
-                       "one replica per served model on each of cores 0 and 1, one torch thread"},
+        "device_map": ("in one process (--in-process): one engine or pipeline per served model on the model device"
+                       if args.in_process else
+                       {"production, strongest": "one replica per served model on each of cores 0 and 1",
+                        "ours": {config.model.name: config.device_map.model for config in configs}}),
         "workload": describe(args, trace, window_s, shapes),
         "lora_file_bytes": lora_bytes, "duration_s": time.monotonic() - began,
         "calibration": calibration, "rows": rows, "figures": figures, "summary": summary,
