@@ -163,3 +163,9 @@ def test_a_short_trace_replays_through_every_system_in_process_and_writes_its_su
     assert {"goodput_ratio_vs_production", "goodput_ratio_vs_strongest", "slo_attainment", "p50_s_ours",
             "p99_s_production"} <= set(payload["summary"])
     assert payload["commit"] and "in one process" in (tmp_path / "bench_trace.md").read_text()
+
+
+def test_by_load_deals_the_busiest_models_first_onto_the_least_loaded_core():
+    replayed = [gentd.ReplayedRequest(0.0, "generate", model, 1, 3, (), "p", None, i, i)
+                for i, model in enumerate(["m0"] * 5 + ["m1"] * 3 + ["m2"] * 2 + ["m3"] * 2)]
+    assert bench_trace.cores_by_load(replayed, 4) == [[[0]], [[1]], [[1]], [[0]]]
