@@ -48,9 +48,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import itertools
 import os
 import resource
+import statistics
 import tempfile
 import threading
 import time
@@ -132,11 +134,11 @@ SUMMARY: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
 @dataclass(frozen=True)
 class Case:
     """One request of a row: ``prepare`` runs untimed before it, ``run`` is timed and returns what to record,
-    ``finish`` runs untimed after it."""
+    ``finish`` runs untimed after it (and may return more to record)."""
 
     run: Callable[[], dict]
     prepare: Callable[[], None] = lambda: None
-    finish: Callable[[], None] = lambda: None
+    finish: Callable[[], dict | None] = lambda: None
 
 
 @dataclass
@@ -248,12 +250,14 @@ class Swiftserve:
         self._merge_after = lora.merge_after_forwards
         self._fresh = itertools.count()
         self._cold = ""
+        self._images: list[bytes] = []  # the last request's
         self.cases = {
             "0c-0l": Case(self.generate),
             "1c-0l": Case(lambda: self.generate(controlnet=True)),
-            "0c-1l cold": Case(lambda: self.generate(lora=self._cold), prepare=self._write_cold),
+            "0c-1l cold": Case(lambda: self.generate(lora=self._cold), prepare=self._write_cold,
+                               finish=self._distance_from_exact),
             "0c-1l cold remote": Case(lambda: self.generate(lora=self._cold),
-                                      prepare=lambda: self._write_cold(REMOTE)),
+                                      prepare=lambda: self._write_cold(REMOTE), finish=self._distance_from_exact),
             "0c-1l warm": Case(lambda: self.generate(lora=WARM)),
             "1c-1l": Case(lambda: self.generate(controlnet=True, lora=WARM)),
             "0c-0l parallel CFG": Case(lambda: self.generate(parallel_cfg=True)),
@@ -267,7 +271,18 @@ class Swiftserve:
             result = self.loop.submit(params).result()
         finally:
             self.engine.cfg_worker = None
+        self._images = result.images
         return {"timings": result.timings, "lora": asdict(result.lora) if result.lora is not None else None}
+
+    def _distance_from_exact(self) -> dict:
+        """Untimed, after a cold-LoRA request: the same request waiting for its LoRA (``lora_mode`` exact; the LoRA
+        is cached by now, so it applies from the first step) and the mean absolute difference of the two images'
+        pixels, 0-255: what denoising the first steps without the LoRA changed."""
+        cold = self._images
+        params = replace(self._params, loras=(LoRASpec(self._cold, SCALE),), lora_mode="exact")
+        exact = self.loop.submit(params).result().images
+        return {"mean_abs_pixel_diff_from_exact": float(np.mean([np.abs(_pixels(a) - _pixels(b)).mean()
+                                                                 for a, b in zip(cold, exact, strict=True)]))}
 
     def _write_cold(self, prefix: str = COLD) -> None:
         self._cold = f"{prefix}{next(self._fresh)}"  # a name never requested before: the cache must load it
@@ -367,13 +382,22 @@ class Diffusers:
             self.set_lora(state)
 
 
+def _pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
 def run_case(case: Case) -> dict:
     """``case`` once: its untimed preparation, the timed request, its untimed finish; its seconds and record."""
     case.prepare()
     record: dict = {}
     seconds = timed(lambda: record.update(case.run()), 1)[0]
-    case.finish()
+    record.update(case.finish() or {})
     return {"seconds": seconds, **record}
+
+
+def _mean_diffs(payload: dict, case: str) -> str:
+    diffs = payload["cold_lora_mean_abs_pixel_diff"][case]
+    return f"{statistics.median(diffs):.2f} (median; {min(diffs):.2f}-{max(diffs):.2f})"
 
 
 def overlap(a: dict, b: dict) -> bool:
@@ -466,6 +490,8 @@ def main() -> None:
         "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # ru_maxrss: KiB
         "errors": 0,  # a failed request aborts the run
         "flags": flags,
+        "cold_lora_mean_abs_pixel_diff": {case: [run["mean_abs_pixel_diff_from_exact"] for run in runs[(OURS, case)]]
+                                          for case in ("0c-1l cold", "0c-1l cold remote")},
         "rows": [{"system": system, "case": case, **stats[(system, case)], "repeats": runs[(system, case)]}
                  for system, case in ROUND],
         "comparisons": comparisons,
@@ -520,7 +546,9 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
         s = stats[(system, case)]
         lines.append(f"| {system} | {case} | {s['median_s']:.2f} | {s['min_s']:.2f} | {s['max_s']:.2f} | "
                      f"{s['runs']} |")
-    lines += [""] + [f"swiftserve {case}: LoRA applied at steps {steps} (0: ready before the first step)."
+    lines += [""] + [f"swiftserve {case}: LoRA applied at steps {steps} (0: ready before the first step); the image "
+                     f"differs from the exact one (the LoRA from the first step) by "
+                     f"{_mean_diffs(payload, case)} of 255 per pixel on average."
                      for case, steps in applied_cold.items()]
     lines.append(f"The remote LoRA store is emulated: a fetch takes file size / {args.lora_store_mb_per_s:g} MB/s, "
                  "for both systems (swiftserve on its loader thread, diffusers inline before `load_lora_weights`).")
