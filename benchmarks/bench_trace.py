@@ -324,8 +324,10 @@ def judge(out: Outcomes, replayed: list[gentd.ReplayedRequest], unloaded: dict[t
 
 def run_row(system: str, repeat: int, out: Outcomes, good: list[bool], replayed: list[gentd.ReplayedRequest],
             window_s: float) -> dict:
-    """One run's figures: outcomes, goodput, SLO attainment (all and by kind), latency of the successes."""
+    """One run's figures: outcomes, goodput, SLO attainment (all and by kind), latency of the successes (from
+    fewer than 100 successes the p99 is their maximum, and ``tail`` says so)."""
     ok, counts = out.ok_seconds(), out.counts()
+    tail = "p99" if len(ok) >= 100 else "max"
     kinds = sorted({request.kind for request in replayed})
     return {
         "system": system, "repeat": repeat, "sent": len(replayed), **counts, "good": sum(good),
@@ -334,7 +336,8 @@ def run_row(system: str, repeat: int, out: Outcomes, good: list[bool], replayed:
                                                           if r.kind == kind) for kind in kinds},
         "slo_attainment_with_loras": _share([g for g, r in zip(good, replayed, strict=True) if r.loras]),
         "p50_s": float(np.median(ok)) if len(ok) else None,
-        "p99_s": float(np.percentile(ok, 99)) if len(ok) else None,
+        "p99_s": (float(np.percentile(ok, 99)) if tail == "p99" else float(ok.max())) if len(ok) else None,
+        "tail": tail,
         "wall_s": out.wall_s(), "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
     }
 
@@ -355,6 +358,7 @@ def aggregate(rows: list[dict]) -> dict:
             "goodput_per_min": {"median": statistics.median(goodput), "min": min(goodput), "max": max(goodput),
                                 "repeats": goodput},
             **{key: _median([row[key] for row in mine]) for key in ("slo_attainment", "p50_s", "p99_s")},
+            "tail": "p99" if all(row["tail"] == "p99" for row in mine) else "max",
             **{key: sum(row[key] for row in mine) for key in ("sent", "ok", "good", "refused", "errors",
                                                               "timed_out")},
         }
@@ -580,7 +584,8 @@ def render(args: argparse.Namespace, payload: dict) -> str:
     for name, figure in figures.items():
         goodput = figure["goodput_per_min"]
         lines.append(f"| {name} | {goodput['median']:.1f} [{goodput['min']:.1f}-{goodput['max']:.1f}] | "
-                     f"{_fmt(figure['slo_attainment'])} | {_fmt(figure['p50_s'], 3)} | {_fmt(figure['p99_s'], 3)} | "
+                     f"{_fmt(figure['slo_attainment'])} | {_fmt(figure['p50_s'], 3)} | {_fmt(figure['p99_s'], 3)}"
+                     f"{' (max)' if figure['tail'] == 'max' else ''} | "
                      f"{figure['ok']} | {figure['good']} | {figure['refused']} | {figure['errors']} | "
                      f"{figure['timed_out']} |")
     lines += ["", "| summary | value | goodput ranges overlap (tie) |", "|---|---|---|"]
@@ -596,7 +601,7 @@ def render(args: argparse.Namespace, payload: dict) -> str:
         lines.append(f"| {row['repeat']} | {row['system']} | {row['ok']} | {row['good']} | {row['refused']} | "
                      f"{row['errors']} | {row['timed_out']} | {row['goodput_per_min']:.1f} | "
                      f"{_fmt(row['slo_attainment'])} ({by_kind}; {_fmt(row['slo_attainment_with_loras'])}) | "
-                     f"{_fmt(row['p50_s'], 3)} | {_fmt(row['p99_s'], 3)} |")
+                     f"{_fmt(row['p50_s'], 3)} | {_fmt(row['p99_s'], 3)}{' (max)' if row['tail'] == 'max' else ''} |")
     failures = {key: sum(row[key] for row in payload["rows"]) for key in ("refused", "errors", "timed_out")}
     lines += ["", f"Across all runs: {failures['refused']} refusals, {failures['errors']} errors, "
                   f"{failures['timed_out']} timeouts; none counts as good. Latency from each request's scheduled "
