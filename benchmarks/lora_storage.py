@@ -18,12 +18,12 @@ import json
 import os
 import sys
 import threading
-import time
 import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import sleep
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class EmulatedStorage:
         return float(self.samples_ms[draw]) / 1e3 / self.compression
 
     def fetch(self, name: str) -> None:
-        time.sleep(self.delay_s(name))
+        sleep(self.delay_s(name))
 
     def runtime_env(self, directory: Path) -> dict:
         """The Ray ``runtime_env`` that installs this storage in every worker of a job: its description goes to a

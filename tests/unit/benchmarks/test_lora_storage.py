@@ -28,7 +28,7 @@ def fake_cache(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "fake_lora_cache", raising=False)
     monkeypatch.setattr(lora_storage, "_storage", None)
     waits = []
-    monkeypatch.setattr(lora_storage.time, "sleep", waits.append)
+    monkeypatch.setattr(lora_storage, "sleep", waits.append)  # this module's name only, not time.sleep
     yield waits
     sys.modules.pop("fake_lora_cache", None)
     sys.meta_path[:] = [finder for finder in sys.meta_path if not isinstance(finder, lora_storage._WrapOnImport)]
