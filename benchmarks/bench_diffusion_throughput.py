@@ -58,9 +58,12 @@ from autoconfig.workloads import Workload
 from benchmarks.common import (
     Outcomes,
     conditioning_image,
+    median_present,
     open_loop,
     poisson_offsets,
     ranges_overlap,
+    spread,
+    tail,
     write_attention_lora,
 )
 from benchmarks.records import RESULTS, machine, provenance, write_results
@@ -204,13 +207,12 @@ def engine_busy_s(app: str) -> float:
 def run_row(system: str, repeat: int, out: Outcomes) -> dict:
     """One run's figures: outcome counts, throughput, latency of the successes."""
     wall, ok, counts = out.wall_s(), out.ok_seconds(), out.counts()
-    tail = "p99" if len(ok) >= 100 else "max"
+    tail_s, tail_kind = tail(ok)
     return {
         "system": system, "repeat": repeat, "sent": len(out.statuses), **counts, "wall_s": wall,
         "throughput_per_min": 60 * counts["ok"] / wall,
         "p50_s": float(np.median(ok)) if len(ok) else None,
-        "tail_s": (float(np.percentile(ok, 99)) if tail == "p99" else float(ok.max())) if len(ok) else None,
-        "tail": tail, "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
+        "tail_s": tail_s, "tail": tail_kind, "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
     }
 
 
@@ -223,10 +225,9 @@ def aggregate(rows: list[dict]) -> dict:
             continue
         throughput = [row["throughput_per_min"] for row in mine]
         figures[name] = {
-            "throughput_per_min": {"median": statistics.median(throughput), "min": min(throughput),
-                                   "max": max(throughput), "repeats": throughput},
-            "p50_s_median": _median([row["p50_s"] for row in mine]),
-            "tail_s_median": _median([row["tail_s"] for row in mine]),
+            "throughput_per_min": spread(throughput),
+            "p50_s_median": median_present([row["p50_s"] for row in mine]),
+            "tail_s_median": median_present([row["tail_s"] for row in mine]),
             "tail": "p99" if all(row["tail"] == "p99" for row in mine) else "max",
             **{key: sum(row[key] for row in mine) for key in ("sent", "ok", "refused", "errors", "timed_out")},
         }
@@ -235,11 +236,6 @@ def aggregate(rows: list[dict]) -> dict:
             figures[name]["engine_busy_fraction"] = {"median": statistics.median(busy), "min": min(busy),
                                                      "max": max(busy)}
     return figures
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.median(present) if present else None
 
 
 #: Summary key -> (numerator system, denominator system) of the throughput ratio.

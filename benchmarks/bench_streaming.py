@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import REFUSALS, ranges_overlap
+from benchmarks.common import REFUSALS, median_present, ranges_overlap, spread, tail
 from benchmarks.records import RESULTS, machine, provenance, write_results
 from serving.common.device import pin_process
 from serving.common.errors import APIError
@@ -198,15 +198,6 @@ def measure(backend: LocalBackend, args: argparse.Namespace, arm: Arm, first_ind
 
 # -- figures -----------------------------------------------------------------------------------------------------
 
-def tail(seconds: Sequence[float]) -> tuple[float | None, str]:
-    """The p99, or the max where there are fewer than 100 samples (``BENCHMARKING.md``), and which it is."""
-    if not seconds:
-        return None, "max"
-    if len(seconds) < 100:
-        return float(max(seconds)), "max"
-    return float(np.percentile(seconds, 99)), "p99"
-
-
 def run_row(arm: Arm, repeat: int, run: Run, args: argparse.Namespace) -> dict:
     """One run's figures (``repeat`` -1: the warm-up)."""
     ok = [s for s in run.samples if s.outcome == "ok"]
@@ -233,11 +224,6 @@ def run_row(arm: Arm, repeat: int, run: Run, args: argparse.Namespace) -> dict:
     }
 
 
-def _median(values: Sequence[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.median(present) if present else None
-
-
 def aggregate(rows: list[dict], contenders: Sequence[Arm]) -> dict:
     """Per arm: throughput median/min/max and every repeat, medians of the per-run latencies and engine figures,
     outcome totals."""
@@ -246,10 +232,9 @@ def aggregate(rows: list[dict], contenders: Sequence[Arm]) -> dict:
         mine = [row for row in rows if row["arm"] == arm.name]
         throughput = [row["images_per_s"] for row in mine]
         figures[arm.name] = {
-            "images_per_s": {"median": statistics.median(throughput), "min": min(throughput),
-                             "max": max(throughput), "repeats": throughput},
+            "images_per_s": spread(throughput),
             "tail": "p99" if all(row["tail"] == "p99" for row in mine) else "max",
-            **{f"{key}_median": _median([row[key] for row in mine])
+            **{f"{key}_median": median_present([row[key] for row in mine])
                for key in ("p50_s", "tail_s", "first_preview_p50_s", "first_preview_tail_s", "busy_s",
                            "busy_fraction", "busy_s_per_image", "cpu_s_per_image")},
             **{key: sum(row[key] for row in mine)

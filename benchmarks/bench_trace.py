@@ -61,7 +61,15 @@ from ray.serve.schema import ServeDeploySchema
 from autoconfig.serve_config import deploy_serve_config
 from autoconfig.workloads import JSON_HEADERS, HttpRequest
 from benchmarks import gentd, lora_storage
-from benchmarks.common import Outcomes, open_loop, ranges_overlap, write_attention_lora
+from benchmarks.common import (
+    Outcomes,
+    median_present,
+    open_loop,
+    ranges_overlap,
+    spread,
+    tail,
+    write_attention_lora,
+)
 from benchmarks.lora_storage import EmulatedStorage
 from benchmarks.records import RESULTS, machine, provenance, write_results
 from serving.api.edits import EDITS_PATH
@@ -327,7 +335,7 @@ def run_row(system: str, repeat: int, out: Outcomes, good: list[bool], replayed:
     """One run's figures: outcomes, goodput, SLO attainment (all and by kind), latency of the successes (from
     fewer than 100 successes the p99 is their maximum, and ``tail`` says so)."""
     ok, counts = out.ok_seconds(), out.counts()
-    tail = "p99" if len(ok) >= 100 else "max"
+    p99_s, tail_kind = tail(ok)
     kinds = sorted({request.kind for request in replayed})
     return {
         "system": system, "repeat": repeat, "sent": len(replayed), **counts, "good": sum(good),
@@ -336,8 +344,7 @@ def run_row(system: str, repeat: int, out: Outcomes, good: list[bool], replayed:
                                                           if r.kind == kind) for kind in kinds},
         "slo_attainment_with_loras": _share([g for g, r in zip(good, replayed, strict=True) if r.loras]),
         "p50_s": float(np.median(ok)) if len(ok) else None,
-        "p99_s": (float(np.percentile(ok, 99)) if tail == "p99" else float(ok.max())) if len(ok) else None,
-        "tail": tail,
+        "p99_s": p99_s, "tail": tail_kind,
         "wall_s": out.wall_s(), "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
     }
 
@@ -355,19 +362,13 @@ def aggregate(rows: list[dict]) -> dict:
             continue
         goodput = [row["goodput_per_min"] for row in mine]
         figures[name] = {
-            "goodput_per_min": {"median": statistics.median(goodput), "min": min(goodput), "max": max(goodput),
-                                "repeats": goodput},
-            **{key: _median([row[key] for row in mine]) for key in ("slo_attainment", "p50_s", "p99_s")},
+            "goodput_per_min": spread(goodput),
+            **{key: median_present([row[key] for row in mine]) for key in ("slo_attainment", "p50_s", "p99_s")},
             "tail": "p99" if all(row["tail"] == "p99" for row in mine) else "max",
             **{key: sum(row[key] for row in mine) for key in ("sent", "ok", "good", "refused", "errors",
                                                               "timed_out")},
         }
     return figures
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return statistics.median(present) if present else None
 
 
 #: Summary key -> the system ours' goodput is divided by.

@@ -8,6 +8,7 @@ import asyncio
 import copy
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -101,6 +102,26 @@ def diffusion_arguments(doc: str, *, steps: int, repeats: int,
 def ranges_overlap(a: Sequence[float], b: Sequence[float]) -> bool:
     """Whether the [min, max] ranges of two sets of repeats overlap: a ratio of their medians is then a tie."""
     return min(a) <= max(b) and min(b) <= max(a)
+
+
+def spread(repeats: Sequence[float]) -> dict[str, float | list[float]]:
+    """Median, min and max of a figure's repeats, and the repeats."""
+    return {"median": statistics.median(repeats), "min": min(repeats), "max": max(repeats), "repeats": list(repeats)}
+
+
+def median_present(values: Sequence[float | None]) -> float | None:
+    """The median of the values that are not None (None when none is)."""
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
+
+
+def tail(seconds: Sequence[float]) -> tuple[float | None, str]:
+    """The p99, or the max where there are fewer than 100 samples (``BENCHMARKING.md``), and which it is."""
+    if not len(seconds):
+        return None, "max"
+    if len(seconds) < 100:
+        return float(max(seconds)), "max"
+    return float(np.percentile(seconds, 99)), "p99"
 
 
 # -- HTTP load: closed and open (Poisson) loops ------------------------------------------------------------------
