@@ -292,14 +292,14 @@ def send(url: str, requests: list[HttpRequest], offsets: Sequence[float], timeou
     return asyncio.run(open_loop(url, Requests(requests), offsets, timeout_s=timeout_s, expect=IMAGE))
 
 
-def warm_up(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]], timeout_s: float) -> None:
+def warm_up(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]]) -> None:
     """Every model and kind (one image, the fewest steps of ``shapes``), two requests at once (so both replicas of
     a model see one), twice."""
     steps = min(steps for _, _, steps in shapes)
     requests = [http_request(shape_request((kind, 1, steps), f"m{k}", seed), args.size)
                 for k in range(args.models) for kind in sorted({kind for kind, _, _ in shapes}) for seed in range(2)]
     for _ in range(2):
-        out = send(url, requests, [0.0] * len(requests), timeout_s)
+        out = send(url, requests, [0.0] * len(requests), args.timeout_s)
         if out.counts()["ok"] != len(requests):
             raise RuntimeError(f"warm-up failed: statuses {Counter(out.statuses)}")
 
@@ -497,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     phase = time.monotonic()
                     with serving(system, configs, port, args):
                         deployed = time.monotonic()
-                        warm_up(url, args, shapes, args.timeout_s)
+                        warm_up(url, args, shapes)
                         unloaded = unloaded_latencies(url, args, shapes)
                         calibrated = time.monotonic()
                         out = send(url, requests, offsets, args.timeout_s)
