@@ -24,13 +24,14 @@ unpinned. The same prompt and seed in every row, guidance 7.5 (CFG on), rank-``-
   remote (the same, fetched from an emulated remote LoRA store at ``--lora-store-mb-per-s``, so it loads while the
   request denoises: ``summary.ratio_cold_lora_to_0c0l``; each run's ``applied_at_step`` is recorded and one that
   applied it at step 0 is flagged); 0c-1l warm (the LoRA cached and on the device, its
-  merged copy built during the warm-up); 1c-1l (the warm LoRA); 0c-0l with parallel CFG.
+  merged copy built during the warm-up); 1c-1l (the warm LoRA); 0c-0l with parallel CFG; Katz's 3c-2l (three
+  ControlNets, two warm LoRAs).
 - diffusers (``StableDiffusionPipeline``, ``StableDiffusionControlNetPipeline``): 0c-0l; 1c-0l; 0c-1l cold and
   cold remote (the same fetch time, then ``load_lora_weights`` + ``fuse_lora`` inside the request; unfused and
   unloaded untimed after it); 0c-1l warm and
   1c-1l each twice, the adapter kept loaded (``set_adapters``, unfused) and kept loaded fused once: the faster is
-  diffusers' warm. The LoRA state a case needs is set up untimed before it. Parallel CFG has no diffusers
-  counterpart: diffusers' 0c-0l stands beside it.
+  diffusers' warm; 3c-2l (``MultiControlNetModel``) the same way with both adapters. The LoRA state a case needs is
+  set up untimed before it. Parallel CFG has no diffusers counterpart: diffusers' 0c-0l stands beside it.
 
 Every case runs once to warm up, then ``--repeats`` rounds run them interleaved (round robin). Per case: median,
 min and max; per row: diffusers / swiftserve and whether the two ranges overlap (a tie). A failed request aborts
@@ -41,7 +42,12 @@ the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_d
 
 An SDXL preset (``--preset sdxl-shape``: SDXL 1.0 base's architecture) runs the same rows against
 ``StableDiffusionXLPipeline`` and ``StableDiffusionXLControlNetPipeline``; its results are
-``bench_diffusion_sdxl.{json,md}``, its summary keys prefixed ``sdxl_`` (issue 22).
+``bench_diffusion_sdxl.{json,md}``, its summary keys prefixed ``sdxl_`` (issue 22). Any other preset's are labelled
+with its name: ``--preset tiny --size 64 --steps 8`` is the overhead-bound row (Python overhead weighs as on a GPU),
+``bench_diffusion_tiny`` with ``tiny_ratio_0c0l`` and ``tiny_ratio_warm_lora`` (ours over diffusers' fastest).
+
+The three ControlNets are one model's weights under three names (``module_sharing_weights``): each costs its
+compute, not memory of its own.
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ from benchmarks.common import (
     conditioning_image,
     diffusion_arguments,
     evict_from_page_cache,
+    module_sharing_weights,
     sharing_weights,
     write_attention_lora,
 )
@@ -89,13 +96,20 @@ from serving.presets import DiffusionComponents, build_preset
 
 NAME = "bench_diffusion"
 OURS, THEIRS = "swiftserve", "diffusers"
-CONTROLNET, WARM, COLD = "cn0", "warm", "cold"  # diffusers' cold adapter; swiftserve's cold LoRAs are cold<i>
+#: The ControlNets served (Katz's 3c-2l row uses all three; the others the first): one model's weights under three
+#: names, so each costs its compute but no memory of its own.
+CONTROLNETS = ("cn0", "cn1", "cn2")
+WARM, WARM_2, COLD = "warm", "warm2", "cold"  # diffusers' cold adapter; swiftserve's cold LoRAs are cold<i>
 REMOTE = "remote"  # LoRA names read from the (emulated) remote store
 SCALE = 0.8  # every LoRA's strength
 DEVICE_1_THREADS = ("controlnet", "cfg-worker", "lora-load")  # name prefixes of the pool threads on device 1
 ENGINE_LOOP_THREAD = "diffusion-engine-loop"
 NATIVE = "native thread "  # how threads Python did not start are named in the device map
-GOALS = {"ratio_1c1l_to_0c0l": 1.10, "ratio_cfg_parallel": 0.65, "ratio_cold_lora_to_0c0l": 1.05}  # issue 19: <=
+#: Goals (<=): issue 19's three; issue 46's overhead bound, ours over diffusers' fastest on 0c-0l and a warm LoRA.
+GOALS = {"ratio_1c1l_to_0c0l": 1.10, "ratio_cfg_parallel": 0.65, "ratio_cold_lora_to_0c0l": 1.05,
+         "ratio_0c0l": 1.05, "ratio_warm_lora": 1.05}
+#: What a preset's result files and summary keys are labelled with (``bench_diffusion_<label>``, ``<label>_...``).
+LABELS = {"sd15-shape": "", "sdxl-shape": "sdxl"}
 
 #: One round, in order: each swiftserve row beside its diffusers counterpart; diffusers' adapter cases grouped, so
 #: its untimed LoRA set-up (a fused case unfuses after itself) changes as little as it can.
@@ -107,6 +121,7 @@ ROUND: tuple[tuple[str, str], ...] = (
     (OURS, "0c-1l warm"), (THEIRS, "0c-1l warm (adapter)"),
     (OURS, "1c-1l"), (THEIRS, "1c-1l (adapter)"),
     (THEIRS, "0c-1l warm (fused)"), (THEIRS, "1c-1l (fused)"),
+    (OURS, "3c-2l"), (THEIRS, "3c-2l (adapters)"), (THEIRS, "3c-2l (fused)"),
 )
 
 #: The table's rows: (row, swiftserve's case, diffusers' cases: the fastest by median is its figure).
@@ -117,6 +132,7 @@ COMPARISONS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("0c-1l cold remote", "0c-1l cold remote", ("0c-1l cold remote",)),
     ("0c-1l warm", "0c-1l warm", ("0c-1l warm (adapter)", "0c-1l warm (fused)")),
     ("1c-1l", "1c-1l", ("1c-1l (adapter)", "1c-1l (fused)")),
+    ("3c-2l", "3c-2l", ("3c-2l (adapters)", "3c-2l (fused)")),
     ("0c-0l parallel CFG", "0c-0l parallel CFG", ("0c-0l",)),
 )
 
@@ -128,6 +144,10 @@ SUMMARY: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
     "ratio_cold_local_lora_to_0c0l": ((OURS, "0c-1l cold"), (OURS, "0c-0l")),
     "diffusers_over_ours_1c1l": ((THEIRS, "1c-1l"), (OURS, "1c-1l")),
     "diffusers_ratio_1c1l_to_0c0l": ((THEIRS, "1c-1l"), (THEIRS, "0c-0l")),
+    "ratio_3c2l_to_0c0l": ((OURS, "3c-2l"), (OURS, "0c-0l")),
+    "diffusers_over_ours_3c2l": ((THEIRS, "3c-2l"), (OURS, "3c-2l")),
+    "ratio_0c0l": ((OURS, "0c-0l"), (THEIRS, "0c-0l")),
+    "ratio_warm_lora": ((OURS, "0c-1l warm"), (THEIRS, "0c-1l warm")),
 }
 
 
@@ -235,7 +255,9 @@ class Swiftserve:
     def __init__(self, preset: str, model: DiffusionComponents, device: torch.device, dtype: torch.dtype,
                  controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
         lora = LoRAConfig(load_workers=1)
-        controlnets = LocalControlNets({CONTROLNET: ControlNetRunner(controlnet, device, dtype)}, max_workers=1)
+        controlnets = LocalControlNets({name: ControlNetRunner(controlnet if index == 0 else
+                                                               module_sharing_weights(controlnet), device, dtype)
+                                        for index, name in enumerate(CONTROLNETS)}, max_workers=1)
         self.engine = DiffusionEngine(preset, model, device, dtype, merged_lora_bytes=lora.merged_cache_bytes,
                                       lora_merge_after=lora.merge_after_forwards, controlnets=controlnets)
         self.cfg_worker = LocalCFGWorker(DiffusionEngine(preset, sharing_weights(model), device, dtype))
@@ -253,19 +275,21 @@ class Swiftserve:
         self._images: list[bytes] = []  # the last request's
         self.cases = {
             "0c-0l": Case(self.generate),
-            "1c-0l": Case(lambda: self.generate(controlnet=True)),
-            "0c-1l cold": Case(lambda: self.generate(lora=self._cold), prepare=self._write_cold,
+            "1c-0l": Case(lambda: self.generate(controlnets=1)),
+            "0c-1l cold": Case(lambda: self.generate(loras=(self._cold,)), prepare=self._write_cold,
                                finish=self._distance_from_exact),
-            "0c-1l cold remote": Case(lambda: self.generate(lora=self._cold),
+            "0c-1l cold remote": Case(lambda: self.generate(loras=(self._cold,)),
                                       prepare=lambda: self._write_cold(REMOTE), finish=self._distance_from_exact),
-            "0c-1l warm": Case(lambda: self.generate(lora=WARM)),
-            "1c-1l": Case(lambda: self.generate(controlnet=True, lora=WARM)),
+            "0c-1l warm": Case(lambda: self.generate(loras=(WARM,))),
+            "1c-1l": Case(lambda: self.generate(controlnets=1, loras=(WARM,))),
             "0c-0l parallel CFG": Case(lambda: self.generate(parallel_cfg=True)),
+            "3c-2l": Case(lambda: self.generate(controlnets=3, loras=(WARM, WARM_2))),
         }
 
-    def generate(self, *, controlnet: bool = False, lora: str = "", parallel_cfg: bool = False) -> dict:
-        params = replace(self._params, loras=(LoRASpec(lora, SCALE),) if lora else (),
-                         controlnets=(ControlNetSpec(CONTROLNET, self._image, 1.0),) if controlnet else ())
+    def generate(self, *, controlnets: int = 0, loras: tuple[str, ...] = (), parallel_cfg: bool = False) -> dict:
+        params = replace(self._params, loras=tuple(LoRASpec(name, SCALE) for name in loras),
+                         controlnets=tuple(ControlNetSpec(name, self._image, 1.0)
+                                           for name in CONTROLNETS[:controlnets]))
         self.engine.cfg_worker = self.cfg_worker if parallel_cfg else None  # read each step; no request runs now
         try:
             result = self.loop.submit(params).result()
@@ -288,13 +312,14 @@ class Swiftserve:
         self._cold = f"{prefix}{next(self._fresh)}"  # a name never requested before: the cache must load it
         self._files.write(self._cold)
 
-    def settle_warm_lora(self) -> None:
-        """After the warm-up round (both warm-LoRA cases once), runs the warm LoRA until the engine has built its
-        merged copy (after ``merge_after_forwards`` forwards), so the timed runs see the steady state."""
-        forwards = 2 * self._params.num_inference_steps
-        while forwards <= self._merge_after:
-            self.generate(lora=WARM)
-            forwards += self._params.num_inference_steps
+    def settle_warm_loras(self) -> None:
+        """After the warm-up round (each warm-LoRA case once), runs each warm combination until the engine would
+        build its merged copy (after ``merge_after_forwards`` forwards), so the timed runs see the steady state."""
+        for loras, forwards in (((WARM,), 2 * self._params.num_inference_steps),
+                                ((WARM, WARM_2), self._params.num_inference_steps)):
+            while forwards <= self._merge_after:
+                self.generate(loras=loras)
+                forwards += self._params.num_inference_steps
 
     def close(self) -> None:
         self.loop.stop()
@@ -313,35 +338,42 @@ class Diffusers:
                  controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
         self.plain = components.as_pipeline().to(device=device, dtype=dtype)
         self.controlled = components.as_controlnet_pipeline([controlnet]).to(device=device, dtype=dtype)
-        for pipe in (self.plain, self.controlled):
+        self.controlled_3 = components.as_controlnet_pipeline(
+            [controlnet, *(module_sharing_weights(controlnet) for _ in CONTROLNETS[1:])]).to(device=device, dtype=dtype)
+        for pipe in (self.plain, self.controlled, self.controlled_3):
             pipe.set_progress_bar_config(disable=True)
         self._files, self._params, self._image = files, params, Image.fromarray(image)
-        self.state = "none"
+        self.state, self.loaded = "none", ()
         self.cases = {
-            "0c-0l": self._case(controlled=False, state="none"),
-            "1c-0l": self._case(controlled=True, state="none"),
+            "0c-0l": self._case(controlnets=0, state="none"),
+            "1c-0l": self._case(controlnets=1, state="none"),
             "0c-1l cold": Case(lambda: self._cold(COLD), prepare=lambda: self._prepare_cold(COLD),
                                finish=self.unfuse),
             "0c-1l cold remote": Case(lambda: self._cold(REMOTE), prepare=lambda: self._prepare_cold(REMOTE),
                                       finish=self.unfuse),
-            "0c-1l warm (adapter)": self._case(controlled=False, state="adapter"),
-            "1c-1l (adapter)": self._case(controlled=True, state="adapter"),
-            "0c-1l warm (fused)": self._case(controlled=False, state="fused"),
-            "1c-1l (fused)": self._case(controlled=True, state="fused"),
+            "0c-1l warm (adapter)": self._case(controlnets=0, state="adapter"),
+            "1c-1l (adapter)": self._case(controlnets=1, state="adapter"),
+            "0c-1l warm (fused)": self._case(controlnets=0, state="fused"),
+            "1c-1l (fused)": self._case(controlnets=1, state="fused"),
+            "3c-2l (adapters)": self._case(controlnets=3, state="adapters 2"),
+            "3c-2l (fused)": self._case(controlnets=3, state="fused 2"),
         }
 
-    def _case(self, *, controlled: bool, state: str) -> Case:
-        return Case(lambda: self.generate(controlled), prepare=lambda: self.set_lora(state),
-                    finish=self.unfuse if state == "fused" else lambda: None)
+    def _case(self, *, controlnets: int, state: str) -> Case:
+        return Case(lambda: self.generate(controlnets), prepare=lambda: self.set_lora(state),
+                    finish=self.unfuse if state.startswith("fused") else lambda: None)
 
     def unfuse(self) -> None:
         """Back to no LoRA from a fused one (unfused, unloaded), restoring the UNet's weights."""
         self.set_lora("none")
 
-    def generate(self, controlled: bool) -> dict:
+    def generate(self, controlnets: int) -> dict:
         p = self._params
-        extra = {"image": self._image, "controlnet_conditioning_scale": 1.0} if controlled else {}
-        (self.controlled if controlled else self.plain)(
+        pipe = {0: self.plain, 1: self.controlled, len(CONTROLNETS): self.controlled_3}[controlnets]
+        extra = ({"image": self._image, "controlnet_conditioning_scale": 1.0} if controlnets == 1 else
+                 {"image": [self._image] * controlnets, "controlnet_conditioning_scale": [1.0] * controlnets}
+                 if controlnets else {})
+        pipe(
             prompt=p.prompt, width=p.width, height=p.height, num_inference_steps=p.num_inference_steps,
             guidance_scale=p.guidance_scale, generator=torch.Generator().manual_seed(p.seed), output_type="np",
             **extra)
@@ -355,31 +387,37 @@ class Diffusers:
         self._files.fetch(name)
         self._load(name)
         self.plain.fuse_lora(lora_scale=SCALE, adapter_names=[name])
-        self.state = "cold"
-        return self.generate(controlled=False)
+        self.state, self.loaded = "cold", (name,)
+        return self.generate(controlnets=0)
 
     def _load(self, name: str) -> None:
         self.plain.load_lora_weights(str(self._files.directory), weight_name=f"{name}.safetensors", adapter_name=name,
                                      local_files_only=True)
 
     def set_lora(self, state: str) -> None:
-        """Brings the UNet (shared by both pipelines) to LoRA ``state``."""
+        """Brings the UNet (shared by every pipeline) to LoRA ``state``: its adapters (``LORA_STATES``) loaded,
+        active at ``SCALE``, and fused too for the ``fused`` states."""
         if state == self.state:
             return
-        if (self.state, state) == ("adapter", "fused"):
-            self.plain.fuse_lora(adapter_names=[WARM])
-            self.state = state
-            return
-        if self.state in ("fused", "cold"):
+        if self.state == "cold" or self.state.startswith("fused"):
             self.plain.unfuse_lora()
-        if self.state != "none":
-            self.plain.unload_lora_weights()
-        self.state = "none"
-        if state != "none":
-            self._load(WARM)
-            self.plain.set_adapters([WARM], [SCALE])
-            self.state = "adapter"
-            self.set_lora(state)
+        wanted = LORA_STATES[state]
+        if self.loaded != wanted:
+            if self.loaded:
+                self.plain.unload_lora_weights()
+            for name in wanted:
+                self._load(name)
+            self.loaded = wanted
+        if wanted:
+            self.plain.set_adapters(list(wanted), [SCALE] * len(wanted))
+            if state.startswith("fused"):
+                self.plain.fuse_lora(adapter_names=list(wanted))
+        self.state = state
+
+
+#: diffusers' LoRA states: the adapters each keeps loaded.
+LORA_STATES = {"none": (), "adapter": (WARM,), "fused": (WARM,), "adapters 2": (WARM, WARM_2),
+               "fused 2": (WARM, WARM_2)}
 
 
 def _pixels(png: bytes) -> np.ndarray:
@@ -415,6 +453,7 @@ def _options(parser: argparse.ArgumentParser) -> None:
 
 def main() -> None:
     args, params = diffusion_arguments(__doc__, steps=4, repeats=5, options=_options)
+    label = LABELS.get(args.preset, args.preset.replace("-", "_"))
     diffusers_logging.set_verbosity_error()  # not a warning per LoRA load that the file has no text-encoder part
     device = resolve_device("auto")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -425,8 +464,8 @@ def main() -> None:
         model = build_preset(args.preset)
         files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.denoiser, model.text_encoder, model.text_encoder_2),
                           args.rank, args.lora_store_mb_per_s * 2**20)
-        family = model.family
         lora_bytes = files.write(WARM)
+        files.write(WARM_2)
         files.write(COLD)
         files.write(REMOTE)
         vanilla = Diffusers(sharing_weights(model), device, dtype, controlnet, files, params, image)
@@ -437,10 +476,11 @@ def main() -> None:
               f"{args.rank} LoRAs ({lora_bytes / 2**20:.1f} MiB), {device} {str(dtype).removeprefix('torch.')}, "
               f"{torch.get_num_threads()} torch thread(s) per thread", flush=True)
         try:
-            ours.cache.get(WARM).result()  # the warm LoRA in the cache
+            for name in (WARM, WARM_2):  # the warm LoRAs in the cache
+                ours.cache.get(name).result()
             for case in cases.values():  # warm-up: every case once (and each pool starts its thread)
                 run_case(case)
-            ours.settle_warm_lora()
+            ours.settle_warm_loras()
             devices.place()
             after_warmup = devices.snapshot()
             devices.check(after_warmup)
@@ -495,18 +535,19 @@ def main() -> None:
         "rows": [{"system": system, "case": case, **stats[(system, case)], "repeats": runs[(system, case)]}
                  for system, case in ROUND],
         "comparisons": comparisons,
-        "summary": _prefixed(family, ratios),
-        "summary_ranges_overlap": _prefixed(family, ties),
-        "goals": _prefixed(family, {key: f"<= {goal}" for key, goal in GOALS.items()}),
+        "summary": _prefixed(label, ratios),
+        "summary_ranges_overlap": _prefixed(label, ties),
+        "goals": _prefixed(label, {key: f"<= {goal}" for key, goal in GOALS.items()}),
     }
     table = _table(args, device, payload, stats, applied_cold)
     print(table)
-    write_results(NAME if family == "sd" else f"{NAME}_{family}", payload, table, args.out)
+    write_results(f"{NAME}_{label}" if label else NAME, payload, table, args.out)
 
 
-def _prefixed(family: str, values: dict) -> dict:
-    """An SD model's summary keys as issue 19 names them; another family's prefixed with it (``sdxl_...``)."""
-    return values if family == "sd" else {f"{family}_{key}": value for key, value in values.items()}
+def _prefixed(label: str, values: dict) -> dict:
+    """The SD 1.5 shape's summary keys as issue 19 names them; another preset's prefixed with its label
+    (``sdxl_...``, ``tiny_...``)."""
+    return {f"{label}_{key}" if label else key: value for key, value in values.items()}
 
 
 def _range(stats: dict) -> str:
@@ -537,7 +578,7 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
             f"{_range(stats[(THEIRS, row['diffusers_case'])])} | {row['diffusers_case']} | "
             f"{row['diffusers_over_swiftserve']:.2f}x | {'tie' if row['ranges_overlap'] else 'no'} | "
             f"{row['swiftserve_over_its_0c0l']:.2f}x |")
-    lines += ["", "| summary (issue 19) | value | goal | tie (ranges overlap) |", "|---|---|---|---|"]
+    lines += ["", "| summary (goals: issues 19 and 46) | value | goal | tie (ranges overlap) |", "|---|---|---|---|"]
     for key, value in payload["summary"].items():
         lines.append(f"| `{key}` | {value:.3f} | {payload['goals'].get(key, '')} | "
                      f"{'tie' if payload['summary_ranges_overlap'][key] else 'no'} |")

@@ -1,7 +1,7 @@
 """LoRA serving overhead: vanilla diffusers (load + fuse per request) against swiftserve's engine.
 
-In one run, on the ``sd15-shape`` preset (Stable Diffusion 1.5 architecture), at 256x256 with a few
-steps and a LoRA the size of a real one (rank 64 on every attention projection):
+In one run, on the ``sd15-shape`` preset (Stable Diffusion 1.5 architecture; ``--preset`` another), at 256x256 with
+a few steps and a LoRA the size of a real one (rank 64 on every attention projection):
 
 - diffusers, no LoRA                       the pipeline alone
 - diffusers, LoRA per request              load_lora_weights + fuse_lora, generate, unfuse + unload
@@ -14,11 +14,12 @@ and prints each latency with the latency added over the same side's no-LoRA run.
 
 Cases run interleaved (round robin) and medians are reported: this machine's timings drift.
 
-    .venv/bin/python -m benchmarks.bench_lora [--steps 6] [--size 256] [--repeats 5]
+    .venv/bin/python -m benchmarks.bench_lora [--steps 6] [--size 256] [--repeats 5] [--preset sd15-shape] [--out DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import tempfile
@@ -29,17 +30,18 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import diffusion_arguments, write_attention_lora
-from benchmarks.records import machine, provenance, summary, timed, write_results
+from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
 from serving.config import EngineConfig
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, GenerationResult, LoRASpec
 from serving.lora.cache import LoRACache
 from serving.lora.format import LoRATargets
 from serving.lora.registry import LoRARegistry
+from serving.preset_catalog import PRESET_NAMES
 from serving.presets import build_preset
 
 
-def diffusers_cases(params: GenerationParams, lora_path: Path) -> dict[str, Callable[[], None]]:
-    pipe = build_preset("sd15-shape").as_pipeline()
+def diffusers_cases(preset: str, params: GenerationParams, lora_path: Path) -> dict[str, Callable[[], None]]:
+    pipe = build_preset(preset).as_pipeline()
     pipe.set_progress_bar_config(disable=True)
 
     def generate() -> None:
@@ -60,9 +62,9 @@ def diffusers_cases(params: GenerationParams, lora_path: Path) -> dict[str, Call
 class SwiftserveCases:
     """The serving path (engine loop + LoRA cache) with a LoRA directory of its own."""
 
-    def __init__(self, params: GenerationParams, lora_path: Path) -> None:
+    def __init__(self, preset: str, params: GenerationParams, lora_path: Path) -> None:
         self.params, self.lora_path = params, lora_path
-        engine = DiffusionEngine("sd15-shape", build_preset("sd15-shape"), torch.device("cpu"))
+        engine = DiffusionEngine(preset, build_preset(preset), torch.device("cpu"))
         self.cache = LoRACache(LoRARegistry(lora_path.parent), engine.lora_targets, budget_bytes=2**31,
                                max_file_bytes=2**31)
         self.loop = EngineLoop(engine, EngineConfig(), self.cache)
@@ -94,19 +96,19 @@ class SwiftserveCases:
 
 
 def main() -> None:
-    args, params = diffusion_arguments(__doc__, steps=6, repeats=5)
+    args, params = diffusion_arguments(__doc__, steps=6, repeats=5, options=_options)
     source = provenance()  # before this run writes its results into the tree
 
     with tempfile.TemporaryDirectory() as tmp:
         lora_path = Path(tmp) / "style.safetensors"
-        components = build_preset("sd15-shape")
+        components = build_preset(args.preset)
         file_bytes = write_attention_lora(lora_path, LoRATargets.from_modules(components.denoiser,
                                                                              components.text_encoder), args.rank)
         del components
         print(f"LoRA file: rank {args.rank}, {file_bytes / 2**20:.1f} MiB; {args.size}x{args.size}, "
               f"{args.steps} steps, CFG; {torch.get_num_threads()} torch threads", flush=True)
-        ours = SwiftserveCases(params, lora_path)
-        cases = {("diffusers", name): run for name, run in diffusers_cases(params, lora_path).items()}
+        ours = SwiftserveCases(args.preset, params, lora_path)
+        cases = {("diffusers", name): run for name, run in diffusers_cases(args.preset, params, lora_path).items()}
         cases |= {("swiftserve", name): run for name, run in ours.cases().items()}
         try:
             for (_, case), run in cases.items():  # warm-up, one per system
@@ -123,14 +125,15 @@ def main() -> None:
 
     rows = [(system, case, runs, seconds[(system, "no LoRA")]) for (system, case), runs in seconds.items()]
     lines = [
-        f"# LoRA overhead: sd15-shape, {args.size}x{args.size}, {args.steps} steps, rank-{args.rank} LoRA "
+        f"# LoRA overhead: {args.preset}, {args.size}x{args.size}, {args.steps} steps, rank-{args.rank} LoRA "
         f"({file_bytes / 2**20:.0f} MiB), {machine()['device']}, {torch.get_num_threads()} threads",
         "",
         "| system | case | median latency (s) | added over its no-LoRA median |",
         "|---|---|---|---|",
     ]
     added_by_case: dict[str, float] = {}
-    payload: dict[str, object] = {**source, "machine": machine(), "args": vars(args), "summary": added_by_case,
+    payload: dict[str, object] = {**source, "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+                                  "summary": added_by_case,
                                   "lora_file_bytes": file_bytes, "swiftserve_lora_reports": ours.reports,
                                   "cases": []}
     for system, case, runs, baseline in rows:
@@ -145,7 +148,12 @@ def main() -> None:
               f"Commit `{source['commit']}`, {source['date']}: `{source['command']}`."]
     table = "\n".join(lines)
     print(table)
-    write_results("bench_lora", payload, table)
+    write_results("bench_lora", payload, table, args.out)
+
+
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="sd15-shape", choices=PRESET_NAMES, help="model preset (tiny: a smoke run)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
 
 
 def summary_key(system: str, case: str) -> str:

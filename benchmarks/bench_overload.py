@@ -12,7 +12,7 @@ their capacity for minutes, against the same apps at capacity, in one run.
 Prints, per app, admitted p50/p99 under overload over p50/p99 at capacity (the ratio), refusal latency, how late
 the client sent (a late client, not the app, would be what saturated), and each process's RSS at the start and end
 of the soak with its slope; writes
-``benchmarks/results/bench_overload_<apps>.{json,md,png}`` (the PNG: RSS curves over the soak).
+``<--out>/bench_overload_<apps>.{json,md,png}`` (``benchmarks/results`` by default) (the PNG: RSS curves over the soak).
 
     .venv/bin/python -m benchmarks.bench_overload [--minutes 10] [--overload 3] [--apps diffusion] [--dlrm-rows 512]
 
@@ -133,6 +133,7 @@ def main() -> None:
     parser.add_argument("--dlrm-rows", type=int, default=512,
                         help="rows of each DLRM request: enough that the app, not the client, saturates first")
     parser.add_argument("--cpus", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
     args = parser.parse_args()
     source = provenance()  # before this run writes its results into the tree
 
@@ -180,7 +181,8 @@ def main() -> None:
 
     memory = sampler.curves()
     stem = "bench_overload_" + "_".join(apps)
-    plot(sampler, RESULTS / f"{stem}.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(sampler, args.out / f"{stem}.png")
     lines = [f"# Overload soak: `make serve`'s apps at {args.overload:g}x capacity for {args.minutes:g} min "
              f"({machine()['device']}, {args.cpus} CPUs)", "",
              "| app | offered/s | ok/s | refused 503 (with Retry-After) | other | refusal p99 ms | "
@@ -204,8 +206,9 @@ def main() -> None:
               f"Commit `{source['commit']}`, {source['date']}: `{source['command']}`."]
     table = "\n".join(lines)
     print(table)
-    write_results(stem, {**source, "machine": machine(), "args": vars(args), "summary": summary, "apps": results,
-                         "rss": memory, "samples": sampler.samples}, table)
+    write_results(stem, {**source, "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+                         "summary": summary, "apps": results, "rss": memory, "samples": sampler.samples},
+                  table, args.out)
 
 
 def overload_summary(results: dict[str, dict], memory: dict[str, dict]) -> dict[str, float]:

@@ -64,13 +64,19 @@ def sharing_weights(components: DiffusionComponents) -> DiffusionComponents:
     memory; an in-place write to a weight (diffusers' ``fuse_lora``) shows in both. Tokenizers are shared, the
     scheduler (which diffusers' pipelines set per call) is copied."""
     memo: dict[int, object] = {}
-    for module in components.modules().values():
-        for parameter in module.parameters():
-            memo[id(parameter)] = torch.nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad)
-        for buffer in module.buffers():
-            memo[id(buffer)] = buffer
-    modules = {name: copy.deepcopy(module, memo) for name, module in components.modules().items()}
+    modules = {name: module_sharing_weights(module, memo) for name, module in components.modules().items()}
     return dataclasses.replace(components, **modules, scheduler=copy.deepcopy(components.scheduler))
+
+
+def module_sharing_weights(module: torch.nn.Module, memo: dict[int, object] | None = None) -> torch.nn.Module:
+    """A copy of ``module`` over the same weight storage (parameters and buffers), as ``sharing_weights`` makes of
+    each component; ``memo`` is shared across the modules of one model."""
+    memo = {} if memo is None else memo
+    for parameter in module.parameters():
+        memo.setdefault(id(parameter), torch.nn.Parameter(parameter.detach(), requires_grad=parameter.requires_grad))
+    for buffer in module.buffers():
+        memo.setdefault(id(buffer), buffer)
+    return copy.deepcopy(module, memo)
 
 
 def conditioning_image(size: int, index: int) -> np.ndarray:

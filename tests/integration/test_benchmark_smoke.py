@@ -14,15 +14,16 @@ def test_the_tiny_run_times_every_case_and_measures_how_far_a_cold_lora_image_is
                            "--lora-store-mb-per-s", "0.01"],  # a remote fetch of seconds: the LoRA comes late
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    payload = json.loads((tmp_path / "bench_diffusion.json").read_text())
+    payload = json.loads((tmp_path / "bench_diffusion_tiny.json").read_text())
     assert payload["errors"] == 0
     diffs = payload["cold_lora_mean_abs_pixel_diff"]
     assert set(diffs) == {"0c-1l cold", "0c-1l cold remote"}
     assert all(len(runs) == 1 for runs in diffs.values())
     assert 0 < diffs["0c-1l cold remote"][0] < 255  # its first steps ran without the LoRA
     assert 0 <= diffs["0c-1l cold"][0] < 255  # from the local disk it may be ready before the first step
-    assert {"ratio_1c1l_to_0c0l", "ratio_cold_lora_to_0c0l", "ratio_cfg_parallel"} <= set(payload["summary"])
-    assert "differs from the exact one" in (tmp_path / "bench_diffusion.md").read_text()
+    assert {"tiny_ratio_1c1l_to_0c0l", "tiny_ratio_3c2l_to_0c0l", "tiny_ratio_0c0l", "tiny_ratio_warm_lora"} <= set(
+        payload["summary"])
+    assert "differs from the exact one" in (tmp_path / "bench_diffusion_tiny.md").read_text()
 
 
 def test_a_short_trace_replays_through_every_system_in_process_and_writes_its_summary(tmp_path):
