@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 SERVE_CONFIG ?= deploy/serve_config.yaml
 # `make test`: unit tests in this many processes (pytest-xdist; none starts Ray), then the integration tests in one
-# (they share one Ray cluster)
+# (they share one Ray cluster), then the benchmark scripts' smoke runs (one at a time)
 TEST_WORKERS ?= 2
 
 # `make loadtest`: headless Locust against $(HOST); reports under $(LOADTEST_OUT); extra options in LOADTEST_ARGS
@@ -41,6 +41,7 @@ test: install
 	$(BIN)/ruff check .
 	$(BIN)/pytest tests/unit -n $(TEST_WORKERS)
 	$(BIN)/pytest tests/integration
+	$(BIN)/pytest tests/smoke
 
 lint: install
 	$(BIN)/ruff check .

@@ -24,7 +24,7 @@ the floor under a searcher that knew the model's surface exactly; for the models
 (``--second-bank``), the trials to one profile's optimum in the order of the other (``same_model_*``), the floor
 under what learning from other models can reach; and the trials in the one fixed order best in hindsight (the
 configurations by how many of the bank's optima they are), the floor under any ranking that ignores the trials.
-Writes results/bench_autoconfig.{json,md,png}.
+Writes ``<--out>/bench_autoconfig.{json,md,png}`` (``benchmarks/results`` by default).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import argparse
 import json
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -204,6 +205,7 @@ def main() -> None:
                         help="second profiles of some of the bank's models (skipped when the folder is missing)")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--tolerance", type=float, default=0.05)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
     args = parser.parse_args()
     source = provenance()  # before this run writes its own results into the tree
     console = Console()
@@ -302,7 +304,8 @@ def main() -> None:
     ]
     table = "\n".join(lines)
     console.print(table)
-    plot = plot_progress(result, RESULTS / "bench_autoconfig.png", trials=40)
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot = plot_progress(result, args.out / "bench_autoconfig.png", trials=40)
     payload = {**source, "summary": goals, "bank": args.bank, "second_bank": args.second_bank,
                "reproducibility": repro, "seeds": args.seeds,
                "tolerance": args.tolerance, "models": facts,
@@ -312,9 +315,9 @@ def main() -> None:
                "per_run": {name: {"trials_to_within": report.trials_to_within.tolist(),
                                   "trials_to_optimum": report.trials_to_optimum.tolist()}
                            for name, report in result.searchers.items()}}
-    (RESULTS / "bench_autoconfig.md").write_text(table + "\n")
-    (RESULTS / "bench_autoconfig.json").write_text(json.dumps(payload, indent=2) + "\n")
-    console.print(f"wrote {RESULTS / 'bench_autoconfig.md'}, .json and {plot}")
+    (args.out / "bench_autoconfig.md").write_text(table + "\n")
+    (args.out / "bench_autoconfig.json").write_text(json.dumps(payload, indent=2) + "\n")
+    console.print(f"wrote {args.out / 'bench_autoconfig.md'}, .json and {plot}")
 
 
 if __name__ == "__main__":

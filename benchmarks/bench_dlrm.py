@@ -20,7 +20,7 @@ Ray cluster on this machine, requests sent through the ingress handles (``infer`
 - ``quality``: AUC of the trained tiny model on held-out click logs with tables stored float16 / int8 and rows
   sent float16 / bfloat16, against float32 (in-process, the same code the shards and dense replicas run).
 
-Writes ``benchmarks/results/bench_dlrm.{json,md}``.
+Writes ``<--out>/bench_dlrm.{json,md}`` (``benchmarks/results`` by default).
 
     .venv/bin/python -m benchmarks.bench_dlrm [--preset criteo-kaggle] [--sections same_cores scale_out ...]
 """
@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -572,6 +573,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--quality-rows", type=int, default=65536)
     parser.add_argument("--requests", type=int, default=64, help="distinct generated requests per batch size")
     parser.add_argument("--object-store-gib", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=RESULTS,
+                        help="directory of the result files (sections not rerun are carried over from there)")
     return parser
 
 
@@ -611,20 +614,19 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    carried = carry_over(results)
+    carried = carry_over(results, args.out / "bench_dlrm.json")
     table, summary = report(args, results)
     if carried:
         table += "\n" + "Sections not rerun, carried over from earlier runs: " + ", ".join(
             f"{section} (commit {commit[:10]})" for section, commit in carried.items()) + "\n"
     print(table)
-    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": vars(args), "summary": summary,
-                                 "rows": results, "carried_over": carried}, table)
+    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+                                 "summary": summary, "rows": results, "carried_over": carried}, table, args.out)
 
 
-def carry_over(results: dict[str, Any]) -> dict[str, str]:
-    """Adds to ``results`` the sections of the committed results this run did not measure; their commits by
+def carry_over(results: dict[str, Any], path: Path) -> dict[str, str]:
+    """Adds to ``results`` the sections of the results at ``path`` this run did not measure; their commits by
     section (the commit that measured each)."""
-    path = RESULTS / "bench_dlrm.json"
     if not path.exists():
         return {}
     previous = json.loads(path.read_text())

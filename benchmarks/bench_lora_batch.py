@@ -10,7 +10,8 @@ each LoRA rank (8 and 64; PEFT files on every attention projection, loaded as th
 - none, hooked         no row has a LoRA, on the engine the LoRA cases run on (its LoRA modules are hooked, as in
                        an engine that has served LoRAs)
 - mixed                each row its own LoRA: the unmerged path (the rows' factors stacked, two batched matmuls)
-- merged               every row the same LoRA, from its merged weight copy (built and checked before timing)
+- merged               every row the same LoRA, from its merged weight copy (built and checked before timing; the
+                       merged cache sized to hold every rank's whole)
 - same, unmerged       every row the same LoRA on an engine with the merged cache off (a reference)
 
 A warm-up round runs every case, then the cases run interleaved (round robin), so each case's first step follows
@@ -142,9 +143,12 @@ def main() -> None:
     device = resolve_device(args.device)
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     # Timed forwards take the same path whatever ``merge_after`` is; 0 builds each merged copy in its first forward.
+    # The merged cache holds every rank's merged case whole: a copy of the whole denoiser per rank bounds them
+    # (``auto``, the server's default, sizes it for one LoRA combination at a time).
     components = build_preset(args.preset)
+    denoiser_bytes = sum(weight.numel() * weight.element_size() for weight in components.denoiser.parameters())
     engine = DiffusionEngine(args.preset, components, device, dtype,
-                             merged_lora_bytes=LoRAConfig().merged_cache_bytes, lora_merge_after=0)
+                             merged_lora_bytes=len(args.ranks) * denoiser_bytes, lora_merge_after=0)
     reference = DiffusionEngine(args.preset, build_preset(args.preset), device, dtype, merged_lora_bytes=0)
     bare = DiffusionEngine(args.preset, sharing_weights(components), device, dtype)  # never sees a LoRA
     if args.size % engine.info.size_multiple:
@@ -216,8 +220,7 @@ def check_merged(engine: DiffusionEngine, expected: int, when: str) -> None:
     held = merged_copy_bytes(engine)
     if held != expected:
         raise SystemExit(f"merged copies hold {held} bytes {when}, {expected} expected: the merged cache "
-                         f"({engine._denoiser_loras.merged_budget_bytes} bytes, lora.merged_cache_bytes "
-                         f"{LoRAConfig().merged_cache_bytes}) does not keep every merged case whole")
+                         f"({engine._denoiser_loras.merged_budget_bytes} bytes) does not keep every merged case whole")
 
 
 def markdown(payload: dict, rows: list[dict]) -> str:

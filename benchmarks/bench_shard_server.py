@@ -34,13 +34,14 @@ import multiprocessing
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import grpc
 import psutil
 import torch
 
-from benchmarks.records import machine, provenance, write_results
+from benchmarks.records import RESULTS, machine, provenance, write_results
 from disagg.config import EmbeddingServiceConfig
 from disagg.lookup import RemoteEmbeddings
 from disagg.model_source import PresetSource
@@ -315,6 +316,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=32, help="distinct lookups per batch size")
     parser.add_argument("--work-calls", type=int, default=300, help="calls timed for the tensor work")
     parser.add_argument("--name", default="bench_shard_server", help="results file name")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
     return parser
 
 
@@ -324,8 +326,8 @@ def main() -> None:
     results = measure(args)
     table, summary = report(args, results)
     print(table)
-    write_results(args.name, {**provenance(), "machine": machine(), "args": vars(args), "summary": summary,
-                              "rows": results}, table)
+    write_results(args.name, {**provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+                              "summary": summary, "rows": results}, table, args.out)
 
 
 if __name__ == "__main__":

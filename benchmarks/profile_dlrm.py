@@ -1,5 +1,5 @@
 """Where a DLRM replica's CPU goes under load: py-spy samples every replica process of each system while callers
-keep it busy, and the flame summaries land in ``benchmarks/results/profiles/``.
+keep it busy, and the flame summaries land in ``--out`` (``benchmarks/results/profiles/`` by default).
 
 Each system (``--systems``: ``bench_dlrm``'s same-cores systems) is deployed as ``bench_dlrm`` deploys it, driven by
 ``--clients`` callers at ``--batch`` rows for ``--seconds``, while ``py-spy record`` samples each of its replica
@@ -99,7 +99,7 @@ def profile_system(name: str, args: argparse.Namespace, batches: list, port: int
     processes = bench_dlrm.app_processes(app)
     recorders, outputs = {}, {}
     for title, process in processes.items():
-        path = PROFILES / f"{args.label}-{name}-{title.split('#')[0]}.txt"
+        path = args.out / f"{args.label}-{name}-{title.split('#')[0]}.txt"
         outputs[title] = path
         recorders[title] = subprocess.Popen(
             [args.py_spy, "record", "--pid", str(process.pid), "--rate", str(args.rate), "--duration",
@@ -148,13 +148,14 @@ def arguments() -> argparse.ArgumentParser:
                         "py-spy counts as running while they wait in native code")
     parser.add_argument("--top", type=int, default=30, help="frames listed per process")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"))
-    parser.set_defaults(seconds=15.0, systems=["monolithic", "disagg_fp32"])  # --systems: bench_dlrm's
+    # --systems, --out: bench_dlrm's (the profiles go to --out)
+    parser.set_defaults(seconds=15.0, systems=["monolithic", "disagg_fp32"], out=PROFILES)
     return parser
 
 
 def main() -> None:
     args = arguments().parse_args()
-    PROFILES.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     generator = SyntheticRequests(preset_spec(args.preset), seed=args.batch)
     batches = [dict(zip(("dense", "sparse"), generator.batch(args.batch), strict=True)) for _ in range(args.requests)]
     torch.set_num_threads(1)
@@ -171,7 +172,7 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     text = summary(args.label, measured, args.top, args.gil)
-    (PROFILES / f"{args.label}.md").write_text(text + "\n")
+    (args.out / f"{args.label}.md").write_text(text + "\n")
     print(text)
 
 

@@ -18,16 +18,16 @@ def _scaled(gib: float, rate: float) -> dict:
             "threads": 1}
 
 
-def test_sections_carried_over_are_reported_at_the_sizes_they_measured(tmp_path, monkeypatch):
+def test_sections_carried_over_are_reported_at_the_sizes_they_measured(tmp_path):
     committed = {"commit": "abc1234", "rows": {
         "same_cores": {"monolithic": {32: _row(1000.0)}, "disagg_fp32": {32: _row(800.0)}},
         "scale_out": {name: {1: _scaled(1.0, 100.0), 2: _scaled(gib, 180.0)}
                       for name, gib in (("monolithic", 2.0), ("disaggregated", 1.0), ("disaggregated_int8", 0.5))},
     }}
     (tmp_path / "bench_dlrm.json").write_text(json.dumps(committed))  # JSON makes the sizes strings
-    monkeypatch.setattr(bench_dlrm, "RESULTS", tmp_path)
     results: dict = {}
-    assert bench_dlrm.carry_over(results) == {"same_cores": "abc1234", "scale_out": "abc1234"}
+    assert bench_dlrm.carry_over(results, tmp_path / "bench_dlrm.json") == {"same_cores": "abc1234",
+                                                                            "scale_out": "abc1234"}
     assert list(results["scale_out"]["monolithic"]) == [1, 2]
     # This run's arguments name other sizes than the carried sections measured.
     table, summary = bench_dlrm.report(bench_dlrm.arguments().parse_args(["--batches", "256", "--replicas", "4"]),

@@ -2,7 +2,7 @@
 self at the leaf, with site-packages and repository paths cut to their tails."""
 
 from benchmarks.profile_dlrm import arguments, frame_totals
-from benchmarks.records import REPO
+from benchmarks.records import REPO, RESULTS
 
 RUN = "run (/x/lib/python3.11/site-packages/ray/serve/replica.py:10)"
 COLLAPSED = f"""\
@@ -28,3 +28,4 @@ def test_options_are_bench_dlrms_with_the_profilers_own_defaults():
     assert (args.label, args.systems, args.batch) == ("after", ["disagg_fp32_1x1"], 256)
     defaults = arguments().parse_args(["--label", "before"])
     assert defaults.systems == ["monolithic", "disagg_fp32"] and defaults.seconds == 15.0
+    assert defaults.out == RESULTS / "profiles"
