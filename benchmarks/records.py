@@ -38,14 +38,15 @@ def machine() -> dict[str, object]:
     }
 
 
-def provenance() -> dict[str, str]:
-    """``commit`` (``-dirty`` when the tree has changes), ``date`` (UTC) and the ``command`` that ran."""
+def provenance(repo: Path = REPO) -> dict[str, str]:
+    """``commit`` (``-dirty`` when the tree has changes other than results: a run after another in the same tree
+    measures the same code), ``date`` (UTC) and the ``command`` that ran."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "HEAD") or "unknown"
-    if git("status", "--porcelain"):
+    if git("status", "--porcelain", "--", ".", f":(exclude){RESULTS.relative_to(REPO)}"):
         commit += "-dirty"
     script = Path(sys.argv[0]).resolve()
     module = ".".join(script.relative_to(REPO).with_suffix("").parts) if script.is_relative_to(REPO) else str(script)

@@ -18,7 +18,7 @@ def test_bench_dlrm_measures_the_same_cores_section_for_both_layouts_through_ray
     assert set(rows) == {"monolithic", "disagg_fp32"}
     for system in rows.values():
         point = system["32"]
-        assert point["rows_per_s"][0] > 0 and point["errors"] == [0]
+        assert point["rows_per_s"][0] > 0 and not any(point["errors"])  # errors by kind, per run
     assert payload["carried_over"] == {}  # a fresh results directory: nothing to carry over
     assert {"throughput_ratio_same_cores", "p50_ratio_same_cores"} <= set(payload["summary"])
 
