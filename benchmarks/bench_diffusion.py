@@ -523,7 +523,7 @@ def main() -> None:
         **provenance(),
         "machine": machine(),
         "device_map": devices.device_map(after_warmup, at_end),
-        "args": {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()},
+        "args": vars(args),
         "request": {"prompt": params.prompt, "size": args.size, "steps": args.steps,
                     "guidance_scale": params.guidance_scale, "seed": params.seed, "lora_scale": SCALE},
         "lora_file_bytes": lora_bytes,

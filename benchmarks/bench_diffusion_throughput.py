@@ -334,7 +334,7 @@ def main() -> None:
     figures = aggregate(rows)
     summary, ties = summarize(figures)
     payload = {
-        **provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+        **provenance(), "machine": machine(), "args": vars(args),
         "device_map": {system.name: system.device_map for system in contenders},
         "systems": {system.name: system.description for system in contenders},
         "rate_per_s": rate, "rate_source": "--rate" if args.rate is not None else

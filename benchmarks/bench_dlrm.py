@@ -620,7 +620,7 @@ def main() -> None:
         table += "\n" + "Sections not rerun, carried over from earlier runs: " + ", ".join(
             f"{section} (commit {commit[:10]})" for section, commit in carried.items()) + "\n"
     print(table)
-    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+    write_results("bench_dlrm", {**provenance(), "machine": machine(), "args": vars(args),
                                  "summary": summary, "rows": results, "carried_over": carried}, table, args.out)
 
 

@@ -132,7 +132,7 @@ def main() -> None:
         "|---|---|---|---|",
     ]
     added_by_case: dict[str, float] = {}
-    payload: dict[str, object] = {**source, "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+    payload: dict[str, object] = {**source, "machine": machine(), "args": vars(args),
                                   "summary": added_by_case,
                                   "lora_file_bytes": file_bytes, "swiftserve_lora_reports": ours.reports,
                                   "cases": []}

@@ -146,7 +146,7 @@ def main() -> None:
     # The merged cache holds every rank's merged case whole: a copy of the whole denoiser per rank bounds them
     # (``auto``, the server's default, sizes it for one LoRA combination at a time).
     components = build_preset(args.preset)
-    denoiser_bytes = sum(weight.numel() * weight.element_size() for weight in components.denoiser.parameters())
+    denoiser_bytes = sum(weight.nbytes for weight in components.denoiser.parameters())
     engine = DiffusionEngine(args.preset, components, device, dtype,
                              merged_lora_bytes=len(args.ranks) * denoiser_bytes, lora_merge_after=0)
     reference = DiffusionEngine(args.preset, build_preset(args.preset), device, dtype, merged_lora_bytes=0)

@@ -206,7 +206,7 @@ def main() -> None:
               f"Commit `{source['commit']}`, {source['date']}: `{source['command']}`."]
     table = "\n".join(lines)
     print(table)
-    write_results(stem, {**source, "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+    write_results(stem, {**source, "machine": machine(), "args": vars(args),
                          "summary": summary, "apps": results, "rss": memory, "samples": sampler.samples},
                   table, args.out)
 

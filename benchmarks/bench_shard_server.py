@@ -326,7 +326,7 @@ def main() -> None:
     results = measure(args)
     table, summary = report(args, results)
     print(table)
-    write_results(args.name, {**provenance(), "machine": machine(), "args": {**vars(args), "out": str(args.out)},
+    write_results(args.name, {**provenance(), "machine": machine(), "args": vars(args),
                               "summary": summary, "rows": results}, table, args.out)
 
 

@@ -397,7 +397,7 @@ def main() -> None:
     payload = {
         **provenance(), "machine": machine(), "placement": placement,
         "device_map": {"engine (loop, stage thread, clients)": [[args.core]] if placement != "unpinned" else None},
-        "args": {**vars(args), "out": str(args.out)},
+        "args": vars(args),
         "arms": {arm.name: arm.description for arm in contenders},
         "approx_fit_s": fit_s, "duration_s": time.monotonic() - started,
         "warm_up": warm_up, "rows": rows, "figures": figures,

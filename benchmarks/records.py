@@ -72,8 +72,15 @@ def summary(seconds: list[float]) -> dict[str, float]:
 
 
 def write_results(name: str, payload: dict, table: str, directory: Path = RESULTS) -> None:
-    """``<directory>/<name>.json`` (everything) and ``<name>.md`` (the table people read); ``results/`` by
-    default."""
+    """``<directory>/<name>.json`` (everything; paths, such as a script's arguments, as strings) and ``<name>.md``
+    (the table people read); ``results/`` by default."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (directory / f"{name}.json").write_text(json.dumps(payload, indent=2, default=_path_as_text) + "\n")
     (directory / f"{name}.md").write_text(table + "\n")
+
+
+def _path_as_text(value: object) -> str:
+    """JSON for a ``Path``; any other type JSON does not know stays an error."""
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")

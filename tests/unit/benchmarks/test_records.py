@@ -1,10 +1,11 @@
 """Where a result says it came from: the commit, dirty only when code changed."""
 
+import json
 import subprocess
 
 import pytest
 
-from benchmarks.records import provenance
+from benchmarks.records import provenance, write_results
 
 
 @pytest.fixture
@@ -34,3 +35,10 @@ def test_a_changed_or_new_file_outside_the_results_makes_it_dirty(repo):
     (repo / "code.py").write_text("x = 1\n")
     (repo / "new.py").write_text("")
     assert provenance(repo)["commit"].endswith("-dirty")
+
+
+def test_results_write_paths_as_text_and_refuse_what_json_does_not_know(tmp_path):
+    write_results("r", {"args": {"out": tmp_path / "x"}}, "table", tmp_path)
+    assert json.loads((tmp_path / "r.json").read_text()) == {"args": {"out": str(tmp_path / "x")}}
+    with pytest.raises(TypeError, match="set is not JSON serializable"):
+        write_results("bad", {"ids": {1, 2}}, "table", tmp_path)
