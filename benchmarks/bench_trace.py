@@ -15,7 +15,8 @@ per served model per core (cores 0 and 1, one torch thread each), deployed one a
 - ``production``: diffusers as the traced service ran it (``benchmarks.vanilla``): a pipeline per replica, one
   request at a time, each request's LoRAs fetched, loaded and fused before it, unfused and unloaded after it;
 - ``strongest``: the same with every LoRA kept loaded as a PEFT adapter from its first use and picked per request
-  with ``set_adapters``;
+  with ``set_adapters``, and each model's queue bounded (Serve's ``max_queued_requests``, ``--strongest-queue``
+  requests per replica; past it a request is refused at once, as ours refuses what would wait too long);
 - ``ours``: ``serving.app:build_multi_app`` (step-level batching, host LoRA cache with asynchronous loads,
   admission control), the model replicas pinned by ``device_map``.
 
@@ -204,9 +205,10 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
     ) for k in range(args.models)]
 
 
-def serve_app(system: str, configs: list[DiffusionAppConfig]) -> dict[str, Any]:
+def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: int = -1) -> dict[str, Any]:
     """The Serve config application of ``system``, at ``/``; every replica takes a hundredth of a Ray CPU (pinning,
-    not Ray, decides where it runs)."""
+    not Ray, decides where it runs). ``strongest_queue``: queued requests per replica of ``strongest`` (-1: no
+    bound)."""
     models = [config.model_dump(mode="json", exclude_defaults=True) for config in configs]
     options = {"ray_actor_options": {"num_cpus": 0.01}}
     if system == "ours":
@@ -215,7 +217,14 @@ def serve_app(system: str, configs: list[DiffusionAppConfig]) -> dict[str, Any]:
                 "deployments": [{"name": f"DiffusionModel_{config.model.name}",
                                  "num_replicas": len(config.device_map.model), **options} for config in configs]}
     return {"name": system, "route_prefix": "/", "import_path": "benchmarks.vanilla:build_vanilla_app",
-            "args": {"models": models, "cores": CORES, "adapters": system == "strongest"}}
+            "args": {"models": models, "cores": CORES, "adapters": system == "strongest",
+                     "max_queued_requests": queue_bound(system, strongest_queue, len(CORES))}}
+
+
+def queue_bound(system: str, strongest_queue: int, replicas: int) -> int:
+    """A baseline model's ``max_queued_requests``: ``strongest_queue`` per replica for ``strongest``, else -1
+    (unbounded, as Serve's default)."""
+    return strongest_queue * replicas if system == "strongest" and strongest_queue >= 0 else -1
 
 
 def deploy(app: dict[str, Any], port: int) -> None:
@@ -225,7 +234,8 @@ def deploy(app: dict[str, Any], port: int) -> None:
 
 
 @contextmanager
-def in_process(system: str, configs: list[DiffusionAppConfig], port: int) -> Iterator[None]:
+def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strongest_queue: int = -1,
+               ) -> Iterator[None]:
     """``system`` without Ray: the same Images API (``create_images_api``) on uvicorn in a thread of this process,
     over one engine loop per model (ours) or one serialised ``DiffusersBaseline`` per model (one request at a
     time, as a Serve replica of it), every model on the configs' device."""
@@ -236,7 +246,9 @@ def in_process(system: str, configs: list[DiffusionAppConfig], port: int) -> Ite
     if system == "ours":
         backends = [LocalBackend.from_config(config) for config in configs]
     else:
-        backends = [SerialBackend(DiffusersBaseline(config, [], adapters=system == "strongest"))
+        bound = queue_bound(system, strongest_queue, 1)
+        backends = [SerialBackend(DiffusersBaseline(config, [], adapters=system == "strongest"),
+                                  max_queued=None if bound < 0 else bound)
                     for config in configs]
     api = create_images_api(ServedModels([ServedModel(backend, config)
                                           for backend, config in zip(backends, configs, strict=True)]))
@@ -261,10 +273,10 @@ def in_process(system: str, configs: list[DiffusionAppConfig], port: int) -> Ite
 def serving(system: str, configs: list[DiffusionAppConfig], port: int, args: argparse.Namespace) -> Iterator[None]:
     """``system`` answering on ``port`` for the block: deployed on Serve, or in-process with ``--in-process``."""
     if args.in_process:
-        with in_process(system, configs, port):
+        with in_process(system, configs, port, args.strongest_queue):
             yield
     else:
-        deploy(serve_app(system, configs), port)
+        deploy(serve_app(system, configs, args.strongest_queue), port)
         yield
 
 
@@ -430,6 +442,8 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the models dealt onto the cores by their requests")
     parser.add_argument("--max-batch-rows", type=int, default=EngineConfig().max_batch_rows,
                         help="ours' engine.max_batch_rows")
+    parser.add_argument("--strongest-queue", type=int, default=4,
+                        help="strongest's queued requests per replica before it refuses (-1: no bound)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="client timeout of one request")
     parser.add_argument("--device", default="auto", help="torch device of every model")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -519,6 +533,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        if args.in_process else
                        {"production, strongest": "one replica per served model on each of cores 0 and 1",
                         "ours": {config.model.name: config.device_map.model for config in configs}}),
+        "max_queued_requests": {system: queue_bound(system, args.strongest_queue, 1 if args.in_process else len(CORES))
+                                for system in ("production", "strongest")},
         "workload": describe(args, trace, window_s, shapes),
         "lora_file_bytes": lora_bytes, "duration_s": time.monotonic() - began,
         "calibration": calibration, "rows": rows, "figures": figures, "summary": summary,
@@ -576,7 +592,8 @@ def render(args: argparse.Namespace, payload: dict) -> str:
         f"steps x{args.step_scale:g} ({w['steps']}); kinds {w['kinds']}; n {w['n']}; LoRAs per request "
         f"{w['loras_per_request']}; {args.models} served models ({w['served_model_requests']}), "
         f"{args.loras_per_model} LoRAs each (rank {args.rank}, Zipf {args.zipf:g}). SLO: {args.slo_factor:g}x the "
-        f"request shape's unloaded latency on the system that served it. {args.repeats} interleaved repeats.",
+        f"request shape's unloaded latency on the system that served it. {args.repeats} interleaved repeats. "
+        f"Queue bound per model (max_queued_requests; -1: none): {payload['max_queued_requests']}.",
         "",
         "| system | goodput req/min, median [min-max] | SLO attainment | p50 s | p99 s | ok | good | refused | "
         "errors | timed out |",

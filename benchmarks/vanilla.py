@@ -17,7 +17,7 @@ from ray.serve import Application
 
 from benchmarks import lora_storage
 from serving.common.device import DTYPES, resolve_device
-from serving.common.errors import APIError
+from serving.common.errors import APIError, retry_after
 from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
 from serving.deployments.ingress import ImagesIngress
@@ -144,11 +144,14 @@ VanillaDiffusers = serve.deployment(max_ongoing_requests=1)(DiffusersBaseline)
 
 class SerialBackend(ImageGenerationBackend):
     """A ``DiffusersBaseline`` as the Images API's engine interface outside Serve: one request at a time, as a
-    replica with ``max_ongoing_requests=1``; streaming is refused."""
+    replica with ``max_ongoing_requests=1``; with ``max_queued`` set, a request finding that many already waiting
+    is refused with 503 ``overloaded``, as Serve's ``max_queued_requests`` refuses it; streaming is refused."""
 
-    def __init__(self, baseline: DiffusersBaseline) -> None:
+    def __init__(self, baseline: DiffusersBaseline, max_queued: int | None = None) -> None:
         self._baseline = baseline
         self._lock = asyncio.Lock()
+        self._max_queued = max_queued
+        self._waiting = 0
 
     async def model_info(self) -> ModelInfo:
         return await self._baseline.model_info()
@@ -160,19 +163,31 @@ class SerialBackend(ImageGenerationBackend):
         return await self._baseline.list_controlnets()
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
-        async with self._lock:
+        if self._max_queued is not None and self._lock.locked() and self._waiting >= self._max_queued:
+            raise APIError(503, "the model is at capacity; retry later", code="overloaded", headers=retry_after(1))
+        self._waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self._waiting -= 1
+        try:
             return await self._baseline.generate(params)
+        finally:
+            self._lock.release()
 
     async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         raise APIError(400, "the diffusers baseline does not stream", param="stream", code="invalid_value")
         yield  # an async generator, as the interface declares
 
 
-def vanilla_app(configs: list[DiffusionAppConfig], cores: list[list[int]], adapters: bool) -> Application:
+def vanilla_app(configs: list[DiffusionAppConfig], cores: list[list[int]], adapters: bool,
+                max_queued_requests: int = -1) -> Application:
     """Per model of ``configs``, ``VanillaDiffusers_<model>`` with one replica per entry of ``cores``, behind
-    ``ImagesIngress``. Ray's CPU count only places the replicas (a hundredth of a CPU each); pinning decides where
-    they run."""
+    ``ImagesIngress``; ``max_queued_requests`` bounds each model's queue at the ingress (Serve's option: past it a
+    request is refused with 503; -1: unbounded). Ray's CPU count only places the replicas (a hundredth of a CPU
+    each); pinning decides where they run."""
     models = [VanillaDiffusers.options(name=f"VanillaDiffusers_{config.model.name}", num_replicas=len(cores),
+                                       max_queued_requests=max_queued_requests,
                                        ray_actor_options={"num_cpus": 0.01}).bind(config, cores, adapters)
               for config in configs]
     return ImagesIngress.bind(models, ImagesAppConfig(models=configs))
@@ -180,6 +195,7 @@ def vanilla_app(configs: list[DiffusionAppConfig], cores: list[list[int]], adapt
 
 def build_vanilla_app(args: dict[str, Any]) -> Application:
     """Serve builder (``import_path: benchmarks.vanilla:build_vanilla_app``): ``args`` holds ``models`` (the
-    ``ImagesAppConfig`` entries), ``cores`` and ``adapters``, as ``vanilla_app`` takes them."""
+    ``ImagesAppConfig`` entries), ``cores``, ``adapters`` and optionally ``max_queued_requests``, as
+    ``vanilla_app`` takes them."""
     configs = ImagesAppConfig.model_validate({"models": args["models"]}).models
-    return vanilla_app(list(configs), args["cores"], bool(args["adapters"]))
+    return vanilla_app(list(configs), args["cores"], bool(args["adapters"]), int(args.get("max_queued_requests", -1)))

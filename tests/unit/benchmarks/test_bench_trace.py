@@ -136,3 +136,45 @@ def test_by_load_deals_the_busiest_models_first_onto_the_least_loaded_core():
     replayed = [gentd.ReplayedRequest(0.0, "generate", model, 1, 3, (), "p", None, i, i)
                 for i, model in enumerate(["m0"] * 5 + ["m1"] * 3 + ["m2"] * 2 + ["m3"] * 2)]
     assert bench_trace.cores_by_load(replayed, 4) == [[[0]], [[1]], [[1]], [[0]]]
+
+
+def test_only_the_strongest_baseline_bounds_its_queue_and_per_replica():
+    assert bench_trace.queue_bound("strongest", 4, replicas=2) == 8
+    assert bench_trace.queue_bound("strongest", -1, replicas=2) == -1
+    assert bench_trace.queue_bound("production", 4, replicas=2) == -1
+    app = bench_trace.serve_app("strongest", [], strongest_queue=3)
+    assert app["args"]["max_queued_requests"] == 3 * len(bench_trace.CORES)
+
+
+class _Blocking:
+    """A baseline whose generations finish when the test says."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.started = 0
+
+    async def generate(self, params):
+        self.started += 1
+        await self.release.wait()
+        return params
+
+
+def test_the_serial_backend_refuses_past_its_queue_bound_and_serves_the_queued_in_turn():
+    from benchmarks.vanilla import SerialBackend
+    from serving.common.errors import APIError
+
+    async def scenario():
+        baseline = _Blocking()
+        backend = SerialBackend(baseline, max_queued=1)
+        running = asyncio.create_task(backend.generate("first"))
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(backend.generate("second"))
+        await asyncio.sleep(0)
+        with pytest.raises(APIError) as refused:
+            await backend.generate("third")
+        assert refused.value.status_code == 503 and refused.value.code == "overloaded" and baseline.started == 1
+        baseline.release.set()
+        assert [await running, await queued] == ["first", "second"]
+        assert await backend.generate("fourth") == "fourth"  # the queue drained: admitted again
+
+    asyncio.run(scenario())
