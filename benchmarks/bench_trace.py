@@ -305,15 +305,16 @@ def send(url: str, requests: list[HttpRequest], offsets: Sequence[float], timeou
 
 
 def warm_up(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]]) -> None:
-    """Every model and kind (one image, the fewest steps of ``shapes``), two requests at once (so both replicas of
-    a model see one), twice."""
+    """Every model and kind (one image, the fewest steps of ``shapes``), one kind at a time, two requests per model
+    at once (so both replicas of a model see one, and a bounded queue has room), twice."""
     steps = min(steps for _, _, steps in shapes)
-    requests = [http_request(shape_request((kind, 1, steps), f"m{k}", seed), args.size)
-                for k in range(args.models) for kind in sorted({kind for kind, _, _ in shapes}) for seed in range(2)]
     for _ in range(2):
-        out = send(url, requests, [0.0] * len(requests), args.timeout_s)
-        if out.counts()["ok"] != len(requests):
-            raise RuntimeError(f"warm-up failed: statuses {Counter(out.statuses)}")
+        for kind in sorted({kind for kind, _, _ in shapes}):
+            requests = [http_request(shape_request((kind, 1, steps), f"m{k}", seed), args.size)
+                        for k in range(args.models) for seed in range(2)]
+            out = send(url, requests, [0.0] * len(requests), args.timeout_s)
+            if out.counts()["ok"] != len(requests):
+                raise RuntimeError(f"warm-up of {kind} failed: statuses {Counter(out.statuses)}")
 
 
 def unloaded_latencies(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]],
