@@ -15,8 +15,9 @@ per served model per core (cores 0 and 1, one torch thread each), deployed one a
 - ``production``: diffusers as the traced service ran it (``benchmarks.vanilla``): a pipeline per replica, one
   request at a time, each request's LoRAs fetched, loaded and fused before it, unfused and unloaded after it;
 - ``strongest``: the same with every LoRA kept loaded as a PEFT adapter from its first use and picked per request
-  with ``set_adapters``, and each model's queue bounded (Serve's ``max_queued_requests``, ``--strongest-queue``
-  requests per replica; past it a request is refused at once, as ours refuses what would wait too long);
+  with ``set_adapters``, and each model's queue bounded (Serve's ``max_queued_requests``: ``--strongest-queue``
+  requests wait for a replica of the model; past them a request is refused at once, as ours refuses what would
+  wait too long);
 - ``ours``: ``serving.app:build_multi_app`` (step-level batching, host LoRA cache with asynchronous loads,
   admission control), the model replicas pinned by ``device_map``.
 
@@ -207,7 +208,7 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
 
 def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: int = -1) -> dict[str, Any]:
     """The Serve config application of ``system``, at ``/``; every replica takes a hundredth of a Ray CPU (pinning,
-    not Ray, decides where it runs). ``strongest_queue``: queued requests per replica of ``strongest`` (-1: no
+    not Ray, decides where it runs). ``strongest_queue``: queued requests per model of ``strongest`` (-1: no
     bound)."""
     models = [config.model_dump(mode="json", exclude_defaults=True) for config in configs]
     options = {"ray_actor_options": {"num_cpus": 0.01}}
@@ -218,13 +219,13 @@ def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: i
                                  "num_replicas": len(config.device_map.model), **options} for config in configs]}
     return {"name": system, "route_prefix": "/", "import_path": "benchmarks.vanilla:build_vanilla_app",
             "args": {"models": models, "cores": CORES, "adapters": system == "strongest",
-                     "max_queued_requests": queue_bound(system, strongest_queue, len(CORES))}}
+                     "max_queued_requests": queue_bound(system, strongest_queue)}}
 
 
-def queue_bound(system: str, strongest_queue: int, replicas: int) -> int:
-    """A baseline model's ``max_queued_requests``: ``strongest_queue`` per replica for ``strongest``, else -1
-    (unbounded, as Serve's default)."""
-    return strongest_queue * replicas if system == "strongest" and strongest_queue >= 0 else -1
+def queue_bound(system: str, strongest_queue: int) -> int:
+    """A baseline model's ``max_queued_requests``: ``strongest_queue`` for ``strongest``, else -1 (unbounded, as
+    Serve's default)."""
+    return strongest_queue if system == "strongest" else -1
 
 
 def deploy(app: dict[str, Any], port: int) -> None:
@@ -246,7 +247,7 @@ def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strong
     if system == "ours":
         backends = [LocalBackend.from_config(config) for config in configs]
     else:
-        bound = queue_bound(system, strongest_queue, 1)
+        bound = queue_bound(system, strongest_queue)
         backends = [SerialBackend(DiffusersBaseline(config, [], adapters=system == "strongest"),
                                   max_queued=None if bound < 0 else bound)
                     for config in configs]
@@ -443,8 +444,8 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "the models dealt onto the cores by their requests")
     parser.add_argument("--max-batch-rows", type=int, default=EngineConfig().max_batch_rows,
                         help="ours' engine.max_batch_rows")
-    parser.add_argument("--strongest-queue", type=int, default=4,
-                        help="strongest's queued requests per replica before it refuses (-1: no bound)")
+    parser.add_argument("--strongest-queue", type=int, default=2,
+                        help="requests that wait for a replica of a strongest model before it refuses (-1: no bound)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="client timeout of one request")
     parser.add_argument("--device", default="auto", help="torch device of every model")
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
@@ -534,7 +535,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                        if args.in_process else
                        {"production, strongest": "one replica per served model on each of cores 0 and 1",
                         "ours": {config.model.name: config.device_map.model for config in configs}}),
-        "max_queued_requests": {system: queue_bound(system, args.strongest_queue, 1 if args.in_process else len(CORES))
+        "max_queued_requests": {system: queue_bound(system, args.strongest_queue)
                                 for system in ("production", "strongest")},
         "workload": describe(args, trace, window_s, shapes),
         "lora_file_bytes": lora_bytes, "duration_s": time.monotonic() - began,

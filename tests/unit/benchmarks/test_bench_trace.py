@@ -138,12 +138,11 @@ def test_by_load_deals_the_busiest_models_first_onto_the_least_loaded_core():
     assert bench_trace.cores_by_load(replayed, 4) == [[[0]], [[1]], [[1]], [[0]]]
 
 
-def test_only_the_strongest_baseline_bounds_its_queue_and_per_replica():
-    assert bench_trace.queue_bound("strongest", 4, replicas=2) == 8
-    assert bench_trace.queue_bound("strongest", -1, replicas=2) == -1
-    assert bench_trace.queue_bound("production", 4, replicas=2) == -1
-    app = bench_trace.serve_app("strongest", [], strongest_queue=3)
-    assert app["args"]["max_queued_requests"] == 3 * len(bench_trace.CORES)
+def test_only_the_strongest_baseline_bounds_its_queue():
+    assert bench_trace.queue_bound("strongest", 4) == 4
+    assert bench_trace.queue_bound("production", 4) == -1
+    assert bench_trace.serve_app("strongest", [], strongest_queue=3)["args"]["max_queued_requests"] == 3
+    assert bench_trace.serve_app("production", [], strongest_queue=3)["args"]["max_queued_requests"] == -1
 
 
 class _Blocking:
