@@ -360,7 +360,28 @@ def run_row(system: str, repeat: int, out: Outcomes, good: list[bool], replayed:
         "p50_s": float(np.median(ok)) if len(ok) else None,
         "p99_s": p99_s, "tail": tail_kind,
         "wall_s": out.wall_s(), "send_lag_p99_ms": 1e3 * float(np.percentile(out.send_lag, 99)),
+        "time_split": time_split(out, good),
     }
+
+
+def time_split(out: Outcomes, good: list[bool]) -> dict[str, dict]:
+    """Where the answered requests' time went, good and late apart: how many, and the medians of their latency,
+    of each server-side timing the answers carry (``total_s`` in the API handler; ours also ``queue_s`` before the
+    first step, ``denoise_s``, ``decode_s``) and of ``outside_s`` (latency less ``total_s``: proxy, HTTP, client)."""
+    split: dict[str, dict] = {}
+    for label, wanted in (("good", True), ("late", False)):
+        answers = [(seconds, timings or {}) for index, status, seconds, timings
+                   in zip(out.indices, out.statuses, out.seconds, out.server_timings, strict=True)
+                   if status == 200 and good[index] is wanted]
+        figures: dict[str, float | int | None] = {"count": len(answers)}
+        if answers:
+            figures["latency_s"] = statistics.median(seconds for seconds, _ in answers)
+            for key in sorted({key for _, timings in answers for key in timings}):
+                figures[key] = statistics.median(timings[key] for _, timings in answers if key in timings)
+            outside = [seconds - timings["total_s"] for seconds, timings in answers if "total_s" in timings]
+            figures["outside_s"] = statistics.median(outside) if outside else None
+        split[label] = figures
+    return split
 
 
 def _share(flags: list[bool]) -> float | None:
@@ -622,6 +643,16 @@ def render(args: argparse.Namespace, payload: dict) -> str:
                      f"{row['errors']} | {row['timed_out']} | {row['goodput_per_min']:.1f} | "
                      f"{_fmt(row['slo_attainment'])} ({by_kind}; {_fmt(row['slo_attainment_with_loras'])}) | "
                      f"{_fmt(row['p50_s'], 3)} | {_fmt(row['p99_s'], 3)}{' (max)' if row['tail'] == 'max' else ''} |")
+    lines += ["", "Where the answered requests' time went (medians, seconds; server-side timings from the answers: "
+                  "`total_s` in the API handler, ours' `queue_s` before its first step, `denoise_s`, `decode_s`; "
+                  "`outside_s` = latency - `total_s`):", "",
+              "| repeat | system | answers | count | latency | total_s | queue_s | denoise_s | decode_s | outside_s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in payload["rows"]:
+        for label, figures in row["time_split"].items():
+            lines.append(f"| {row['repeat']} | {row['system']} | {label} | {figures['count']} | " + " | ".join(
+                _fmt(figures.get(key), 3) for key in ("latency_s", "total_s", "queue_s", "denoise_s", "decode_s",
+                                                      "outside_s")) + " |")
     failures = {key: sum(row[key] for row in payload["rows"]) for key in ("refused", "errors", "timed_out")}
     lines += ["", f"Across all runs: {failures['refused']} refusals, {failures['errors']} errors, "
                   f"{failures['timed_out']} timeouts; none counts as good. Latency from each request's scheduled "

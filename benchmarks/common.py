@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import copy
 import dataclasses
+import json
 import os
 import statistics
 import time
@@ -153,13 +154,17 @@ class Outcomes:
     answered: list[float] = field(default_factory=list)
     send_lag: list[float] = field(default_factory=list)
     first_scheduled: float | None = None
+    #: per answer, the ``timings`` object of a 200's JSON body (the Images API's server-side seconds), else None
+    server_timings: list[dict[str, float] | None] = field(default_factory=list)
 
-    def add(self, index: int, status: int, seconds: float, retry_after: str | None) -> None:
+    def add(self, index: int, status: int, seconds: float, retry_after: str | None,
+            server_timings: dict[str, float] | None = None) -> None:
         self.indices.append(index)
         self.statuses.append(status)
         self.seconds.append(seconds)
         self.retry_after.append(retry_after)
         self.answered.append(time.monotonic())
+        self.server_timings.append(server_timings)
 
     def counts(self) -> dict[str, int]:
         """Requests by outcome, each counted once: ``ok`` (200), ``refused`` (429/503), ``timed_out``, ``errors``
@@ -203,11 +208,29 @@ async def _send(session: aiohttp.ClientSession, base_url: str, workload: Request
                                    headers=dict(request.headers)) as response:
             body = await response.read()
             status = UNEXPECTED_BODY if response.status == 200 and expect and expect not in body else response.status
-            out.add(index, status, time.monotonic() - scheduled, response.headers.get("retry-after"))
+            out.add(index, status, time.monotonic() - scheduled, response.headers.get("retry-after"),
+                    server_timings(body) if status == 200 else None)
     except asyncio.TimeoutError:
         out.add(index, TIMED_OUT, time.monotonic() - scheduled, None)
     except aiohttp.ClientError:
         out.add(index, TRANSPORT_ERROR, time.monotonic() - scheduled, None)
+
+
+TIMINGS_KEY = b'"timings":'
+
+
+def server_timings(body: bytes) -> dict[str, float] | None:
+    """The flat ``timings`` object of an Images API answer, found without parsing its images; None without one."""
+    start = body.find(TIMINGS_KEY)
+    if start < 0:
+        return None
+    start += len(TIMINGS_KEY)
+    end = body.find(b"}", start)
+    try:
+        timings = json.loads(body[start:end + 1])
+    except ValueError:
+        return None
+    return timings if isinstance(timings, dict) else None
 
 
 def _session(connections: int, timeout_s: float) -> aiohttp.ClientSession:

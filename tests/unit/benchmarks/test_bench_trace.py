@@ -10,7 +10,7 @@ from aiohttp import web
 
 from autoconfig.workloads import HttpRequest
 from benchmarks import bench_trace, gentd
-from benchmarks.common import Outcomes, open_loop
+from benchmarks.common import Outcomes, open_loop, server_timings
 from serving.images import decode_image_bytes, decode_mask
 
 
@@ -105,7 +105,7 @@ def test_the_open_loop_client_sends_each_request_to_its_own_path_and_records_whi
         async def slow(request: web.Request) -> web.Response:
             seen.append(request.path)
             await asyncio.sleep(0.3)
-            return web.Response(text="slow")
+            return web.json_response({"data": [{"b64_json": "aGk="}], "timings": {"total_s": 0.25, "queue_s": 0.1}})
 
         async def fast(request: web.Request) -> web.Response:
             seen.append(request.path + ":" + (await request.text()))
@@ -130,6 +130,27 @@ def test_the_open_loop_client_sends_each_request_to_its_own_path_and_records_whi
     assert sorted(seen) == ["/fast:b", "/slow"]
     assert out.indices == [1, 0] and out.statuses == [503, 200]
     assert np.all(np.array(out.seconds) >= 0) and out.seconds[1] >= 0.3
+    assert out.server_timings == [None, {"total_s": 0.25, "queue_s": 0.1}]
+
+
+def test_server_timings_are_read_from_an_answer_without_parsing_its_images():
+    body = b'{"created":1,"data":[{"b64_json":"x}y"}],"seed":3,"timings":{"queue_s":0.5,"total_s":1.0},"lora":null}'
+    assert server_timings(body) == {"queue_s": 0.5, "total_s": 1.0}
+    assert server_timings(b'{"error":{"message":"no"}}') is None
+    assert server_timings(b'{"timings":{"total_s":') is None  # cut short
+
+
+def test_the_time_split_puts_good_and_late_answers_apart_and_ignores_refusals():
+    out = Outcomes()
+    out.add(0, 200, 0.4, None, {"total_s": 0.3, "queue_s": 0.1})
+    out.add(1, 200, 2.0, None, {"total_s": 1.5, "queue_s": 1.2})
+    out.add(2, 200, 3.0, None, {"total_s": 2.0, "queue_s": 1.0})
+    out.add(3, 503, 0.01, "1")
+    split = bench_trace.time_split(out, [True, False, False, False])
+    assert split["good"] == {"count": 1, "latency_s": 0.4, "queue_s": 0.1, "total_s": 0.3,
+                             "outside_s": pytest.approx(0.1)}
+    assert split["late"]["count"] == 2 and split["late"]["latency_s"] == 2.5
+    assert split["late"]["queue_s"] == pytest.approx(1.1) and split["late"]["outside_s"] == pytest.approx(0.75)
 
 
 def test_by_load_deals_the_busiest_models_first_onto_the_least_loaded_core():
