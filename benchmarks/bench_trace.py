@@ -200,7 +200,8 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
         model=DiffusionModelConfig(name=f"m{k}", preset=args.preset, weights="seeded", seed=k, device=args.device,
                                    dtype=args.dtype),
         limits=limits,
-        engine=EngineConfig(admission_wait_fraction=args.admission_wait_fraction, max_batch_rows=args.max_batch_rows),
+        engine=EngineConfig(admission_wait_fraction=args.admission_wait_fraction,
+                            admission_max_slowdown=args.admission_max_slowdown, max_batch_rows=args.max_batch_rows),
         lora=LoRAConfig(directory=lora_root / f"m{k}"),
         device_map=DeviceMap(model=cores[k]),
     ) for k in range(args.models)]
@@ -460,6 +461,9 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--admission-wait-fraction", type=lambda text: None if text == "none" else float(text),
                         default=EngineConfig().admission_wait_fraction,
                         help="ours' engine.admission_wait_fraction ('none': no admission control)")
+    parser.add_argument("--admission-max-slowdown", type=lambda text: None if text == "none" else float(text),
+                        default=EngineConfig().admission_max_slowdown,
+                        help="ours' engine.admission_max_slowdown ('none': off)")
     parser.add_argument("--ours-layout", choices=("per-core", "by-load"), default="per-core",
                         help="ours' model replicas: one per model on each core (as the baselines), or one per model, "
                              "the models dealt onto the cores by their requests")

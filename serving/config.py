@@ -171,6 +171,12 @@ class EngineConfig(_Config):
                     "(the model is past capacity) is refused at once with 503 `overloaded` and the predicted wait "
                     "as `Retry-After`, so admitted requests keep their latency. null: admit every request the "
                     "Serve queues let through.")
+    admission_max_slowdown: float | None = Field(
+        None, ge=1.0,
+        description="While the model is busy, refuse at once (503 `overloaded`) a request whose denoising is "
+                    "predicted to take more than this many times as long as alone: its wait and its own steps at "
+                    "the current step time (which shared cores and full batches stretch) against its steps at the "
+                    "fastest step time seen for a batch of at least its rows. null: off.")
 
 
 class EngineTuning(_Config):
@@ -181,6 +187,7 @@ class EngineTuning(_Config):
     max_skipped_steps: int | None = Field(None, ge=1, description="See `EngineConfig`.")
     lora_wait_fraction: float | None = Field(None, ge=0.0, le=1.0, description="See `EngineConfig`.")
     admission_wait_fraction: float | None = Field(None, ge=0.0, description="See `EngineConfig`.")
+    admission_max_slowdown: float | None = Field(None, ge=1.0, description="See `EngineConfig`.")
 
     def apply(self, engine: EngineConfig) -> EngineConfig:
         """``engine`` with the fields set here replaced."""

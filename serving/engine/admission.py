@@ -3,7 +3,9 @@
 The engine loop replays its own schedule (``serving.engine.scheduling``: the batch rule, finished requests
 leaving, the next joining) to predict how many steps a new request would wait before it first runs, and refuses it
 when that exceeds ``EngineConfig.admission_wait_fraction`` of its own steps. The replay assumes no request stops
-for its LoRA.
+for its LoRA. With ``EngineConfig.admission_max_slowdown`` it also refuses, while busy, a request whose wait and own
+steps at the current step time exceed that many times its own steps at the fastest step time seen for its rows:
+steps count the wait, not how long a step takes once full batches and other processes on the core stretch it.
 """
 
 from __future__ import annotations
@@ -27,15 +29,24 @@ class Work:
 
 
 class EngineOverloaded(APIError):
-    """The request would wait ``wait_steps`` steps (about ``wait_s`` seconds) before its first: 503, retry after
-    the predicted wait."""
+    """The request would wait ``wait_steps`` steps (about ``wait_s`` seconds) before its first, or denoise too
+    slowly (``slowed``): 503, retry after the predicted wait."""
 
-    def __init__(self, wait_steps: int, allowed_steps: float, wait_s: float) -> None:
-        super().__init__(503, f"the model is at capacity: this request would wait {wait_steps} denoising steps "
-                         f"(about {wait_s:.1f} s) before its first, more than the {allowed_steps:g} allowed",
-                         code="overloaded", headers=retry_after(wait_s))
+    def __init__(self, wait_steps: int, allowed_steps: float, wait_s: float, reason: str | None = None) -> None:
+        reason = reason or (f"this request would wait {wait_steps} denoising steps (about {wait_s:.1f} s) before "
+                            f"its first, more than the {allowed_steps:g} allowed")
+        super().__init__(503, f"the model is at capacity: {reason}", code="overloaded",
+                         headers=retry_after(wait_s))
         self.wait_steps = wait_steps
         self.wait_s = wait_s
+
+    @classmethod
+    def slowed(cls, predicted_s: float, alone_s: float, max_slowdown: float, wait_steps: int,
+               wait_s: float) -> EngineOverloaded:
+        """Its denoising would take ``predicted_s``, more than ``max_slowdown`` x its ``alone_s`` alone."""
+        return cls(wait_steps, wait_steps, wait_s,
+                   f"this request would take about {predicted_s:.2f} s to denoise, more than {max_slowdown:g} x "
+                   f"its {alone_s:.2f} s alone")
 
 
 def wait_steps(running: Sequence[Work], queued: Sequence[Work], new: Work, max_batch_rows: int,

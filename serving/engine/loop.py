@@ -89,6 +89,7 @@ class EngineLoop:
         self._queue: deque[_Submission] = deque()
         self._active: list[_Active] = []
         self._step_s: float | None = None  # moving average of one step's wall time
+        self._fastest_step_s: dict[int, float] = {}  # batch rows -> the fastest step seen with that many
         #: seconds spent computing denoising steps since the start, time blocked on remote results (ControlNet
         #: services, the CFG worker) left out (benchmarks read it)
         self.busy_s = 0.0
@@ -141,8 +142,8 @@ class EngineLoop:
         self._metrics.request_cancelled(stage)
 
     def _check_admission(self, work: Work) -> None:
-        fraction = self.config.admission_wait_fraction
-        if fraction is None:
+        fraction, slowdown = self.config.admission_wait_fraction, self.config.admission_max_slowdown
+        if fraction is None and slowdown is None:
             return
         with self._wakeup:
             queued = [s.work for s in self._queue]
@@ -150,9 +151,20 @@ class EngineLoop:
                    for active in list(self._active)]
         waited = wait_steps(running, queued, work, self.config.max_batch_rows,
                             self.config.continuous_batching, self.config.max_skipped_steps)
-        allowed = fraction * work.steps_left
-        if waited > allowed:
-            raise EngineOverloaded(waited, allowed, waited * (self._step_s or 0.0))
+        step_s = self._step_s or 0.0
+        if fraction is not None and waited > fraction * work.steps_left:
+            raise EngineOverloaded(waited, fraction * work.steps_left, waited * step_s)
+        alone = self._alone_step_s(work.rows)
+        if slowdown is None or not (running or queued) or alone is None:
+            return  # idle: the moving average is stale; no batch as large seen yet: nothing to compare with
+        predicted, limit = (waited + work.steps_left) * step_s, slowdown * work.steps_left * alone
+        if predicted > limit:
+            raise EngineOverloaded.slowed(predicted, work.steps_left * alone, slowdown, waited, waited * step_s)
+
+    def _alone_step_s(self, rows: int) -> float | None:
+        """The fastest step seen with at least ``rows`` rows (a larger batch is no faster): a request's step time
+        alone, or None before any."""
+        return min((seconds for seen, seconds in self._fastest_step_s.items() if seen >= rows), default=None)
 
     def stop(self) -> None:
         """Fails every request not finished denoising; those being decoded complete."""
@@ -312,8 +324,10 @@ class EngineLoop:
             return
         took = time.perf_counter() - started
         self._step_s = took if self._step_s is None else 0.9 * self._step_s + 0.1 * took
+        rows = sum(active.state.rows for active in batch)
+        self._fastest_step_s[rows] = min(took, self._fastest_step_s.get(rows, took))
         self.busy_s += took - (self.engine.remote_wait_s - waited)
-        self._metrics.diffusion_step(took, rows=sum(active.state.rows for active in batch))
+        self._metrics.diffusion_step(took, rows=rows)
         for active in batch:
             if self._on_step is not None:
                 self._on_step(active.state)

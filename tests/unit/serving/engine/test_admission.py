@@ -2,6 +2,7 @@
 
 import asyncio
 import threading
+import time
 
 import pytest
 from hypothesis import given
@@ -154,3 +155,48 @@ def test_backend_answers_a_refusal_with_503_overloaded_and_the_wait_as_retry_aft
     finally:
         release.set()
         backend.close()
+
+
+
+@pytest.mark.parametrize("bound", [3.0, None])
+def test_loop_refuses_while_busy_what_would_denoise_past_its_slowdown_and_admits_when_idle(tiny_engine, monkeypatch,
+                                                                                          bound):
+    """Steps stretched 0.1 s (as by other processes on the core) after the running request's third: a 4-step
+    request joining its batch (no wait) is refused, predicted far past 3x its steps alone, and admitted once the
+    loop is idle; with the bound off (None) it is admitted while busy."""
+    stretched, reached, release = threading.Event(), threading.Event(), threading.Event()
+    step = tiny_engine.step
+
+    def stretched_step(states):
+        if stretched.is_set():
+            time.sleep(0.1)
+        return step(states)
+
+    def on_step(state):
+        if state.params.num_inference_steps == 30 and state.step_index == 3:
+            stretched.set()
+        if state.params.num_inference_steps == 30 and state.step_index == 25:
+            reached.set()
+            release.wait(timeout=60)
+
+    monkeypatch.setattr(tiny_engine, "step", stretched_step)
+    loop = EngineLoop(tiny_engine, EngineConfig(admission_wait_fraction=None, admission_max_slowdown=bound),
+                      on_step=on_step)
+    try:
+        running = loop.submit(_params(30, seed=1))
+        assert reached.wait(timeout=60)
+        if bound is None:
+            joined = loop.submit(_params(4, seed=2))
+        else:
+            with pytest.raises(EngineOverloaded, match="to denoise, more than 3 x") as refused:
+                loop.submit(_params(4, seed=2))
+            assert (refused.value.status_code, refused.value.wait_steps) == (503, 0)
+        release.set()
+        assert running.result(timeout=120).images
+        if bound is None:
+            assert joined.result(timeout=120).images
+        else:
+            assert loop.submit(_params(4, seed=3)).result(timeout=120).images  # idle: admitted
+    finally:
+        release.set()
+        loop.stop()
