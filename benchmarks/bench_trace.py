@@ -308,15 +308,20 @@ def send(url: str, requests: list[HttpRequest], offsets: Sequence[float], timeou
 
 def warm_up(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]]) -> None:
     """Every model and kind (one image, the fewest steps of ``shapes``), one kind at a time, two requests per model
-    at once (so both replicas of a model see one, and a bounded queue has room), twice."""
+    at once (so both replicas of a model see one, and a bounded queue has room), twice. A refused one (a replica
+    still settling can refuse the second) is sent again alone; anything else failing, or a refusal alone, raises."""
     steps = min(steps for _, _, steps in shapes)
     for _ in range(2):
         for kind in sorted({kind for kind, _, _ in shapes}):
             requests = [http_request(shape_request((kind, 1, steps), f"m{k}", seed), args.size)
                         for k in range(args.models) for seed in range(2)]
             out = send(url, requests, [0.0] * len(requests), args.timeout_s)
-            if out.counts()["ok"] != len(requests):
-                raise RuntimeError(f"warm-up of {kind} failed: statuses {Counter(out.statuses)}")
+            statuses = Counter(out.statuses)
+            if statuses[200] + statuses[503] != len(requests):
+                raise RuntimeError(f"warm-up of {kind} failed: statuses {statuses}")
+            for index, status in zip(out.indices, out.statuses, strict=True):
+                if status == 503 and send(url, [requests[index]], [0.0], args.timeout_s).statuses != [200]:
+                    raise RuntimeError(f"warm-up of {kind} refused a request sent alone")
 
 
 def unloaded_latencies(url: str, args: argparse.Namespace, shapes: list[tuple[str, int, int]],
