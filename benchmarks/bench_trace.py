@@ -33,7 +33,7 @@ same Images API on uvicorn in this process, over one engine loop per model (ours
 model serving one request at a time, every model on one device; the results say so.
 
     .venv/bin/python -m benchmarks.bench_trace --trace ../shared/traces/gentd26_lora_request_trace.csv \\
-        --load-latencies ../shared/traces/gentd26_lora_update_latency_anon.csv [--hours 1] [--compression 70]
+        --load-latencies ../shared/traces/gentd26_lora_update_latency_anon.csv [--hours 1] [--compression 100]
 """
 
 from __future__ import annotations
@@ -446,7 +446,7 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", nargs=2, metavar=("START", "END"), default=None,
                         help="replay [START, END) instead, e.g. '2024-12-05 23:00:00' '2024-12-06 00:00:00'")
     parser.add_argument("--max-requests", type=int, default=None, help="replay only the window's first N")
-    parser.add_argument("--compression", type=float, default=70.0,
+    parser.add_argument("--compression", type=float, default=100.0,
                         help="trace seconds per replayed second (arrivals and LoRA fetch times)")
     parser.add_argument("--step-scale", type=float, default=0.1, help="replayed steps per traced step")
     parser.add_argument("--models", type=int, default=4, help="served base models")
