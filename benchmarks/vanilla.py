@@ -16,8 +16,9 @@ from ray import serve
 from ray.serve import Application
 
 from benchmarks import lora_storage
+from serving.common.backpressure import queue_full
 from serving.common.device import DTYPES, resolve_device
-from serving.common.errors import APIError, retry_after
+from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, ImagesAppConfig
 from serving.controlnet.models import build_controlnet_preset, load_controlnet
 from serving.deployments.ingress import ImagesIngress
@@ -164,7 +165,7 @@ class SerialBackend(ImageGenerationBackend):
 
     async def generate(self, params: GenerationParams) -> GenerationResult:
         if self._max_queued is not None and self._lock.locked() and self._waiting >= self._max_queued:
-            raise APIError(503, "the model is at capacity; retry later", code="overloaded", headers=retry_after(1))
+            raise queue_full()
         self._waiting += 1
         try:
             await self._lock.acquire()

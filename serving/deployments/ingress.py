@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serving.api.models import ServedModel, ServedModels
 from serving.api.server import create_images_api
-from serving.common.backpressure import OVERLOADED
+from serving.common.backpressure import OVERLOADED, queue_full
 from serving.common.constants import API_KEY
 from serving.common.device import placement
 from serving.common.errors import APIError, retry_after
@@ -78,8 +78,7 @@ def _mapped_errors(method: str) -> Iterator[None]:
     try:
         yield
     except BackPressureError as exc:
-        raise APIError(exc.status_code, "the model is at capacity; retry later", code="overloaded",
-                       headers=retry_after(exc.retry_after_s or 1)) from None
+        raise queue_full(exc.retry_after_s or 1, exc.status_code) from None
     except RayActorError as exc:
         logger.warning("model replica failed under a %s call: %s", method, exc)
         raise APIError(503, "the model replica serving this request failed; retry", code="replica_failed",

@@ -29,24 +29,27 @@ class Work:
 
 
 class EngineOverloaded(APIError):
-    """The request would wait ``wait_steps`` steps (about ``wait_s`` seconds) before its first, or denoise too
-    slowly (``slowed``): 503, retry after the predicted wait."""
+    """The model is past capacity for this request (``reason``); it would wait ``wait_steps`` steps (about
+    ``wait_s`` seconds) before its first: 503, retry after the predicted wait."""
 
-    def __init__(self, wait_steps: int, allowed_steps: float, wait_s: float, reason: str | None = None) -> None:
-        reason = reason or (f"this request would wait {wait_steps} denoising steps (about {wait_s:.1f} s) before "
-                            f"its first, more than the {allowed_steps:g} allowed")
+    def __init__(self, reason: str, wait_steps: int, wait_s: float) -> None:
         super().__init__(503, f"the model is at capacity: {reason}", code="overloaded",
                          headers=retry_after(wait_s))
         self.wait_steps = wait_steps
         self.wait_s = wait_s
 
     @classmethod
+    def waiting(cls, wait_steps: int, allowed_steps: float, wait_s: float) -> EngineOverloaded:
+        """It would wait more than ``allowed_steps`` before its first."""
+        return cls(f"this request would wait {wait_steps} denoising steps (about {wait_s:.1f} s) before its first, "
+                   f"more than the {allowed_steps:g} allowed", wait_steps, wait_s)
+
+    @classmethod
     def slowed(cls, predicted_s: float, alone_s: float, max_slowdown: float, wait_steps: int,
                wait_s: float) -> EngineOverloaded:
         """Its denoising would take ``predicted_s``, more than ``max_slowdown`` x its ``alone_s`` alone."""
-        return cls(wait_steps, wait_steps, wait_s,
-                   f"this request would take about {predicted_s:.2f} s to denoise, more than {max_slowdown:g} x "
-                   f"its {alone_s:.2f} s alone")
+        return cls(f"this request would take about {predicted_s:.2f} s to denoise, more than {max_slowdown:g} x "
+                   f"its {alone_s:.2f} s alone", wait_steps, wait_s)
 
 
 def wait_steps(running: Sequence[Work], queued: Sequence[Work], new: Work, max_batch_rows: int,

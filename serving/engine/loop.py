@@ -153,10 +153,12 @@ class EngineLoop:
                             self.config.continuous_batching, self.config.max_skipped_steps)
         step_s = self._step_s or 0.0
         if fraction is not None and waited > fraction * work.steps_left:
-            raise EngineOverloaded(waited, fraction * work.steps_left, waited * step_s)
+            raise EngineOverloaded.waiting(waited, fraction * work.steps_left, waited * step_s)
+        if slowdown is None or not (running or queued):
+            return  # off, or idle: the moving average is stale
         alone = self._alone_step_s(work.rows)
-        if slowdown is None or not (running or queued) or alone is None:
-            return  # idle: the moving average is stale; no batch as large seen yet: nothing to compare with
+        if alone is None:
+            return  # no batch as large seen yet: nothing to compare with
         predicted, limit = (waited + work.steps_left) * step_s, slowdown * work.steps_left * alone
         if predicted > limit:
             raise EngineOverloaded.slowed(predicted, work.steps_left * alone, slowdown, waited, waited * step_s)

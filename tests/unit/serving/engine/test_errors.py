@@ -35,10 +35,10 @@ ANSWERS = [
     (ControlNetUnavailable("edges", TimeoutError("no answer")),
      (503, "ControlNet 'edges' is unavailable: TimeoutError: no answer", "controlnets[0].name",
       "controlnet_unavailable", {"Retry-After": "1"})),
-    (EngineOverloaded(28, 7.5, 2.2),
+    (EngineOverloaded.waiting(28, 7.5, 2.2),
      (503, "the model is at capacity: this request would wait 28 denoising steps (about 2.2 s) before its first, "
       "more than the 7.5 allowed", None, "overloaded", {"Retry-After": "3"})),
-    (EngineOverloaded(1, 0, 0.0),
+    (EngineOverloaded.waiting(1, 0, 0.0),
      (503, "the model is at capacity: this request would wait 1 denoising steps (about 0.0 s) before its first, "
       "more than the 0 allowed", None, "overloaded", {"Retry-After": "1"})),
     (InvalidImageSize("width and height must be multiples of 8"),
@@ -97,7 +97,7 @@ def test_a_shared_error_is_located_per_request_without_changing_it():
 def test_refusals_keep_the_python_errors_their_callers_catch():
     assert isinstance(InvalidImageSize("width and height must be multiples of 8"), ValueError)
     assert all(isinstance(error, RequestItemError) for error, (_, _, param, _, _) in ANSWERS if param)
-    assert EngineOverloaded(28, 7.5, 2.2).wait_steps == 28 and LoRANotFound("gone").name == "gone"
+    assert EngineOverloaded.waiting(28, 7.5, 2.2).wait_steps == 28 and LoRANotFound("gone").name == "gone"
 
 
 def test_an_error_that_is_not_a_refusal_passes_through_unchanged():
