@@ -19,7 +19,8 @@ device aborts the run. On CUDA the same command runs everything on cuda:0 (one G
 unpinned. The same prompt and seed in every row, guidance 7.5 (CFG on), rank-``--rank`` attention LoRAs at 0.8.
 
 - swiftserve (``EngineLoop`` + ``DiffusionEngine``, ``LocalControlNets``, ``LocalCFGWorker``, ``LoRACache``; the
-  server's default settings, one LoRA loader thread): 0c-0l; 1c-0l; 0c-1l cold (a LoRA file never requested
+  server's default settings, one LoRA loader thread, LoRA memory budgets as ``--merged-cache-mib`` and
+  ``--lora-cache-mib`` set them): 0c-0l; 1c-0l; 0c-1l cold (a LoRA file never requested
   before, written untimed before each run and evicted from the page cache: read from the local disk); 0c-1l cold
   remote (the same, fetched from an emulated remote LoRA store at ``--lora-store-mb-per-s``, so it loads while the
   request denoises: ``summary.ratio_cold_lora_to_0c0l``; each run's ``applied_at_step`` is recorded and one that
@@ -38,7 +39,7 @@ min and max; per row: diffusers / swiftserve and whether the two ranges overlap 
 the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_diffusion.{json,md}``.
 
     .venv/bin/python -m benchmarks.bench_diffusion [--preset sd15-shape] [--steps 4] [--size 256] [--repeats 5]
-        [--rank 64] [--lora-store-mb-per-s 20] [--out benchmarks/results]
+        [--rank 64] [--lora-store-mb-per-s 20] [--merged-cache-mib N] [--lora-cache-mib N] [--out benchmarks/results]
 
 An SDXL preset (``--preset sdxl-shape``: SDXL 1.0 base's architecture) runs the same rows against
 ``StableDiffusionXLPipeline`` and ``StableDiffusionXLControlNetPipeline``; its results are
@@ -250,11 +251,11 @@ class Devices:
 
 class Swiftserve:
     """The serving path in-process: engine loop, ControlNet and CFG worker clients, LoRA cache; the server's
-    default engine and LoRA settings, one LoRA loader thread. The CFG worker's engine shares ``model``'s weights."""
+    default engine settings and ``lora``'s. The CFG worker's engine shares ``model``'s weights."""
 
     def __init__(self, preset: str, model: DiffusionComponents, device: torch.device, dtype: torch.dtype,
-                 controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
-        lora = LoRAConfig(load_workers=1)
+                 controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray,
+                 lora: LoRAConfig) -> None:
         controlnets = LocalControlNets({name: ControlNetRunner(controlnet if index == 0 else
                                                                module_sharing_weights(controlnet), device, dtype)
                                         for index, name in enumerate(CONTROLNETS)}, max_workers=1)
@@ -449,6 +450,19 @@ def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="directory of the result files")
     parser.add_argument("--lora-store-mb-per-s", type=float, default=20.0,
                         help="read rate of the emulated remote LoRA store of the `cold remote` rows (both systems)")
+    parser.add_argument("--merged-cache-mib", type=int, default=None,
+                        help="swiftserve's lora.merged_cache_bytes in MiB (default: the server's, auto); both systems "
+                             "share one process, so auto's share of the memory free at start can overcommit a host "
+                             "that holds an SDXL-sized model twice over in LoRA state")
+    parser.add_argument("--lora-cache-mib", type=int, default=None,
+                        help="swiftserve's lora.cache_bytes in MiB (default: the server's)")
+
+
+def _lora_config(args: argparse.Namespace) -> LoRAConfig:
+    """The server's LoRA settings with one loader thread and the memory budgets the command line sets."""
+    budgets = {"merged_cache_bytes": None if args.merged_cache_mib is None else args.merged_cache_mib * 2**20,
+               "cache_bytes": None if args.lora_cache_mib is None else args.lora_cache_mib * 2**20}
+    return LoRAConfig(load_workers=1, **{key: value for key, value in budgets.items() if value is not None})
 
 
 def main() -> None:
@@ -469,7 +483,7 @@ def main() -> None:
         files.write(COLD)
         files.write(REMOTE)
         vanilla = Diffusers(sharing_weights(model), device, dtype, controlnet, files, params, image)
-        ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image)
+        ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image, _lora_config(args))
         systems = {OURS: ours.cases, THEIRS: vanilla.cases}
         cases = {(system, row): systems[system][row] for system, row in ROUND}
         print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.guidance_scale}, rank-"
@@ -550,6 +564,10 @@ def _prefixed(label: str, values: dict) -> dict:
     return {f"{label}_{key}" if label else key: value for key, value in values.items()}
 
 
+def _mib(value: int | None) -> str:
+    return "the server's default" if value is None else f"{value} MiB"
+
+
 def _range(stats: dict) -> str:
     return f"{stats['median_s']:.2f} ({stats['min_s']:.2f}-{stats['max_s']:.2f})"
 
@@ -566,7 +584,10 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
             "swiftserve runs its ControlNet, CFG worker and LoRA loads on device 1; diffusers runs on device 0 alone."
             if device.type == "cpu" else "One GPU: both systems and every swiftserve thread (ControlNet, CFG worker, "
             "LoRA loads) share cuda:0, so nothing here runs on a second device.") +
-        f" Peak host memory {payload['peak_host_memory_gib']:.1f} GiB (one copy of the weights, shared).",
+        f" Peak host memory {payload['peak_host_memory_gib']:.1f} GiB (one copy of the weights, shared)." + (
+            f" swiftserve's LoRA memory set by the command (merged copies: {_mib(args.merged_cache_mib)}, LoRA cache:"
+            f" {_mib(args.lora_cache_mib)})." if args.merged_cache_mib is not None or args.lora_cache_mib is not None
+            else ""),
         "",
         "| row | swiftserve (s) | diffusers (s) | diffusers case | diffusers / swiftserve | tie (ranges overlap) "
         "| swiftserve / its 0c-0l |",

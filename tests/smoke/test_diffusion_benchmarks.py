@@ -11,6 +11,7 @@ def test_bench_diffusion_times_every_katz_row_and_measures_how_far_a_cold_lora_i
     payload = run_benchmark("bench_diffusion", "--preset", "tiny", "--size", "64", "--steps", "4", "--rank", "4",
                             "--repeats", "1",
                             "--lora-store-mb-per-s", "0.01",  # a remote fetch of seconds: the LoRA comes late
+                            "--merged-cache-mib", "1", "--lora-cache-mib", "64",
                             result="bench_diffusion_tiny")
     assert payload["errors"] == 0
     assert {row["row"] for row in payload["comparisons"]} >= {"0c-0l", "1c-1l", "3c-2l", "0c-0l parallel CFG"}
@@ -23,7 +24,10 @@ def test_bench_diffusion_times_every_katz_row_and_measures_how_far_a_cold_lora_i
     assert {"tiny_ratio_1c1l_to_0c0l", "tiny_ratio_3c2l_to_0c0l", "tiny_ratio_0c0l", "tiny_ratio_warm_lora"} <= set(
         payload["summary"])
     assert payload["goals"]["tiny_ratio_0c0l"] == "<= 1.05"
-    assert "differs from the exact one" in (tmp_path / "bench_diffusion_tiny.md").read_text()
+    table = (tmp_path / "bench_diffusion_tiny.md").read_text()
+    assert "differs from the exact one" in table
+    assert "LoRA memory set by the command (merged copies: 1 MiB, LoRA cache: 64 MiB)" in table
+    assert (payload["args"]["merged_cache_mib"], payload["args"]["lora_cache_mib"]) == (1, 64)
 
 
 def test_bench_lora_records_each_lora_cases_cost_over_its_systems_no_lora_run(run_benchmark):
