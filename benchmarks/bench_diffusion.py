@@ -43,7 +43,10 @@ the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_d
 
 An SDXL preset (``--preset sdxl-shape``: SDXL 1.0 base's architecture) runs the same rows against
 ``StableDiffusionXLPipeline`` and ``StableDiffusionXLControlNetPipeline``; its results are
-``bench_diffusion_sdxl.{json,md}``, its summary keys prefixed ``sdxl_`` (issue 22). Any other preset's are labelled
+``bench_diffusion_sdxl.{json,md}``, its summary keys prefixed ``sdxl_`` (issue 22). A Flux preset (``--preset
+flux-tiny``) runs them against ``FluxPipeline`` and ``FluxControlNetPipeline``, its guidance (3.5) in the guidance
+embedding and CFG as true CFG (``true_cfg_scale`` 4 with a negative prompt), so every row has two branches as SD's
+do. Any other preset's are labelled
 with its name: ``--preset tiny --size 64 --steps 8`` is the overhead-bound row (Python overhead weighs as on a GPU),
 ``bench_diffusion_tiny`` with ``tiny_ratio_0c0l`` and ``tiny_ratio_warm_lora`` (ours over diffusers' fastest).
 
@@ -93,6 +96,7 @@ from serving.lora.cache import LoRACache
 from serving.lora.format import LoRATargets, load_lora_file
 from serving.lora.registry import LoRARegistry
 from serving.lora.weights import LoRAWeights
+from serving.preset_catalog import PRESET_FAMILIES
 from serving.presets import DiffusionComponents, build_preset
 
 NAME = "bench_diffusion"
@@ -111,6 +115,8 @@ GOALS = {"ratio_1c1l_to_0c0l": 1.10, "ratio_cfg_parallel": 0.65, "ratio_cold_lor
          "ratio_0c0l": 1.05, "ratio_warm_lora": 1.05}
 #: What a preset's result files and summary keys are labelled with (``bench_diffusion_<label>``, ``<label>_...``).
 LABELS = {"sd15-shape": "", "sdxl-shape": "sdxl"}
+#: A Flux request: its guidance embedded, true CFG on (two branches per step, as the other families' CFG).
+FLUX_REQUEST = {"guidance_scale": 3.5, "true_cfg": True, "true_cfg_scale": 4.0, "negative_prompt": "blurry"}
 
 #: One round, in order: each swiftserve row beside its diffusers counterpart; diffusers' adapter cases grouped, so
 #: its untimed LoRA set-up (a fused case unfuses after itself) changes as little as it can.
@@ -338,6 +344,7 @@ class Diffusers:
     def __init__(self, components: DiffusionComponents, device: torch.device, dtype: torch.dtype,
                  controlnet: torch.nn.Module, files: LoRAFiles, params: GenerationParams, image: np.ndarray) -> None:
         self.plain = components.as_pipeline().to(device=device, dtype=dtype)
+        self._control_key = "control_image" if components.family == "flux" else "image"
         self.controlled = components.as_controlnet_pipeline([controlnet]).to(device=device, dtype=dtype)
         self.controlled_3 = components.as_controlnet_pipeline(
             [controlnet, *(module_sharing_weights(controlnet) for _ in CONTROLNETS[1:])]).to(device=device, dtype=dtype)
@@ -371,9 +378,12 @@ class Diffusers:
     def generate(self, controlnets: int) -> dict:
         p = self._params
         pipe = {0: self.plain, 1: self.controlled, len(CONTROLNETS): self.controlled_3}[controlnets]
-        extra = ({"image": self._image, "controlnet_conditioning_scale": 1.0} if controlnets == 1 else
-                 {"image": [self._image] * controlnets, "controlnet_conditioning_scale": [1.0] * controlnets}
+        key = self._control_key
+        extra = ({key: self._image, "controlnet_conditioning_scale": 1.0} if controlnets == 1 else
+                 {key: [self._image] * controlnets, "controlnet_conditioning_scale": [1.0] * controlnets}
                  if controlnets else {})
+        if p.true_cfg:
+            extra |= {"negative_prompt": p.negative_prompt, "true_cfg_scale": p.true_cfg_scale}
         pipe(
             prompt=p.prompt, width=p.width, height=p.height, num_inference_steps=p.num_inference_steps,
             guidance_scale=p.guidance_scale, generator=torch.Generator().manual_seed(p.seed), output_type="np",
@@ -467,6 +477,8 @@ def _lora_config(args: argparse.Namespace) -> LoRAConfig:
 
 def main() -> None:
     args, params = diffusion_arguments(__doc__, steps=4, repeats=5, options=_options)
+    if PRESET_FAMILIES[args.preset] == "flux":
+        params = replace(params, **FLUX_REQUEST)
     label = LABELS.get(args.preset, args.preset.replace("-", "_"))
     diffusers_logging.set_verbosity_error()  # not a warning per LoRA load that the file has no text-encoder part
     device = resolve_device("auto")
@@ -486,7 +498,7 @@ def main() -> None:
         ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image, _lora_config(args))
         systems = {OURS: ours.cases, THEIRS: vanilla.cases}
         cases = {(system, row): systems[system][row] for system, row in ROUND}
-        print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.guidance_scale}, rank-"
+        print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.cfg_scale}, rank-"
               f"{args.rank} LoRAs ({lora_bytes / 2**20:.1f} MiB), {device} {str(dtype).removeprefix('torch.')}, "
               f"{torch.get_num_threads()} torch thread(s) per thread", flush=True)
         try:
@@ -538,8 +550,9 @@ def main() -> None:
         "machine": machine(),
         "device_map": devices.device_map(after_warmup, at_end),
         "args": vars(args),
-        "request": {"prompt": params.prompt, "size": args.size, "steps": args.steps,
-                    "guidance_scale": params.guidance_scale, "seed": params.seed, "lora_scale": SCALE},
+        "request": {"prompt": params.prompt, "negative_prompt": params.negative_prompt, "size": args.size,
+                    "steps": args.steps, "guidance_scale": params.guidance_scale, "cfg_scale": params.cfg_scale,
+                    "seed": params.seed, "lora_scale": SCALE},
         "lora_file_bytes": lora_bytes,
         "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # ru_maxrss: KiB
         "errors": 0,  # a failed request aborts the run

@@ -43,10 +43,17 @@ class _ModelSource(_Config):
         None, ge=1, description="torch intra-op threads of the replica; null: torch's default (Ray sets "
                                 "OMP_NUM_THREADS from the replica's num_cpus).")
 
+    def _sources(self) -> dict[str, object]:
+        """Where the weights may come from, by field: exactly one is set."""
+        return {"preset": self.preset, "path": self.path}
+
     @model_validator(mode="after")
     def _one_source(self) -> _ModelSource:
-        if (self.preset is None) == (self.path is None):
-            raise ValueError("set exactly one of `preset` and `path`")
+        sources = self._sources()
+        given = [name for name, value in sources.items() if value is not None]
+        if len(given) != 1:
+            named = ", ".join(f"`{name}`" for name in sources)
+            raise ValueError(f"set exactly one of {named}" + (f" (set: {', '.join(given)})" if given else ""))
         if self.preset is not None and self.preset not in PRESET_NAMES:
             raise ValueError(f"unknown preset {self.preset!r}; known presets: {', '.join(PRESET_NAMES)}")
         return self
@@ -56,6 +63,31 @@ class DiffusionModelConfig(_ModelSource):
     """Which base model a replica loads and where it runs."""
 
     name: str = Field("tiny", pattern=_NAME, description="Model id clients send as `model` and see in GET /v1/models.")
+    single_file: Path | None = Field(
+        None, description="A .safetensors checkpoint in its original training layout (SD 1.x/2.x, SDXL, Flux); "
+                          "needs `config`.")
+    config: str | None = Field(
+        None, description="With `single_file`: what the file lacks (configs, tokenizers, a Flux file's encoders and "
+                          "VAE): a preset of the file's family, or a local diffusers directory of it.")
+
+    def _sources(self) -> dict[str, object]:
+        return {**super()._sources(), "single_file": self.single_file}
+
+    @model_validator(mode="after")
+    def _config_goes_with_single_file(self) -> DiffusionModelConfig:
+        if (self.single_file is None) != (self.config is None):
+            raise ValueError("`single_file` needs `config` (a preset name or a local diffusers directory), and "
+                             "`config` is only for `single_file`")
+        if self.single_file is not None and self.single_file.suffix != ".safetensors":
+            raise ValueError("single_file: only .safetensors checkpoints are loaded (a pickled .ckpt can run code "
+                             "when it loads)")
+        return self
+
+    def source(self) -> str:
+        """Where the model comes from, for logs."""
+        if self.single_file is not None:
+            return f"single_file={self.single_file} config={self.config}"
+        return f"preset={self.preset}" if self.preset is not None else f"path={self.path}"
 
 
 class ControlNetConfig(_ModelSource):

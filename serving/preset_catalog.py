@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, get_args
 
-PRESET_NAMES: tuple[str, ...] = ("tiny", "sd15-shape", "sdxl-tiny", "sdxl-shape", "sd3-tiny")
+#: Each preset's model family (``serving.presets.ModelFamily``).
+PRESET_FAMILIES: dict[str, str] = {"tiny": "sd", "sd15-shape": "sd", "sdxl-tiny": "sdxl", "sdxl-shape": "sdxl",
+                                   "sd3-tiny": "sd3", "flux-tiny": "flux", "flux-schnell-tiny": "flux"}
+PRESET_NAMES: tuple[str, ...] = tuple(PRESET_FAMILIES)
 #: Trained weights shipped in the repository, one diffusers pipeline directory per preset that has them
 #: (written by ``python -m training.tiny_diffusion``); its ``controlnet/`` and ``loras/`` hold the extras.
 WEIGHTS_ROOT = Path(__file__).resolve().parent / "weights"

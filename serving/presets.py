@@ -7,6 +7,10 @@
 ``sdxl-shape`` the SDXL 1.0 base architecture with random weights (1024x1024 images), for benchmarks.
 ``sd3-tiny``   the Stable Diffusion 3 architecture (an MMDiT transformer, two CLIP encoders and a T5 encoder, a
                16-channel VAE, flow matching) at tiny sizes (64x64 images).
+``flux-tiny``  the Flux.1 [dev] architecture (a Flux transformer over 2x2-packed latents, a CLIP encoder's pooled
+               output and a T5 encoder, the guidance embedding, flow matching with a shift by image size) at tiny
+               sizes (64x64 images).
+``flux-schnell-tiny`` the same as Flux.1 [schnell] is to [dev]: no guidance embedding, an unshifted schedule.
 
 Presets are constructed in memory from fixed configs and a seed, so two builds are bit-identical and
 nothing is downloaded. Real checkpoints load from a local directory with ``local_files_only=True``, their
@@ -29,6 +33,11 @@ from diffusers import (
     DiffusionPipeline,
     EulerDiscreteScheduler,
     FlowMatchEulerDiscreteScheduler,
+    FluxControlNetModel,
+    FluxControlNetPipeline,
+    FluxMultiControlNetModel,
+    FluxPipeline,
+    FluxTransformer2DModel,
     MultiControlNetModel,
     SchedulerMixin,
     SD3ControlNetModel,
@@ -56,25 +65,31 @@ from serving._private.tokenizer import build_t5_tokenizer, build_tokenizer
 from serving.preset_catalog import WEIGHTS_CHOICES, WeightsChoice, check_preset, preset_weights
 
 #: The model families the engine serves: Stable Diffusion 1.x/2.x (a UNet, one CLIP text encoder), SDXL (a UNet,
-#: two CLIP encoders, the second's pooled embedding and the image size conditioning the UNet's added embedding) and
-#: Stable Diffusion 3 (an MMDiT transformer denoiser, two CLIP encoders and a T5 encoder, flow matching).
-ModelFamily = Literal["sd", "sdxl", "sd3"]
+#: two CLIP encoders, the second's pooled embedding and the image size conditioning the UNet's added embedding),
+#: Stable Diffusion 3 (an MMDiT transformer denoiser, two CLIP encoders and a T5 encoder, flow matching) and Flux.1
+#: (a Flux transformer over packed latents, a CLIP encoder's pooled output and a T5 encoder, flow matching; [dev]:
+#: guidance distilled into an embedding, [schnell]: none).
+ModelFamily = Literal["sd", "sdxl", "sd3", "flux"]
 #: The diffusers pipeline class a local directory's ``model_index.json`` names, by family.
 _PIPELINE_CLASSES: dict[str, ModelFamily] = {"StableDiffusionPipeline": "sd", "StableDiffusionXLPipeline": "sdxl",
-                                             "StableDiffusion3Pipeline": "sd3"}
+                                             "StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux"}
 #: The family's diffusers pipelines: text-to-image, and with ControlNets (the references the engine is tested on).
 _PIPELINES = {"sd": (StableDiffusionPipeline, StableDiffusionControlNetPipeline),
               "sdxl": (StableDiffusionXLPipeline, StableDiffusionXLControlNetPipeline),
-              "sd3": (StableDiffusion3Pipeline, StableDiffusion3ControlNetPipeline)}
-#: A denoiser: a UNet with down, mid and up blocks (SD, SDXL) or an MMDiT transformer (SD3).
-Denoiser = UNet2DConditionModel | SD3Transformer2DModel
+              "sd3": (StableDiffusion3Pipeline, StableDiffusion3ControlNetPipeline),
+              "flux": (FluxPipeline, FluxControlNetPipeline)}
+#: A denoiser: a UNet with down, mid and up blocks (SD, SDXL), an MMDiT transformer (SD3) or a Flux transformer.
+Denoiser = UNet2DConditionModel | SD3Transformer2DModel | FluxTransformer2DModel
+#: Flux's native image side in latent pixels (diffusers' ``FluxPipeline.default_sample_size``).
+_FLUX_SAMPLE_SIZE = 128
 
 
 @dataclass
 class DiffusionComponents:
     """The parts of a text-to-image latent diffusion model. SDXL adds a second CLIP text encoder with a projection
     (``text_encoder_2``); SD3 has a transformer denoiser, two CLIP encoders with projections and a T5 encoder
-    (``text_encoder_3``)."""
+    (``text_encoder_3``); Flux a Flux transformer, one CLIP encoder (its pooled output) and a T5 encoder
+    (``text_encoder_3`` here, diffusers' ``text_encoder_2``)."""
 
     denoiser: Denoiser
     vae: AutoencoderKL
@@ -87,6 +102,8 @@ class DiffusionComponents:
     tokenizer_3: T5TokenizerFast | None = None
     #: SDXL: an absent negative prompt conditions on zeros, not on the empty prompt's embedding (diffusers' default)
     force_zeros_for_empty_prompt: bool = True
+    #: Flux: the native image side in pixels (None: diffusers' ``default_sample_size`` times the VAE's factor)
+    native_size: int | None = None
 
     def __post_init__(self) -> None:
         has_second = self.text_encoder_2 is not None and self.tokenizer_2 is not None
@@ -95,8 +112,13 @@ class DiffusionComponents:
             if not (has_second and has_third):
                 raise ValueError("an SD3 transformer needs text_encoder_2, tokenizer_2, text_encoder_3 and tokenizer_3")
             return
+        if isinstance(self.denoiser, FluxTransformer2DModel):
+            if not has_third or self.text_encoder_2 is not None:
+                raise ValueError("a Flux transformer needs a T5 encoder (text_encoder_3, tokenizer_3) beside its CLIP "
+                                 "encoder, and no second CLIP encoder")
+            return
         if self.text_encoder_3 is not None:
-            raise ValueError("only an SD3 transformer takes text_encoder_3 and tokenizer_3")
+            raise ValueError("only an SD3 or Flux transformer takes text_encoder_3 and tokenizer_3")
         sdxl = self.denoiser.config.addition_embed_type == "text_time"
         if sdxl != has_second:
             raise ValueError("an SDXL UNet (addition_embed_type 'text_time') needs text_encoder_2 and tokenizer_2, "
@@ -106,6 +128,8 @@ class DiffusionComponents:
     def family(self) -> ModelFamily:
         if isinstance(self.denoiser, SD3Transformer2DModel):
             return "sd3"
+        if isinstance(self.denoiser, FluxTransformer2DModel):
+            return "flux"
         return "sdxl" if self.text_encoder_2 is not None else "sd"
 
     @property
@@ -114,12 +138,17 @@ class DiffusionComponents:
 
     @property
     def latent_factor(self) -> int:
-        """Image pixels per denoiser position along a side: the VAE's factor, times the transformer's patch."""
+        """Image pixels per denoiser position along a side: the VAE's factor, times the transformer's patch (Flux:
+        its 2x2 packing of the latents)."""
+        if self.family == "flux":
+            return self.vae_scale_factor * 2
         return self.vae_scale_factor * getattr(self.denoiser.config, "patch_size", 1)
 
     @property
     def default_size(self) -> int:
         """Native image side in pixels."""
+        if self.family == "flux":
+            return self.native_size or _FLUX_SAMPLE_SIZE * self.vae_scale_factor
         return self.denoiser.config.sample_size * self.vae_scale_factor
 
     @property
@@ -150,11 +179,13 @@ class DiffusionComponents:
         """The family's diffusers pipeline over these same modules (no copies), without a safety checker."""
         return _PIPELINES[self.family][0](**self._pipeline_parts())
 
-    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel | SD3ControlNetModel]) -> DiffusionPipeline:
+    def as_controlnet_pipeline(self, controlnets: Sequence[ControlNetModel | SD3ControlNetModel | FluxControlNetModel]
+                               ) -> DiffusionPipeline:
         """The family's diffusers ControlNet pipeline over these modules (the reference our engine is tested
-        against); several ControlNets are combined by ``MultiControlNetModel`` (SD3: ``SD3MultiControlNetModel``),
-        as diffusers does."""
-        multi = SD3MultiControlNetModel if self.family == "sd3" else MultiControlNetModel
+        against); several ControlNets are combined by ``MultiControlNetModel`` (SD3: ``SD3MultiControlNetModel``,
+        Flux: ``FluxMultiControlNetModel``), as diffusers does."""
+        multi = {"sd3": SD3MultiControlNetModel, "flux": FluxMultiControlNetModel}.get(self.family,
+                                                                                       MultiControlNetModel)
         controlnet = controlnets[0] if len(controlnets) == 1 else multi(list(controlnets))
         return _PIPELINES[self.family][1](**self._pipeline_parts(), controlnet=controlnet)
 
@@ -167,6 +198,9 @@ class DiffusionComponents:
             return parts | {"transformer": self.denoiser, "text_encoder_2": self.text_encoder_2,
                             "tokenizer_2": self.tokenizer_2, "text_encoder_3": self.text_encoder_3,
                             "tokenizer_3": self.tokenizer_3}
+        if self.family == "flux":
+            return parts | {"transformer": self.denoiser, "text_encoder_2": self.text_encoder_3,
+                            "tokenizer_2": self.tokenizer_3}
         parts["unet"] = self.denoiser
         if self.family == "sdxl":
             return parts | {"text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
@@ -206,6 +240,17 @@ def _sd3_scheduler() -> FlowMatchEulerDiscreteScheduler:
     """Flow-matching Euler with SD3's timestep shift (3.0), its tables made on the CPU."""
     with torch.device("cpu"):
         return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+
+
+def _flux_scheduler(*, distilled: bool = True) -> FlowMatchEulerDiscreteScheduler:
+    """Flow-matching Euler as Flux.1 ships it: [dev] shifts the schedule by the image's token count (``mu``), from
+    0.5 at 256 tokens to 1.15 at 4096; [schnell] does not shift. Its tables are made on the CPU."""
+    with torch.device("cpu"):
+        if not distilled:
+            return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)
+        return FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                               base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                               max_image_seq_len=4096)
 
 
 def _text_config(tokenizer: CLIPTokenizer, **arch: int | str) -> CLIPTextConfig:
@@ -294,9 +339,10 @@ def _sdxl_unet(**arch) -> UNet2DConditionModel:
 
 
 def _build_sdxl_tiny() -> DiffusionComponents:
+    """SDXL at the tiny sizes of diffusers' tests, the second text encoder wider than the first as SDXL's (and so
+    a single-file checkpoint tells them apart by width, as it tells CLIP ViT-L from OpenCLIP bigG)."""
     tokenizer = build_tokenizer()
-    text = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 5, "num_attention_heads": 4,
-            "hidden_act": "gelu", "projection_dim": 32}
+    text = {"intermediate_size": 37, "num_hidden_layers": 5, "num_attention_heads": 4, "hidden_act": "gelu"}
     return DiffusionComponents(
         denoiser=_sdxl_unet(
             sample_size=32,
@@ -304,14 +350,15 @@ def _build_sdxl_tiny() -> DiffusionComponents:
             layers_per_block=2,
             attention_head_dim=(2, 4),
             transformer_layers_per_block=(1, 2),
-            cross_attention_dim=64,  # the two text encoders' hidden states, concatenated
+            cross_attention_dim=80,  # the two text encoders' hidden states (32 + 48), concatenated
             addition_time_embed_dim=8,
-            projection_class_embeddings_input_dim=80,  # 6 size numbers x 8 + the pooled embedding's 32
+            projection_class_embeddings_input_dim=96,  # 6 size numbers x 8 + the pooled embedding's 48
         ),
         vae=_vae((32, 64), sample_size=128, scaling_factor=0.13025),
-        text_encoder=_text_encoder(tokenizer, **text),
+        text_encoder=_text_encoder(tokenizer, hidden_size=32, projection_dim=32, **text),
         tokenizer=tokenizer,
-        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, **text)),
+        text_encoder_2=CLIPTextModelWithProjection(_text_config(tokenizer, hidden_size=48, projection_dim=48,
+                                                                **text)),
         tokenizer_2=build_tokenizer(),
         scheduler=_sdxl_scheduler(),
     )
@@ -388,6 +435,40 @@ def _build_sd3_tiny() -> DiffusionComponents:
     )
 
 
+def _build_flux_tiny(*, guidance_embeds: bool = True) -> DiffusionComponents:
+    """Flux.1 at tiny sizes: the CLIP encoder's pooled output (32 wide) is the transformer's pooled projection, the
+    T5 encoder's states (32 wide) its context; a 4-channel VAE whose latents pack 2x2 into 16 channels.
+    ``guidance_embeds=False``: a [schnell]-style model (no guidance embedding, an unshifted schedule)."""
+    tokenizer = build_tokenizer()
+    tokenizer_3 = build_t5_tokenizer()
+    return DiffusionComponents(
+        denoiser=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,  # 4 latent channels x a 2x2 patch
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=guidance_embeds,
+            axes_dims_rope=(4, 6, 6),  # sums to the head dim
+        ),
+        vae=_vae((16, 32, 64), sample_size=64, layers_per_block=1, norm_num_groups=8, use_quant_conv=False,
+                 use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_text_encoder(tokenizer, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
+                                   num_attention_heads=4, hidden_act="gelu"),
+        tokenizer=tokenizer,
+        text_encoder_3=T5EncoderModel(T5Config(
+            vocab_size=len(tokenizer_3), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, pad_token_id=tokenizer_3.pad_token_id,
+            eos_token_id=tokenizer_3.eos_token_id)),
+        tokenizer_3=tokenizer_3,
+        scheduler=_flux_scheduler(distilled=guidance_embeds),
+        native_size=64,
+    )
+
+
 #: The builder of each preset in ``serving.preset_catalog.PRESET_NAMES``.
 _BUILDERS: dict[str, Callable[[], DiffusionComponents]] = {
     "tiny": _build_tiny,
@@ -395,6 +476,8 @@ _BUILDERS: dict[str, Callable[[], DiffusionComponents]] = {
     "sdxl-tiny": _build_sdxl_tiny,
     "sdxl-shape": _build_sdxl_shape,
     "sd3-tiny": _build_sd3_tiny,
+    "flux-tiny": _build_flux_tiny,
+    "flux-schnell-tiny": lambda: _build_flux_tiny(guidance_embeds=False),
 }
 
 
@@ -429,22 +512,35 @@ def local_family(path: str | Path) -> ModelFamily:
 
 
 def load_local(path: str | Path) -> DiffusionComponents:
-    """Load a diffusers SD, SDXL or SD3 text-to-image directory from local disk only (never a hub), its weights
-    from ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
+    """Load a diffusers SD, SDXL, SD3 or Flux text-to-image directory from local disk only (never a hub), its
+    weights from ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
     family = local_family(path)
     options = {"local_files_only": True, "use_safetensors": True, "dtype": torch.float32}
     pipe: DiffusionPipeline
-    if family == "sd3":
+    if family == "flux":
+        pipe = FluxPipeline.from_pretrained(path, **options)
+    elif family == "sd3":
         pipe = StableDiffusion3Pipeline.from_pretrained(path, **options)
-        extras = {"denoiser": pipe.transformer, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
-                  "text_encoder_3": pipe.text_encoder_3, "tokenizer_3": pipe.tokenizer_3}
     elif family == "sdxl":
         pipe = StableDiffusionXLPipeline.from_pretrained(path, add_watermarker=False, **options)
-        extras = {"denoiser": pipe.unet, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
-                  "force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}
     else:
         pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False,
                                                        **options)
+    return components_of(pipe, family)
+
+
+def components_of(pipe: DiffusionPipeline, family: ModelFamily) -> DiffusionComponents:
+    """The components of ``family``'s diffusers pipeline ``pipe`` (the same modules), frozen."""
+    extras: dict = {}
+    if family == "flux":
+        extras = {"denoiser": pipe.transformer, "text_encoder_3": pipe.text_encoder_2, "tokenizer_3": pipe.tokenizer_2}
+    elif family == "sd3":
+        extras = {"denoiser": pipe.transformer, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
+                  "text_encoder_3": pipe.text_encoder_3, "tokenizer_3": pipe.tokenizer_3}
+    elif family == "sdxl":
+        extras = {"denoiser": pipe.unet, "text_encoder_2": pipe.text_encoder_2, "tokenizer_2": pipe.tokenizer_2,
+                  "force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}
+    else:
         extras = {"denoiser": pipe.unet}
     return DiffusionComponents(
         vae=pipe.vae,

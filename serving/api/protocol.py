@@ -22,6 +22,7 @@ from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, ImageLimits, LoRAMode
 from serving.controlnet.conditioning import preprocess
 from serving.engine import EditImage, GenerationParams, GenerationResult, LoRAReport, LoRASpec, ModelInfo, PartialImage
+from serving.engine.emphasis import EmphasisError, PromptSyntax, parse_emphasis
 from serving.engine.types import ControlNetSpec
 from serving.images import ImageDecodeError, decode_image, decode_image_bytes, decode_mask, resize_image, resize_mask
 
@@ -75,8 +76,17 @@ class _ImageRequest(BaseModel):
         None, ge=0, le=MAX_PARTIAL_IMAGES,
         description="With `stream`: previews sent per image while it denoises (approximate latent previews).")
     negative_prompt: str | None = Field(None, description="What not to draw (unconditional branch of CFG).")
+    prompt_syntax: PromptSyntax = Field(
+        "weighted", description="`weighted`: `(text)`, `[text]` and `(text:1.3)` weigh text as in AUTOMATIC1111 "
+                                "(an unpaired bracket is text); `plain`: every character is text. Prompts past the "
+                                "text encoder's window are encoded window by window either way.")
     num_inference_steps: int | None = Field(None, ge=1, description="Denoising steps.")
-    guidance_scale: float | None = Field(None, ge=0.0, description="Classifier-free guidance scale.")
+    guidance_scale: float | None = Field(
+        None, ge=0.0, description="Classifier-free guidance scale (Flux [dev]: the scale its guidance embedding "
+                                  "takes; [schnell]: unused).")
+    true_cfg_scale: float | None = Field(
+        None, ge=0.0, description="Flux only: classifier-free guidance at this scale when it exceeds 1 and a "
+                                  "`negative_prompt` is given (two denoiser passes per step). Default 1: none.")
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="Image i uses seed + i; random if absent.")
     scheduler: str | None = Field(
         None, min_length=1, description="Noise scheduler, one of the model's `schedulers` (GET /v1/models); "
@@ -96,9 +106,9 @@ class _ImageRequest(BaseModel):
         """The ``GenerationParams`` fields every request has, with the model's defaults and limits applied (the
         model already picked by ``model``); raise ``APIError`` (400) naming the field at fault."""
         limits, defaults = config.limits, config.defaults
-        _check_text("prompt", self.prompt, limits.max_prompt_chars)
+        _check_text("prompt", self.prompt, limits.max_prompt_chars, self.prompt_syntax)
         if self.negative_prompt is not None:
-            _check_text("negative_prompt", self.negative_prompt, limits.max_prompt_chars)
+            _check_text("negative_prompt", self.negative_prompt, limits.max_prompt_chars, self.prompt_syntax)
         if self.n > limits.max_n:
             raise invalid_field("n", f"at most {limits.max_n} images per request")
         if self.partial_images and not self.stream:
@@ -109,6 +119,12 @@ class _ImageRequest(BaseModel):
         guidance = defaults.guidance_scale if self.guidance_scale is None else self.guidance_scale
         if guidance > limits.max_guidance_scale:
             raise invalid_field("guidance_scale", f"at most {limits.max_guidance_scale}")
+        if self.true_cfg_scale is not None and not info.true_cfg:
+            raise invalid_field("true_cfg_scale", "this model runs classifier-free guidance at `guidance_scale`; "
+                                                  "`true_cfg_scale` is for Flux models")
+        true_cfg_scale = 1.0 if self.true_cfg_scale is None else self.true_cfg_scale
+        if true_cfg_scale > limits.max_guidance_scale:
+            raise invalid_field("true_cfg_scale", f"at most {limits.max_guidance_scale}")
         seed = secrets.randbelow(2**31) if self.seed is None else self.seed
         if seed + self.n - 1 > MAX_SEED:
             raise invalid_field("seed", f"seed + n - 1 must not exceed {MAX_SEED}")
@@ -123,6 +139,9 @@ class _ImageRequest(BaseModel):
             "lora_mode": self.lora_mode or defaults.lora_mode,
             "scheduler": _check_scheduler(self.scheduler, info),
             "partial_images": self.partial_images or 0,
+            "prompt_syntax": self.prompt_syntax,
+            "true_cfg": info.true_cfg,
+            "true_cfg_scale": true_cfg_scale,
         }
 
 
@@ -185,9 +204,14 @@ def invalid_field(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
-def _check_text(param: str, text: str, max_chars: int) -> None:
+def _check_text(param: str, text: str, max_chars: int, syntax: PromptSyntax) -> None:
     if len(text) > max_chars:
         raise invalid_field(param, f"longer than {max_chars} characters")
+    if syntax == "weighted":
+        try:
+            parse_emphasis(text)
+        except EmphasisError as error:
+            raise invalid_field(param, f"{error} (or send `prompt_syntax: plain` to take brackets as text)") from None
 
 
 def _check_loras(loras: list[LoRARequest], max_loras: int, max_scale: float) -> tuple[LoRASpec, ...]:

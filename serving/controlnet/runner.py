@@ -7,7 +7,8 @@ conditioning image once (with how many rows it covers).
 UNet ControlNets (SD, SDXL) take the RGB image and return down-block and mid-block residuals. SD3 ControlNets take
 the image already VAE-encoded, ``(latent - shift_factor) * scaling_factor`` with ``latent_shift = shift_factor *
 scaling_factor``, and return one residual per ControlNet block ([R, tokens, dim]) and no mid residual; they run as
-``StableDiffusion3ControlNetPipeline`` runs them.
+``StableDiffusion3ControlNetPipeline`` runs them. Flux ControlNets take the latents the same way (shift taken
+out), packed into tokens as the rows' latents are, and return block and single-block samples.
 Residuals come back already scaled, as ``MultiControlNetModel`` sums them.
 """
 
@@ -17,7 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-from diffusers import ControlNetModel, SD3ControlNetModel
+from diffusers import ControlNetModel, FluxControlNetModel, SD3ControlNetModel
+
+from serving.common.packed_latents import latent_positions, pack_latents
 
 #: Where a row's text embedding lives: its request's embeddings [rows, S, D] (one tensor for the request's life, or
 #: until its LoRAs re-encode its text) and the row's index in them.
@@ -50,10 +53,12 @@ class ControlNetCall:
 @dataclass
 class ControlNetResiduals:
     """Scaled per row: down-block residuals (one per UNet skip connection) and the mid-block residual; SD3: the
-    ControlNet's block samples [R, tokens, dim] and no mid residual."""
+    ControlNet's block samples [R, tokens, dim] and no mid residual; Flux: its block samples and its single-block
+    samples (``single``)."""
 
     down: list[torch.Tensor]
     mid: torch.Tensor | None
+    single: list[torch.Tensor] = field(default_factory=list)
 
 
 def merge_calls(calls: Sequence[ControlNetCall]) -> ControlNetCall:
@@ -80,14 +85,16 @@ def split_residuals(residuals: ControlNetResiduals, rows: Sequence[int]) -> list
         return [residuals]
     downs = [torch.split(block, list(rows)) for block in residuals.down]
     mids = torch.split(residuals.mid, list(rows)) if residuals.mid is not None else None
-    return [ControlNetResiduals([d[i].contiguous() for d in downs], mids[i].contiguous() if mids is not None else None)
+    singles = [torch.split(block, list(rows)) for block in residuals.single]
+    return [ControlNetResiduals([d[i].contiguous() for d in downs], mids[i].contiguous() if mids is not None else None,
+                                [s[i].contiguous() for s in singles])
             for i in range(len(rows))]
 
 
 class ControlNetRunner:
     """One ControlNet model on one device; the model's class picks how it runs."""
 
-    def __init__(self, model: ControlNetModel | SD3ControlNetModel, device: torch.device,
+    def __init__(self, model: ControlNetModel | SD3ControlNetModel | FluxControlNetModel, device: torch.device,
                  dtype: torch.dtype = torch.float32) -> None:
         self.model = model.to(device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)
         self.device, self.dtype = device, dtype
@@ -96,6 +103,8 @@ class ControlNetRunner:
     def run(self, call: ControlNetCall) -> ControlNetResiduals:
         if isinstance(self.model, SD3ControlNetModel):
             return self._run_sd3(call)
+        if isinstance(self.model, FluxControlNetModel):
+            return self._run_flux(call)
         device, dtype = self.device, self.dtype
         down, mid = self.model(
             call.sample.to(device, dtype),
@@ -128,6 +137,30 @@ class ControlNetRunner:
         )
         scales = call.scales.to(device, dtype).view(-1, 1, 1)
         return ControlNetResiduals([block * scales for block in blocks], None)
+
+    def _run_flux(self, call: ControlNetCall) -> ControlNetResiduals:
+        """As ``FluxControlNetPipeline`` with an InstantX-style ControlNet: the rows' latents and the control images'
+        latents packed into tokens, each row's guidance where the ControlNet embeds guidance."""
+        device, dtype = self.device, self.dtype
+        sample = call.sample.to(device, dtype)
+        height, width = sample.shape[-2:]
+        context = call.encoder_hidden_states.to(device, dtype)
+        guidance = call.added.get("guidance") if self.model.config.guidance_embeds else None
+        blocks, single = self.model(
+            hidden_states=pack_latents(sample),
+            controlnet_cond=pack_latents(self._images(call)),
+            conditioning_scale=1.0,
+            timestep=call.timestep.to(device, dtype) / 1000,
+            guidance=guidance.to(device) if guidance is not None else None,
+            pooled_projections=call.added["pooled_projections"].to(device, dtype),
+            encoder_hidden_states=context,
+            txt_ids=context.new_zeros(context.shape[1], 3),
+            img_ids=latent_positions(height, width, sample),
+            return_dict=False,
+        )
+        scales = call.scales.to(device, dtype).view(-1, 1, 1)
+        return ControlNetResiduals([block * scales for block in blocks], None,
+                                   [block * scales for block in single or []])
 
     def _images(self, call: ControlNetCall, shift: float = 0.0) -> torch.Tensor:
         """Each row's conditioning input [R, ...], ``shift`` added to each image once."""

@@ -69,6 +69,7 @@ class ServeCFGWorker(CFGWorker):
             sample=to_numpy(batch.sample),
             timestep=to_numpy(batch.timestep),
             context=self._shared.rows(batch.context_rows),
+            context_length=batch.context.shape[1],
             loras=[tuple((weights.name, scale) for weights, scale in row) for row in batch.loras],
             controls=[tuple((name, self._shared.ref(image), scale) for name, image, scale in row)
                       for row in batch.controls],
@@ -244,4 +245,5 @@ class CFGWorkerDeployment:
     async def _batched(self, calls: list[WireRows]) -> list[WireNoise]:
         # No lock: serve.batch runs one batch at a time (max_concurrent_batches 1), and the LoRA hooks, which hold
         # per-forward state, need exactly that.
-        return await forward_by_shape(calls, lambda call: call.sample.shape[1:], self._core.forward)
+        return await forward_by_shape(calls, lambda call: (call.sample.shape[1:], call.context_length),
+                                      self._core.forward)

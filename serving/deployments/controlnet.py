@@ -60,6 +60,7 @@ class ServeControlNets(ControlNetClient):
             sample=to_numpy(call.sample),
             timestep=to_numpy(call.timestep),
             context=self._shared.rows(call.context_rows),
+            context_length=call.encoder_hidden_states.shape[1],
             scales=to_numpy(call.scales),
             images=[(self._shared.ref(image), rows) for image, rows in call.images],
             added={name: to_numpy(value) for name, value in call.added.items()},
@@ -71,7 +72,8 @@ class ServeControlNets(ControlNetClient):
     def _residuals(self, wire: WireResiduals) -> ControlNetResiduals:
         self._metrics.remote_bytes("controlnet", "received", wire.nbytes)
         return ControlNetResiduals([from_numpy(block) for block in wire.down],
-                                   from_numpy(wire.mid) if wire.mid is not None else None)
+                                   from_numpy(wire.mid) if wire.mid is not None else None,
+                                   [from_numpy(block) for block in wire.single])
 
 
 class ControlNetCore:
@@ -86,7 +88,8 @@ class ControlNetCore:
         decoded = [self._decode(call) for call in calls]
         residuals = self._runner.run(merge_calls(decoded))
         return [WireResiduals([to_numpy(block) for block in part.down],
-                              to_numpy(part.mid) if part.mid is not None else None)
+                              to_numpy(part.mid) if part.mid is not None else None,
+                              [to_numpy(block) for block in part.single])
                 for part in split_residuals(residuals, [call.rows for call in decoded])]
 
     def _decode(self, call: WireCall) -> ControlNetCall:
@@ -120,5 +123,6 @@ class ControlNetService(MemoryReport):
 
     @serve.batch
     async def _batched(self, calls: list[WireCall]) -> list[WireResiduals]:
-        return await forward_by_shape(calls, lambda call: (call.sample.shape[1:], call.latent_shift),
+        return await forward_by_shape(calls,
+                                      lambda call: (call.sample.shape[1:], call.context_length, call.latent_shift),
                                       self._core.forward)

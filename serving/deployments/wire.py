@@ -25,6 +25,7 @@ class WireRows:
     sample: np.ndarray
     timestep: np.ndarray
     context: list[WireContextRow]
+    context_length: int  # text tokens per row: rows share a forward only with rows of the same length
     loras: list[tuple[tuple[str, float], ...]]
     controls: list[tuple[tuple[str, ray.ObjectRef, float], ...]]
     added: dict[str, np.ndarray] = field(default_factory=dict)  # the denoiser's added inputs per row (SDXL, SD3)
@@ -57,6 +58,7 @@ class WireCall:
     sample: np.ndarray
     timestep: np.ndarray
     context: list[WireContextRow]
+    context_length: int  # text tokens per row: calls share a forward only with calls of the same length
     scales: np.ndarray
     images: list[tuple[ray.ObjectRef, int]]
     added: dict[str, np.ndarray] = field(default_factory=dict)  # the added inputs per row (SDXL, SD3)
@@ -70,14 +72,17 @@ class WireCall:
 
 @dataclass
 class WireResiduals:
-    """A ControlNet's answer: down-block residuals and the mid-block residual (SD3: block samples, no mid)."""
+    """A ControlNet's answer: down-block residuals and the mid-block residual (SD3: block samples, no mid; Flux:
+    block samples and single-block samples)."""
 
     down: list[np.ndarray]
     mid: np.ndarray | None
+    single: list[np.ndarray] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
-        return sum(block.nbytes for block in self.down) + (self.mid.nbytes if self.mid is not None else 0)
+        return (sum(block.nbytes for block in self.down) + (self.mid.nbytes if self.mid is not None else 0)
+                + sum(block.nbytes for block in self.single))
 
 
 class PendingReply(Generic[T]):

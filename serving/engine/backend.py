@@ -15,6 +15,7 @@ from serving.common.errors import RequestItemError
 from serving.common.metrics import NO_METRICS, Metrics
 from serving.config import DiffusionAppConfig
 from serving.controlnet.client import ControlNetClient
+from serving.controlnet.models import controlnet_family
 from serving.engine.cfg import CFGWorker, WorkerPatience
 from serving.engine.diffusion_engine import DiffusionEngine
 from serving.engine.loop import EngineLoop, StepCallback
@@ -44,6 +45,7 @@ class LocalBackend(ImageGenerationBackend):
         worker = config.engine.cfg_worker
         patience = WorkerPatience(worker.patience, worker.min_wait_s, worker.retry_after_s, worker.max_retry_after_s)
         engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker, patience, metrics)
+        check_controlnet_families(config, engine.info.family)
         return cls.for_engine(engine, config, on_step=on_step, metrics=metrics)
 
     @staticmethod
@@ -116,3 +118,13 @@ def _located_errors(params: GenerationParams) -> Iterator[None]:
         yield
     except RequestItemError as error:
         raise error.located([item.name for item in getattr(params, error.field)]) from None
+
+
+def check_controlnet_families(config: DiffusionAppConfig, family: str) -> None:
+    """ValueError naming the first configured ControlNet that conditions another family than the model's."""
+    for index, controlnet in enumerate(config.controlnets):
+        found = controlnet_family(controlnet.preset, controlnet.path)
+        if found != family:
+            source = f"preset {controlnet.preset}" if controlnet.preset is not None else str(controlnet.path)
+            raise ValueError(f"controlnets[{index}] ({controlnet.name!r}, {source}) is a ControlNet for the {found} "
+                             f"family, and model {config.model.name!r} is {family}")

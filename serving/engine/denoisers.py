@@ -5,6 +5,8 @@ join its forward.
 block's output, so the down and mid blocks run before they are needed (``SplitUNet``): a remote ControlNet computes
 while they do. ``SD3Denoiser`` (an MMDiT transformer): a residual is added after each transformer block, the first
 one after block 0, so nothing useful overlaps with the ControlNet; it runs diffusers' own forward.
+``FluxDenoiser`` (Flux.1): latents packed 2x2 into tokens around diffusers' own forward, as ``FluxPipeline`` packs
+them; a ControlNet's block samples join the double-stream blocks, its single-block samples the single-stream ones.
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 
 import torch
-from diffusers import SD3Transformer2DModel, UNet2DConditionModel
+from diffusers import FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
 
+from serving.common.packed_latents import latent_positions, pack_latents, unpack_latents
 from serving.controlnet.runner import ControlNetResiduals
 from serving.engine.unet_split import SplitUNet
 
@@ -83,8 +86,43 @@ class SD3Denoiser(Denoiser):
                            return_dict=False)[0]
 
 
-def denoiser_for(module: UNet2DConditionModel | SD3Transformer2DModel, *, controlled: bool) -> Denoiser:
+class FluxDenoiser(Denoiser):
+    """A ``FluxTransformer2DModel`` on latents [R, C, h, w], packed into [R, h/2 * w/2, 4C] tokens with their
+    positions and unpacked after; its added inputs are the pooled CLIP embedding (``pooled_projections``) and each
+    row's ``guidance``, which only a guidance-distilled model ([dev]) embeds."""
+
+    @property
+    def in_channels(self) -> int:
+        return self.module.config.in_channels // 4
+
+    def predict(self, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                added: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._forward(sample, timestep, context, added, None)
+
+    def predict_controlled(self, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                           added: Mapping[str, torch.Tensor], residuals: PendingResiduals) -> torch.Tensor:
+        return self._forward(sample, timestep, context, added, residuals())
+
+    def _forward(self, sample: torch.Tensor, timestep: torch.Tensor, context: torch.Tensor,
+                 added: Mapping[str, torch.Tensor], control: ControlNetResiduals | None) -> torch.Tensor:
+        channels, height, width = sample.shape[1:]
+        packed = pack_latents(sample)
+        output = self.module(
+            hidden_states=packed, timestep=timestep.to(sample.dtype) / 1000,
+            guidance=added["guidance"] if self.module.config.guidance_embeds else None,
+            pooled_projections=added["pooled_projections"], encoder_hidden_states=context,
+            txt_ids=context.new_zeros(context.shape[1], 3), img_ids=latent_positions(height, width, sample),
+            controlnet_block_samples=control.down if control is not None else None,
+            controlnet_single_block_samples=(control.single or None) if control is not None else None,
+            return_dict=False)[0]
+        return unpack_latents(output, channels, height, width)
+
+
+def denoiser_for(module: UNet2DConditionModel | SD3Transformer2DModel | FluxTransformer2DModel, *,
+                 controlled: bool) -> Denoiser:
     """The ``Denoiser`` of ``module``'s kind; ``controlled``: ControlNet residuals will be added."""
     if isinstance(module, SD3Transformer2DModel):
         return SD3Denoiser(module)
+    if isinstance(module, FluxTransformer2DModel):
+        return FluxDenoiser(module)
     return UNetDenoiser(module, controlled=controlled)

@@ -42,6 +42,7 @@ from serving.lora.apply import LoRAHooks, plan_lora_rows
 from serving.lora.format import LoRATargets
 from serving.lora.weights import LoRAWeights
 from serving.presets import DiffusionComponents, build_preset, load_local
+from serving.single_file import load_single_file
 
 T = TypeVar("T")
 logger = get_logger("engine")
@@ -60,9 +61,12 @@ class InvalidImageSize(APIError, ValueError):
 
 
 def load_components(config: DiffusionModelConfig) -> DiffusionComponents:
-    """Build a preset or load a local directory, as ``config`` says."""
+    """Build a preset, load a local directory or a single-file checkpoint, as ``config`` says."""
     if config.preset is not None:
         return build_preset(config.preset, seed=config.seed, weights=config.weights)
+    if config.single_file is not None:
+        assert config.config is not None
+        return load_single_file(config.single_file, config.config)
     assert config.path is not None
     return load_local(config.path)
 
@@ -82,10 +86,12 @@ class DiffusionEngine:
                  lora_merge_after: int = 8, controlnets: ControlNetClient | None = None,
                  cfg_worker: CFGWorker | None = None, cfg_patience: WorkerPatience | None = None,
                  metrics: Metrics = NO_METRICS) -> None:
-        self.schedulers = SchedulerChoices(components.scheduler)
+        self.schedulers = SchedulerChoices(components.scheduler, custom_sigmas=components.family == "flux")
+        self.latent_factor = components.latent_factor
         self.info = ModelInfo(name=name, default_size=components.default_size,
                               size_multiple=components.size_multiple, family=components.family,
-                              schedulers=self.schedulers.names, default_scheduler=self.schedulers.default)
+                              schedulers=self.schedulers.names, default_scheduler=self.schedulers.default,
+                              true_cfg=components.family == "flux")
         self.max_side = components.max_side
         self.device, self.dtype = device, dtype
         # SDXL's VAE overflows in float16 (``force_upcast``): it decodes in float32, as diffusers' SDXL pipeline.
@@ -129,9 +135,8 @@ class DiffusionEngine:
         engine = cls(config.name, load_components(config), device, DTYPES[config.dtype],
                      merged_lora_bytes=lora.merged_cache_bytes, lora_merge_after=lora.merge_after_forwards,
                      controlnets=controlnets, cfg_worker=cfg_worker, cfg_patience=cfg_patience, metrics=metrics)
-        source = f"preset={config.preset}" if config.preset else f"path={config.path}"
         logger.info("diffusion model %r loaded (%s, device=%s, dtype=%s) in %.1fs on %s",
-                    config.name, source, device, config.dtype, time.perf_counter() - started, placement())
+                    config.name, config.source(), device, config.dtype, time.perf_counter() - started, placement())
         return engine
 
     @property
@@ -210,6 +215,8 @@ class DiffusionEngine:
             lora_step=_lora_deadline(params, len(timesteps), lora_wait_fraction),
             inpainting=initial.inpainting,
             denoiser_inputs=initial.denoiser_inputs,
+            long_text=None if prompt_embeds.hidden.shape[1] == self.prompts.usual_length
+            else prompt_embeds.hidden.shape[1],
         )
 
     def denoising_steps(self, params: GenerationParams) -> int:
@@ -315,7 +322,7 @@ class DiffusionEngine:
             offset += state.rows
             if state.params.uses_cfg:
                 uncond, cond = prediction.chunk(2)
-                prediction = uncond + state.params.guidance_scale * (cond - uncond)
+                prediction = uncond + state.params.cfg_scale * (cond - uncond)
             output = state.scheduler.step(prediction, state.timesteps[state.step_index], state.latents,
                                           **step_kwargs(state.scheduler, state.generators), return_dict=True)
             state.latents = output.prev_sample
@@ -434,6 +441,7 @@ class DiffusionEngine:
         def summed() -> ControlNetResiduals:
             down: list[torch.Tensor] = []
             mid: torch.Tensor | None = None
+            single: list[torch.Tensor] = []
             for name, index, future in pending:
                 try:
                     residuals = self._await_remote(future.result)
@@ -442,20 +450,21 @@ class DiffusionEngine:
                 if not down:
                     down = [_zero_rows(batch.rows, part, batch.sample) for part in residuals.down]
                     mid = _zero_rows(batch.rows, residuals.mid, batch.sample) if residuals.mid is not None else None
-                for total, part in zip(down, residuals.down, strict=True):
+                    single = [_zero_rows(batch.rows, part, batch.sample) for part in residuals.single]
+                for total, part in zip([*down, *single], [*residuals.down, *residuals.single], strict=True):
                     total.index_add_(0, index, part.to(total.device, total.dtype))
                 if mid is not None and residuals.mid is not None:
                     mid.index_add_(0, index, residuals.mid.to(mid.device, mid.dtype))
-            return ControlNetResiduals(down, mid)
+            return ControlNetResiduals(down, mid, single)
 
         return summed
 
     def _control_input(self, image: np.ndarray, params: GenerationParams) -> torch.Tensor:
         """A conditioning image as the family's ControlNets take it: the image in [0, 1] [1, 3, H, W] (SD, SDXL);
-        SD3: its VAE latents ``(mode - shift) * scaling`` [1, C, h, w] (diffusers samples the latent distribution;
-        the engine takes its mode, so one image conditions every row and request alike)."""
+        SD3 and Flux: its VAE latents ``(mode - shift) * scaling`` [1, C, h, w] (diffusers samples the latent
+        distribution; the engine takes its mode, so one image conditions every row and request alike)."""
         pixels = to_controlnet_input(image, params.width, params.height).to(self.device)
-        if self.info.family != "sd3":
+        if self.info.family not in ("sd3", "flux"):
             return pixels
         return encode_mode(self.vae, pixels, self.vae_dtype).to(self.dtype)
 
@@ -472,16 +481,19 @@ class DiffusionEngine:
         return entry[1]
 
     def _timestep_kwargs(self, scheduler: SchedulerMixin, params: GenerationParams) -> dict:
-        """SD3.5-style dynamic shifting, where ``scheduler`` shifts dynamically: the schedule's shift ``mu`` from the
-        image's token count, as diffusers' SD3 pipeline computes it."""
-        config = scheduler.config
-        if not config.get("use_dynamic_shifting"):
-            return {}
-        patch = getattr(self.denoiser.module.config, "patch_size", 1)
-        tokens = (params.height // self.vae_scale_factor // patch) * (params.width // self.vae_scale_factor // patch)
-        return {"mu": calculate_shift(tokens, config.get("base_image_seq_len", 256),
-                                      config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                                      config.get("max_shift", 1.16))}
+        """Dynamic shifting (Flux [dev], SD3.5), where ``scheduler`` shifts dynamically: the schedule's shift ``mu``
+        from the image's token count, as diffusers' pipelines compute it; Flux: the sigmas ``FluxPipeline`` sets
+        (1 down to 1/steps, evenly), unless the scheduler makes flow sigmas itself."""
+        config, kwargs = scheduler.config, {}
+        if self.info.family == "flux" and not config.get("use_flow_sigmas"):
+            steps = params.num_inference_steps
+            kwargs["sigmas"] = np.linspace(1.0, 1 / steps, steps)
+        if config.get("use_dynamic_shifting"):
+            tokens = (params.height // self.latent_factor) * (params.width // self.latent_factor)
+            kwargs["mu"] = calculate_shift(tokens, config.get("base_image_seq_len", 256),
+                                           config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                                           config.get("max_shift", 1.16))
+        return kwargs
 
 
 def _band_decodable(vae: torch.nn.Module) -> bool:

@@ -147,7 +147,7 @@ class EngineLoop:
             return
         with self._wakeup:
             queued = [s.work for s in self._queue]
-        running = [Work(active.state.rows, active.state.steps_left, active.state.size, active.slot.skipped)
+        running = [Work(active.state.rows, active.state.steps_left, active.state.batch_key, active.slot.skipped)
                    for active in list(self._active)]
         waited = wait_steps(running, queued, work, self.config.max_batch_rows,
                             self.config.continuous_batching, self.config.max_skipped_steps)
@@ -237,7 +237,7 @@ class EngineLoop:
         state = submission.prepared.result()
         state.admitted = time.perf_counter()
         previews = preview_steps(len(state.timesteps), state.params.partial_images) if submission.on_preview else []
-        active = _Active(submission, state, Slot(state.rows, state.size),
+        active = _Active(submission, state, Slot(state.rows, state.batch_key),
                          {step: index for index, step in enumerate(previews)})
         self._active.append(active)
         for pending in state.loras:

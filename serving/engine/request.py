@@ -80,6 +80,7 @@ class RequestState:
     inpainting: Inpainting | None = None  # an inpainting request's kept region, blended in after each step
     denoiser_inputs: torch.Tensor | None = None  # channels after each row's latents (an inpainting denoiser's mask
     # and masked-image latents) [rows, c, h, w]
+    long_text: int | None = None  # text tokens per row when a long prompt made them more than the model's usual
     _context: tuple[torch.Tensor, dict[str, torch.Tensor], TextEmbeddings, TextEmbeddings | None] | None = field(
         default=None, init=False, repr=False)  # (context, added, the prompt and negative embeddings they came from)
 
@@ -151,3 +152,9 @@ class RequestState:
     @property
     def size(self) -> tuple[int, int]:
         return self.params.height, self.params.width
+
+    @property
+    def batch_key(self) -> tuple[int, ...]:
+        """What requests sharing a denoiser forward must have in common: the image size, and the text length when
+        a long prompt changed it."""
+        return self.size if self.long_text is None else (*self.size, self.long_text)

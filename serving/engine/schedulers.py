@@ -3,7 +3,8 @@
 the engine makes as diffusers' pipelines make them (step arguments, noising, an edit's shortened schedule).
 
 A model with a discrete noise schedule (Stable Diffusion 1.x/2.x, SDXL) takes the discrete table; a flow-matching
-one (SD3) the flow table: its own Euler, and the multistep solvers in their flow-sigma form.
+one (SD3, Flux) the flow table: its own Euler, and the multistep solvers in their flow-sigma form. Flux's pipeline
+sets every schedule from its own sigmas, so a Flux model offers only the schedulers that take them.
 """
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ _FLOW: dict[str, SchedulerChoice] = {
 
 class SchedulerChoices:
     """The schedulers one model's requests may name, made from its own scheduler ``base``. ``default`` names
-    ``base`` itself: its table name when the table has it as it is, else its class name."""
+    ``base`` itself: its table name when the table has it as it is, else its class name. ``custom_sigmas``: only
+    the schedulers whose ``set_timesteps`` takes ``sigmas`` (Flux)."""
 
-    def __init__(self, base: SchedulerMixin) -> None:
+    def __init__(self, base: SchedulerMixin, *, custom_sigmas: bool = False) -> None:
         self.base = base
         self.flow = isinstance(base, FlowMatchEulerDiscreteScheduler) or bool(base.config.get("use_flow_sigmas"))
-        self._table = _FLOW if self.flow else _DISCRETE
+        self._table = {name: choice for name, choice in (_FLOW if self.flow else _DISCRETE).items()
+                       if not custom_sigmas or "sigmas" in set_timesteps_parameters(choice.cls)}
         own = [name for name, choice in self._table.items() if choice.is_config_of(base)]
         self.default = own[0] if own else type(base).__name__
 
@@ -115,6 +118,12 @@ class SchedulerChoices:
 @functools.cache
 def _init_parameters(scheduler_cls: type[SchedulerMixin]) -> frozenset[str]:
     return frozenset(inspect.signature(scheduler_cls.__init__).parameters)
+
+
+@functools.cache
+def set_timesteps_parameters(scheduler_cls: type[SchedulerMixin]) -> frozenset[str]:
+    """What ``scheduler_cls.set_timesteps`` takes."""
+    return frozenset(inspect.signature(scheduler_cls.set_timesteps).parameters)
 
 
 @functools.cache

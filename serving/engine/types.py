@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from serving.config import LoRAMode
+from serving.engine.emphasis import PromptSyntax
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,10 @@ class EditImage:
 class GenerationParams:
     """One validated request, in engine terms: text-to-image, or an edit of ``edit``'s image. Image ``i`` starts
     from seed ``seed + i``. ``scheduler``: a name of ``ModelInfo.schedulers`` (None: the model's own).
-    ``partial_images``: previews streamed per image while it denoises (0-3)."""
+    ``partial_images``: previews streamed per image while it denoises (0-3). ``prompt_syntax``: ``weighted`` reads
+    emphasis in the prompts (``serving.engine.emphasis``), ``plain`` takes them literally. ``true_cfg``: a model
+    whose guidance scale is not CFG's (Flux: an embedding; [schnell]: unused), where CFG runs at
+    ``true_cfg_scale`` with a negative prompt, as diffusers' ``FluxPipeline`` runs it."""
 
     prompt: str
     width: int
@@ -60,11 +64,20 @@ class GenerationParams:
     scheduler: str | None = None
     edit: EditImage | None = None
     partial_images: int = 0
+    prompt_syntax: PromptSyntax = "weighted"
+    true_cfg: bool = False
+    true_cfg_scale: float = 1.0
+
+    @property
+    def cfg_scale(self) -> float:
+        """The scale the two branches of classifier-free guidance are combined with."""
+        return self.true_cfg_scale if self.true_cfg else self.guidance_scale
 
     @property
     def uses_cfg(self) -> bool:
-        """Classifier-free guidance runs (two denoiser rows per image) only when the scale exceeds 1, as diffusers."""
-        return self.guidance_scale > 1.0
+        """Classifier-free guidance runs (two denoiser rows per image) only when its scale exceeds 1 (a true-CFG
+        model: and a negative prompt is given), as diffusers."""
+        return self.cfg_scale > 1.0 and (not self.true_cfg or self.negative_prompt is not None)
 
     @property
     def rows(self) -> int:
@@ -118,6 +131,7 @@ class ModelInfo:
     family: str = "sd"  # ``serving.presets.ModelFamily``: which LoRAs and ControlNets fit it
     schedulers: tuple[str, ...] = ()  # what a request's ``scheduler`` may name
     default_scheduler: str = ""  # the model's own scheduler, used when a request names none
+    true_cfg: bool = False  # CFG at ``true_cfg_scale`` (Flux), not at ``guidance_scale``
 
 
 class ImageGenerationBackend(ABC):

@@ -2,7 +2,8 @@
 
 Keys are normalised by diffusers' own conversions, exactly as the family's pipeline's ``load_lora_weights`` does
 (``StableDiffusionPipeline``, ``StableDiffusionXLPipeline``; ``StableDiffusion3Pipeline``, which reads diffusers'
-format only, not kohya's), and each module's scale is resolved the way diffusers + PEFT would resolve it (the LoRA
+format only, not kohya's; ``FluxPipeline``, which also converts kohya's and XLabs' Flux formats), and each module's
+scale is resolved the way diffusers + PEFT would resolve it (the LoRA
 config from the file's adapter metadata, else derived by ``get_peft_kwargs``; PEFT's pattern matching per module).
 Nothing is injected into a model: the result is plain tensors the engine applies per request.
 """
@@ -23,6 +24,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from diffusers import (
+    FluxPipeline,
+    FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
@@ -60,6 +63,9 @@ _WEIGHT_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.b
 #: kohya-ss keys of a UNet's blocks (diffusers' or the original checkpoint's names) and of an SD3 MMDiT's.
 _KOHYA_UNET_KEY = re.compile(r"^lora_unet_(down_blocks|mid_block|up_blocks|input_blocks|middle_block|output_blocks)_")
 _KOHYA_SD3_KEY = re.compile(r"^lora_unet_joint_blocks_")
+#: a Flux transformer's blocks in diffusers' (``single_transformer_blocks``), kohya's and XLabs' key styles
+_FLUX_KEY = re.compile(r"(^|\.)single_transformer_blocks\.|^lora_unet_(double|single)_blocks_|"
+                       r"^(diffusion_model\.)?(double|single)_blocks\.\d+\.")
 _UNSUPPORTED_MARKERS = (
     ("dora_scale", "DoRA"),
     ("lora_magnitude_vector", "DoRA"),
@@ -115,7 +121,7 @@ class ModuleShape:
 class LoRATargets:
     """The modules a LoRA may target, by exact ``named_modules()`` name (shapes only: cheap, picklable)."""
 
-    #: the UNet (sd, sdxl) or the MMDiT transformer (sd3)
+    #: the UNet (sd, sdxl) or the transformer (sd3, flux)
     denoiser: Mapping[str, ModuleShape]
     text_encoder: Mapping[str, ModuleShape]
     #: CLIP keeps its modules under ``text_model.`` (older transformers); when it does not, diffusers strips
@@ -129,10 +135,13 @@ class LoRATargets:
     @classmethod
     def from_modules(cls, denoiser: nn.Module, text_encoder: nn.Module,
                      text_encoder_2: nn.Module | None = None) -> LoRATargets:
-        """Targets of a model; its family inferred: an ``SD3Transformer2DModel`` denoiser is sd3, else a second text
-        encoder makes sdxl, else sd. (SD3's T5 encoder takes no LoRA, as in diffusers.)"""
+        """Targets of a model; its family inferred: an ``SD3Transformer2DModel`` denoiser is sd3, a
+        ``FluxTransformer2DModel`` flux, else a second text encoder makes sdxl, else sd. (T5 encoders take no LoRA,
+        as in diffusers.)"""
         if isinstance(denoiser, SD3Transformer2DModel):
             family = "sd3"
+        elif isinstance(denoiser, FluxTransformer2DModel):
+            family = "flux"
         else:
             family = "sdxl" if text_encoder_2 is not None else "sd"
         return cls(
@@ -145,8 +154,9 @@ class LoRATargets:
 
     @property
     def denoiser_prefix(self) -> str:
-        """The denoiser's key prefix in the family's diffusers LoRA files: ``transformer`` (sd3), else ``unet``."""
-        return "transformer" if self.family == "sd3" else "unet"
+        """The denoiser's key prefix in the family's diffusers LoRA files: ``transformer`` (sd3, flux), else
+        ``unet``."""
+        return "transformer" if self.family in ("sd3", "flux") else "unet"
 
 
 def _module_shapes(model: nn.Module) -> dict[str, ModuleShape]:
@@ -204,6 +214,8 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     try:
         if targets.family == "sd3":  # diffusers' format only: no kohya conversion, no network alphas
             state_dict, network_alphas = StableDiffusion3Pipeline.lora_state_dict(tensors), None
+        elif targets.family == "flux":  # kohya's and XLabs' keys converted, their alphas folded into the factors
+            state_dict, network_alphas = FluxPipeline.lora_state_dict(tensors, return_alphas=True)
         else:
             pipeline = StableDiffusionXLPipeline if targets.family == "sdxl" else StableDiffusionPipeline
             state_dict, network_alphas = pipeline.lora_state_dict(tensors)
@@ -214,7 +226,7 @@ def load_lora_file(path: Path, targets: LoRATargets, *, max_file_bytes: int,
     if network_alphas and metadata:
         raise LoRAFormatError(name, "both kohya alphas and diffusers adapter metadata are present")
 
-    denoiser_name = "transformer" if targets.family == "sd3" else "UNet"
+    denoiser_name = "transformer" if targets.denoiser_prefix == "transformer" else "UNet"
     components: dict[str, Component] = {targets.denoiser_prefix: "denoiser", "text_encoder": "text_encoder",
                                         "text_encoder_2": "text_encoder_2"}
     split: dict[Component, dict[str, torch.Tensor]] = {component: {} for component in components.values()}
@@ -291,20 +303,33 @@ def _check_denoiser_modules(name: str, shapes: Mapping[str, tuple[int, ...]], ta
 
 def _check_family(name: str, keys: Collection[str], targets: LoRATargets) -> None:
     """Refuse a file whose keys name another family's denoiser or text encoders, saying which family the LoRA is
-    for: transformer keys are sd3's, UNet keys sd's or sdxl's (sdxl's with a second text encoder part). For sd3, also
-    refuse kohya-style keys, which diffusers' ``StableDiffusion3Pipeline`` cannot load either."""
-    if targets.family != "sd3":
+    for: Flux's transformer blocks (any key style) are flux's, other transformer keys sd3's, UNet keys sd's or
+    sdxl's (sdxl's with a second text encoder part). For sd3, also refuse kohya-style keys, which diffusers'
+    ``StableDiffusion3Pipeline`` cannot load either."""
+    family = targets.family
+    if family != "flux" and any(_FLUX_KEY.search(key) for key in keys):
+        raise LoRAFormatError(name, f"it has Flux transformer weights: a LoRA for the flux family, and this model is "
+                                    f"{family}")
+    if family in ("sd", "sdxl"):
         if any(key.startswith("transformer.") or _KOHYA_SD3_KEY.match(key) for key in keys):
             raise LoRAFormatError(name, f"it has SD3 transformer weights: a LoRA for the sd3 family, and this model "
-                                        f"is {targets.family}")
+                                        f"is {family}")
         if not targets.text_encoder_2 and _has_second_text_encoder(keys):
             raise LoRAFormatError(name, "it has weights for a second text encoder: a LoRA for the sdxl family, and "
                                         "this model has one text encoder")
         return
     if any(key.startswith("unet.") or _KOHYA_UNET_KEY.match(key) for key in keys):
-        family = "sdxl" if _has_second_text_encoder(keys) else "sd or sdxl"
-        raise LoRAFormatError(name, f"it has UNet weights: a LoRA for the {family} "
-                                    "family, and this model is sd3")
+        unet_family = "sdxl" if _has_second_text_encoder(keys) else "sd or sdxl"
+        raise LoRAFormatError(name, f"it has UNet weights: a LoRA for the {unet_family} family, and this model is "
+                                    f"{family}")
+    if family == "flux":
+        if any(_KOHYA_SD3_KEY.match(key) for key in keys):
+            raise LoRAFormatError(name, "it has SD3 transformer weights: a LoRA for the sd3 family, and this model "
+                                        "is flux")
+        if _has_second_text_encoder(keys):
+            raise LoRAFormatError(name, "it has weights for a second CLIP text encoder: a LoRA for the sdxl or sd3 "
+                                        "family, and this flux model has one")
+        return
     kohya = next((key for key in keys if key.startswith("lora_")), None)
     if kohya is not None:
         raise LoRAFormatError(name, f"{kohya!r}: kohya-style LoRA files are not supported for the sd3 family; use "

@@ -39,9 +39,10 @@ def denoise_together(engine: DiffusionEngine,
 
 
 def pipeline_images(pipe, params: GenerationParams, output_type: str = "np", **extra) -> np.ndarray:
-    """The request through a diffusers pipeline (``extra``: its other arguments, e.g. ControlNet images) with the
-    engine's generators (seed + i for image i), as float [n, H, W, 3] (``output_type="latent"``: its latents). An
-    edit's image, mask (as PIL images) and strength go to an img2img or inpainting pipeline."""
+    """The request through a diffusers pipeline (``extra``: its other arguments, e.g. ControlNet images, or prompt
+    embeddings in place of the prompts) with the engine's generators (seed + i for image i), as float [n, H, W, 3]
+    (``output_type="latent"``: its latents). An edit's image, mask (as PIL images) and strength go to an img2img or
+    inpainting pipeline."""
     pipe.set_progress_bar_config(disable=True)
     if params.edit is not None:
         edit = params.edit
@@ -50,7 +51,9 @@ def pipeline_images(pipe, params: GenerationParams, output_type: str = "np", **e
             extra["mask_image"] = Image.fromarray(edit.mask)
     if "width" in inspect.signature(pipe.__call__).parameters:  # the img2img pipelines of SD and SDXL take none
         extra |= {"width": params.width, "height": params.height}
-    return pipe(prompt=params.prompt, negative_prompt=params.negative_prompt, num_images_per_prompt=params.n,
+    if "prompt_embeds" not in extra:  # else the caller encoded the prompts (compel)
+        extra |= {"prompt": params.prompt, "negative_prompt": params.negative_prompt}
+    return pipe(num_images_per_prompt=params.n,
                 num_inference_steps=params.num_inference_steps, guidance_scale=params.guidance_scale,
                 output_type=output_type,
                 generator=[torch.Generator().manual_seed(params.seed + i) for i in range(params.n)], **extra).images

@@ -36,7 +36,7 @@ DLRM_LOOKUP_TIMEOUT_S = 2.0
 SECURE_TOKEN = f"it-{secrets.token_hex(16)}"
 #: The diffusion app's first model, where requests naming no `model` go, and the other one; each model's deployments
 #: carry its name: `DiffusionModel_<model>`, `ControlNet_<name>_<model>`, `CFGWorker_<model>`.
-DEFAULT_MODEL, SDXL_MODEL = "tiny", "sdxl-tiny"
+DEFAULT_MODEL, SDXL_MODEL, FLUX_MODEL = "tiny", "sdxl-tiny", "flux-tiny"
 
 
 @pytest.fixture(scope="session")
@@ -85,11 +85,11 @@ def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[s
     config.http_options.port = free_port()
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     models = {entry["model"]["name"]: entry for entry in diffusion.args["models"]}
-    assert list(models) == [DEFAULT_MODEL, SDXL_MODEL], list(models)
+    assert list(models) == [DEFAULT_MODEL, SDXL_MODEL, FLUX_MODEL], list(models)
     models[DEFAULT_MODEL].setdefault("lora", {})["directory"] = str(lora_dir)
     for entry in models.values():
         entry.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
-    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(_with_sdxl_slivers(config)))
+    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(_with_other_model_slivers(config)))
     config = _with_secured_dlrm_variant(config, embedding_pki)
     try:
         deploy_serve_config(config, timeout_s=600)
@@ -98,12 +98,13 @@ def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[s
         serve.shutdown()
 
 
-def _with_sdxl_slivers(config: ServeDeploySchema) -> ServeDeploySchema:
-    """`sdxl-tiny`'s deployments in the diffusion app at 0.02 CPU each, so autoconfig trials fit beside."""
+def _with_other_model_slivers(config: ServeDeploySchema) -> ServeDeploySchema:
+    """`sdxl-tiny`'s and `flux-tiny`'s deployments in the diffusion app at 0.02 CPU each, so autoconfig trials fit
+    beside."""
     raw = config.model_dump(exclude_unset=True)
     diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
     for deployment in diffusion["deployments"]:
-        if deployment["name"].endswith(f"_{SDXL_MODEL}"):
+        if deployment["name"].endswith((f"_{SDXL_MODEL}", f"_{FLUX_MODEL}")):
             deployment.setdefault("ray_actor_options", {})["num_cpus"] = 0.02
     return ServeDeploySchema.model_validate(raw)
 

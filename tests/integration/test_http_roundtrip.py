@@ -56,25 +56,30 @@ def test_lora_errors_cross_the_replica_boundary_intact(http, name, status):
 
 def test_models_and_health(http):
     assert [m["id"] for m in http.get("/v1/models").json()["data"]] == [  # base models, then each one's add-ons
-        "tiny", "sdxl-tiny", "edges", "dark", "outlined", "edges-xl"]  # not `corrupt`: its header cannot be read
+        "tiny", "sdxl-tiny", "flux-tiny", "edges", "dark", "outlined", "edges-xl"]  # not `corrupt`: unreadable
     assert http.get("/health").json() == {"status": "ok"}
     assert "/v1/images/generations" in http.get("/openapi.json").json()["paths"]
 
 
-def test_the_sdxl_model_served_beside_tiny_answers_requests_that_name_it(http):
-    """`make serve` serves `tiny` (SD, the default) and `sdxl-tiny` (SDXL): a request's `model` picks one, each with
-    its own ControlNet service."""
+def test_the_sdxl_and_flux_models_served_beside_tiny_answer_requests_that_name_them(http):
+    """`make serve` serves `tiny` (SD, the default), `sdxl-tiny` (SDXL) and `flux-tiny` (Flux.1): a request's `model`
+    picks one; tiny and sdxl-tiny each with its own ControlNet service; Flux takes `true_cfg_scale`."""
     bases = {card["id"]: card for card in http.get("/v1/models").json()["data"] if card["kind"] == "base-model"}
     assert {name: (card["family"], card["size"]) for name, card in bases.items()} == {
-        "tiny": ("sd", "64x64"), "sdxl-tiny": ("sdxl", "64x64")}
+        "tiny": ("sd", "64x64"), "sdxl-tiny": ("sdxl", "64x64"), "flux-tiny": ("flux", "64x64")}
     body = {"prompt": "a red circle", "num_inference_steps": 2, "seed": 4}  # no size: the model's native one
+    flux = {"negative_prompt": "blue", "true_cfg_scale": 2.0}
     images = {}
-    for model in ("sdxl-tiny", "tiny"):
-        response = http.post("/v1/images/generations", json=body | {"model": model})
+    for model in ("sdxl-tiny", "tiny", "flux-tiny"):
+        response = http.post("/v1/images/generations", json=body | {"model": model} | (flux if "flux" in model else {}))
         assert response.status_code == 200, response.text
         images[model] = Image.open(io.BytesIO(base64.b64decode(response.json()["data"][0]["b64_json"])))
-    assert (images["sdxl-tiny"].format, images["sdxl-tiny"].size) == ("PNG", (64, 64))
-    assert np.asarray(images["sdxl-tiny"]).tobytes() != np.asarray(images["tiny"]).tobytes()  # another model drew it
+    for model in ("sdxl-tiny", "flux-tiny"):
+        assert (images[model].format, images[model].size) == ("PNG", (64, 64))
+        assert np.asarray(images[model]).tobytes() != np.asarray(images["tiny"]).tobytes()  # another model drew it
+    response = http.post("/v1/images/generations", json=body | flux)  # tiny runs CFG at guidance_scale
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "true_cfg_scale"
 
     control = {"controlnets": [{"name": "edges-xl", "image": encode_b64(square())}]}
     response = http.post("/v1/images/generations", json=body | control | {"model": "sdxl-tiny"})

@@ -30,6 +30,14 @@ def test_bench_diffusion_times_every_katz_row_and_measures_how_far_a_cold_lora_i
     assert (payload["args"]["merged_cache_mib"], payload["args"]["lora_cache_mib"]) == (1, 64)
 
 
+def test_bench_diffusion_runs_the_katz_rows_on_flux_with_true_cfg(run_benchmark):
+    payload = run_benchmark("bench_diffusion", "--preset", "flux-tiny", "--size", "64", "--steps", "2", "--rank", "4",
+                            "--repeats", "1", result="bench_diffusion_flux_tiny")
+    assert payload["errors"] == 0
+    assert (payload["request"]["guidance_scale"], payload["request"]["cfg_scale"]) == (3.5, 4.0)
+    assert {"flux_tiny_ratio_cfg_parallel", "flux_tiny_ratio_3c2l_to_0c0l"} <= set(payload["summary"])
+
+
 def test_bench_lora_records_each_lora_cases_cost_over_its_systems_no_lora_run(run_benchmark):
     payload = run_benchmark("bench_lora", "--preset", "tiny", "--size", "64", "--steps", "2", "--rank", "4",
                             "--repeats", "1")

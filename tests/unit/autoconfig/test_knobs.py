@@ -77,16 +77,16 @@ def test_monolithic_dlrm_targets_the_monolithic_deployment(template):
 
 
 def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_batches(template):
-    """The default config's diffusion app serves two models: the shortcuts tune the first, `tiny`, where requests
-    naming no model go; `sdxl-tiny` keeps the template's deployments and args."""
+    """The default config's diffusion app serves three models: the shortcuts tune the first, `tiny`, where requests
+    naming no model go; `sdxl-tiny` and `flux-tiny` keep the template's deployments and args."""
     configured = configure_serve_config(template, "diffusion", CONFIGURATION | {"torch_threads": 4})
     app = _app(configured, "diffusion")
     args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
     assert isinstance(args, ImagesAppConfig)
-    tiny, sdxl = args.models
-    assert (tiny.model.name, sdxl.model.name) == ("tiny", "sdxl-tiny")
+    tiny, *others = args.models
+    assert [model.model.name for model in args.models] == ["tiny", "sdxl-tiny", "flux-tiny"]
     assert tiny.model.torch_threads == 4  # given explicitly, so not round(1.6)
-    assert sdxl.model.torch_threads is None
+    assert all(other.model.torch_threads is None for other in others)
     deployments = _deployments(app)
     model = deployments["DiffusionModel_tiny"]
     assert model["num_replicas"] == 3
@@ -98,7 +98,8 @@ def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_
     assert deployments["ImagesIngress"]["max_ongoing_requests"] == 192
     assert "user_config" not in deployments["ImagesIngress"]
     untouched = _deployments(_app(template, "diffusion"))
-    for name in ("ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny", "ControlNet_edges-xl_sdxl-tiny"):
+    for name in ("ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny", "ControlNet_edges-xl_sdxl-tiny",
+                 "DiffusionModel_flux-tiny"):
         assert deployments[name] == untouched[name]
     # args keep the template's engine (rows 16): only models[0].model.torch_threads changed there.
     template_args = _app(template, "diffusion")["args"]
@@ -125,9 +126,9 @@ def test_the_one_model_diffusion_app_keeps_its_shortcuts(template):
 def test_an_args_path_indexes_the_list_of_models(template):
     app = _app(configure_serve_config(template, "diffusion", {"args.models.1.engine.max_batch_rows": 4}), "diffusion")
     assert app["args"]["models"][1]["engine"] == {"max_batch_rows": 4}
-    with pytest.raises(ValueError, match=r"^knob args\.models\.2\.engine\.max_batch_rows: args\.models\.2: a list "
-                                         r"of 2 item\(s\), no item '2'$"):
-        configure_serve_config(template, "diffusion", {"args.models.2.engine.max_batch_rows": 4})
+    with pytest.raises(ValueError, match=r"^knob args\.models\.3\.engine\.max_batch_rows: args\.models\.3: a list "
+                                         r"of 3 item\(s\), no item '3'$"):
+        configure_serve_config(template, "diffusion", {"args.models.3.engine.max_batch_rows": 4})
 
 
 @pytest.mark.parametrize(
@@ -269,13 +270,14 @@ def test_cluster_fit_counts_every_deployment_of_the_app(template):
     assert "DisaggregatedDLRM 1.86" in message
     assert "EmbeddingShard_0 0.1" in message and "EmbeddingShard_1 0.1" in message
     assert "ShardDirectory" not in message  # needs nothing
-    # Diffusion: ingress 0.1 + tiny 1 x 1.1 + its ControlNet 0.2 + sdxl-tiny's 0.5 and 0.1 = 2.0 fits; 2 replicas
-    # do not.
+    # Diffusion: ingress 0.1 + tiny 1 x 1.1 + its ControlNet 0.2 + sdxl-tiny's 0.3 and 0.1 + flux-tiny's 0.2 = 2.0
+    # fits; 2 replicas do not.
     _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 1})
     with pytest.raises(
         ValueError,
         match=r"needs 3\.1 CPU \(ImagesIngress 0\.1, DiffusionModel_tiny 2\.2, ControlNet_edges_tiny 0\.2, "
-        r"DiffusionModel_sdxl-tiny 0\.5, ControlNet_edges-xl_sdxl-tiny 0\.1\); the cluster has 2",
+        r"DiffusionModel_sdxl-tiny 0\.3, ControlNet_edges-xl_sdxl-tiny 0\.1, DiffusionModel_flux-tiny 0\.2\); "
+        r"the cluster has 2",
     ):
         _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 2})
 

@@ -341,16 +341,17 @@ def test_dockerignore_keeps_local_environments_out():
 
 
 def test_the_default_config_serves_both_base_models_each_with_its_own_named_deployments():
-    """`make serve`: `tiny` (the default: first) and `sdxl-tiny` behind one ingress, and the DLRM app."""
+    """`make serve`: `tiny` (the default: first), `sdxl-tiny` and `flux-tiny` behind one ingress, and the DLRM
+    app."""
     config = load_serve_config(DEPLOY / "serve_config.yaml")
     apps = {app.name: app for app in config.applications}
     assert [(entry["model"]["name"], entry["model"]["preset"]) for entry in apps["diffusion"].args["models"]] == [
-        ("tiny", "tiny"), ("sdxl-tiny", "sdxl-tiny")]
+        ("tiny", "tiny"), ("sdxl-tiny", "sdxl-tiny"), ("flux-tiny", "flux-tiny")]
     built = {name: {deployment.name for deployment in serve_build_app(
         import_builder(app.import_path)(app.args), name=name).deployments} for name, app in apps.items()}
     assert built == {
         "diffusion": {"ImagesIngress", "DiffusionModel_tiny", "ControlNet_edges_tiny", "DiffusionModel_sdxl-tiny",
-                      "ControlNet_edges-xl_sdxl-tiny"},
+                      "ControlNet_edges-xl_sdxl-tiny", "DiffusionModel_flux-tiny"},
         "dlrm": {"DisaggregatedDLRM", "EmbeddingShard_0", "EmbeddingShard_1", "ShardDirectory"},
     }
     # Every deployment is listed, so its CPUs are the config's, not the code's default.

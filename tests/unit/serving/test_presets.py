@@ -80,12 +80,12 @@ def test_sd3_tiny_has_the_sd3_architecture_with_consistent_widths():
     assert type(sd3.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
 
 
-def test_an_sd3_component_set_needs_its_t5_encoder_and_only_sd3_takes_one():
+def test_an_sd3_component_set_needs_its_t5_encoder_and_only_sd3_and_flux_take_one():
     sd3, tiny = build_preset("sd3-tiny"), build_preset("tiny")
     with pytest.raises(ValueError, match="text_encoder_3"):
         type(sd3)(sd3.denoiser, sd3.vae, sd3.text_encoder, sd3.tokenizer, sd3.scheduler,
                   text_encoder_2=sd3.text_encoder_2, tokenizer_2=sd3.tokenizer_2)
-    with pytest.raises(ValueError, match="only an SD3 transformer"):
+    with pytest.raises(ValueError, match="only an SD3 or Flux transformer"):
         type(tiny)(tiny.denoiser, tiny.vae, tiny.text_encoder, tiny.tokenizer, tiny.scheduler,
                    text_encoder_3=sd3.text_encoder_3, tokenizer_3=sd3.tokenizer_3)
 
@@ -133,9 +133,9 @@ def test_a_local_sdxl_directory_loads_as_sdxl(tmp_path):
 
 
 def test_a_local_directory_of_a_pipeline_not_served_is_refused_naming_the_served_ones(tmp_path):
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
-    with pytest.raises(ValueError, match="'FluxPipeline' is not served; served: StableDiffusionPipeline, "
-                                         "StableDiffusionXLPipeline"):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "PixArtAlphaPipeline"}))
+    with pytest.raises(ValueError, match="'PixArtAlphaPipeline' is not served; served: StableDiffusionPipeline, "
+                                         "StableDiffusionXLPipeline, StableDiffusion3Pipeline, FluxPipeline"):
         load_local(tmp_path)
 
 

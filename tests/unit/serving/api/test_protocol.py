@@ -44,6 +44,12 @@ def test_explicit_fields_are_used():
     assert (params.guidance_scale, params.seed, params.negative_prompt) == (0.0, 9, "blue")
 
 
+def test_prompts_are_read_as_weighted_unless_the_request_says_plain():
+    assert _params().prompt_syntax == "weighted"
+    plain = _params(prompt="a (cat:11)", prompt_syntax="plain")  # a weight the weighted syntax refuses is text
+    assert (plain.prompt, plain.prompt_syntax) == ("a (cat:11)", "plain")
+
+
 def test_missing_seed_is_drawn_per_request():
     seeds = {_params().seed for _ in range(8)}
     assert len(seeds) > 1
@@ -62,6 +68,8 @@ def test_missing_seed_is_drawn_per_request():
         ({"prompt": "x" * 51}, "prompt"),
         ({"negative_prompt": "x" * 51}, "negative_prompt"),
         ({"seed": MAX_SEED, "n": 2}, "seed"),
+        ({"prompt": "a (cat:11)"}, "prompt"),
+        ({"negative_prompt": "(blue:-1)"}, "negative_prompt"),
     ],
 )
 def test_limits_name_the_field(body, param):
@@ -85,6 +93,7 @@ def test_limits_name_the_field(body, param):
         ({"prompt": "x", "background": "transparent"}, "background"),
         ({"prompt": "x", "seed": -1}, "seed"),
         ({"prompt": "x", "guidence_scale": 3}, "guidence_scale"),
+        ({"prompt": "x", "prompt_syntax": "compel"}, "prompt_syntax"),
     ],
 )
 def test_schema_violations_point_at_the_field(body, field):

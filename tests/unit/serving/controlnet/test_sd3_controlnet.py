@@ -186,7 +186,10 @@ def _public(config) -> dict:
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"_class_name": "FluxControlNetModel"}, r"'FluxControlNetModel'.*ControlNetModel, SD3ControlNetModel"),
+    ({"_class_name": "SparseControlNetModel"},
+     r"'SparseControlNetModel'.*ControlNetModel, SD3ControlNetModel, FluxControlNetModel"),
+    ({"_class_name": "FluxControlNetModel", "num_mode": 10}, "Flux ControlNets with modes"),
+    ({"_class_name": "FluxControlNetModel", "conditioning_embedding_channels": 16}, "an image hint block"),
     ({"use_pos_embed": False}, "positional embedding"),
     ({"extra_conditioning_channels": 1}, "extra conditioning channels"),
 ])

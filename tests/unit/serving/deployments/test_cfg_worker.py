@@ -195,7 +195,7 @@ def test_remote_bytes_count_the_step_arrays_each_put_and_the_noise_back():
 
 
 @pytest.mark.parametrize(("preset", "added"), [
-    ("sdxl-tiny", {"text_embeds": (3, 32), "time_ids": (3, 6)}),
+    ("sdxl-tiny", {"text_embeds": (3, 48), "time_ids": (3, 6)}),
     ("sd3-tiny", {"pooled_projections": (3, 64)}),
 ])
 def test_the_rows_added_inputs_travel_to_the_worker(preset, added):

@@ -49,7 +49,7 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     assert np.abs(images[0] - images[1]).max() <= TOLERANCE
     wires = [wire for (wire,) in handle.residuals.calls]
     assert [row for _, row in wires[0].context] == [0, 1, 2, 3]  # both images, unconditional and conditional
-    added = {"tiny": {}, "sdxl-tiny": {"text_embeds": (4, 32), "time_ids": (4, 6)},
+    added = {"tiny": {}, "sdxl-tiny": {"text_embeds": (4, 48), "time_ids": (4, 6)},
              "sd3-tiny": {"pooled_projections": (4, 64)}}[preset]
     assert {name: value.shape for name, value in wires[0].added.items()} == added
     assert store.gets == 2  # the service resolved each once

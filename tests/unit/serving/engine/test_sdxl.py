@@ -28,8 +28,8 @@ def _params(**overrides) -> GenerationParams:
 
 def test_the_split_forward_equals_the_sdxl_unet_forward():
     unet = build_preset("sdxl-tiny").denoiser
-    sample, timestep, context = torch.randn(2, 4, 32, 32), torch.tensor([10, 500]), torch.randn(2, 77, 64)
-    added = {"text_embeds": torch.randn(2, 32), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64],
+    sample, timestep, context = torch.randn(2, 4, 32, 32), torch.tensor([10, 500]), torch.randn(2, 77, 80)
+    added = {"text_embeds": torch.randn(2, 48), "time_ids": torch.tensor([[64.0, 64, 0, 0, 64, 64],
                                                                          [64.0, 48, 0, 0, 64, 48]])}
     split = SplitUNet(unet)
     with torch.inference_mode():
