@@ -5,6 +5,7 @@ embeddings sent once, and the bytes each step moves."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -197,21 +198,24 @@ def test_remote_bytes_count_the_step_arrays_each_put_and_the_noise_back():
 @pytest.mark.parametrize(("preset", "added"), [
     ("sdxl-tiny", {"text_embeds": (3, 48), "time_ids": (3, 6)}),
     ("sd3-tiny", {"pooled_projections": (3, 64)}),
+    ("flux-tiny", {"pooled_projections": (3, 32), "guidance": (3,)}),
 ])
 def test_the_rows_added_inputs_travel_to_the_worker(preset, added):
-    """SDXL's pooled embedding and size ids, SD3's pooled embedding, travel with each step's rows (counted as step
-    bytes); the images are one engine's."""
+    """SDXL's pooled embedding and size ids, SD3's pooled embedding, Flux's pooled embedding and guidance (its true
+    CFG's negative rows), travel with each step's rows (counted as step bytes); the images are one engine's."""
     store = FakeStore()
     components = build_preset(preset)
     worker, handle = _worker(CFGWorkerCore(DiffusionEngine("w", components, CPU), None,
                                            ResolvedTensors(get=store.get)), store)
-    requests = [(_params(seed=1, width=48), []), (_params(seed=2, negative_prompt="blue", n=2, width=48), [])]
+    flux = {"true_cfg": True, "true_cfg_scale": 3.0, "negative_prompt": "green"} if preset == "flux-tiny" else {}
+    requests = [(_params(seed=1, width=48, **flux), []),
+                (_params(seed=2, width=48, n=2, **flux | {"negative_prompt": "blue"}), [])]
     split = denoise_together(DiffusionEngine(preset, components, CPU, cfg_worker=worker), requests)
     _assert_images_close(split, denoise_together(DiffusionEngine("alone", components, CPU), requests))
     wire = handle.predict.calls[0][0]
     assert {name: value.shape for name, value in wire.added.items()} == added
     added_bytes = sum(value.nbytes for value in wire.added.values())
-    assert added_bytes == 3 * sum(shape[1] for shape in added.values()) * 4
+    assert added_bytes == 3 * sum(math.prod(shape[1:]) for shape in added.values()) * 4  # float32 rows
     assert wire.nbytes == wire.sample.nbytes + wire.timestep.nbytes + added_bytes
     if preset == "sdxl-tiny":
         np.testing.assert_array_equal(wire.added["time_ids"][0], [64, 48, 0, 0, 64, 48])

@@ -24,10 +24,11 @@ CPU = torch.device("cpu")
 TOLERANCE = 1e-3
 
 
-@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "sd3-tiny"])
+@pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "sd3-tiny", "flux-tiny"])
 def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_image(preset):
     """With SDXL, each row's pooled embedding and size ids travel in the step's call (counted in its bytes); with SD3
-    its pooled embedding, and the conditioning image as VAE latents."""
+    its pooled embedding, and the conditioning image as VAE latents; with Flux (true CFG) its pooled embedding and
+    guidance, and the image as packed latents."""
     store, sink = FakeStore(), InMemorySink()
     runner = ControlNetRunner(build_controlnet_preset(preset, seed=1), CPU)
     core = ControlNetCore(runner, ResolvedTensors(get=store.get))
@@ -35,8 +36,9 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     remote = DiffusionEngine(preset, build_preset(preset), CPU,
                              controlnets=ServeControlNets({"edges": handle}, 30.0, Metrics(sink), put=store.put))
     local = DiffusionEngine(preset, build_preset(preset), CPU, controlnets=LocalControlNets({"edges": runner}))
+    flux = {"true_cfg": True, "true_cfg_scale": 4.0, "negative_prompt": "blue"} if preset == "flux-tiny" else {}
     params = GenerationParams("a red square", 64, 64, 3, 6.0, 7, n=2,
-                              controlnets=(ControlNetSpec("edges", square(), 0.8),))
+                              controlnets=(ControlNetSpec("edges", square(), 0.8),), **flux)
     images, puts = [], []
     for engine in (remote, local):
         state = engine.start(params)
@@ -50,7 +52,8 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     wires = [wire for (wire,) in handle.residuals.calls]
     assert [row for _, row in wires[0].context] == [0, 1, 2, 3]  # both images, unconditional and conditional
     added = {"tiny": {}, "sdxl-tiny": {"text_embeds": (4, 48), "time_ids": (4, 6)},
-             "sd3-tiny": {"pooled_projections": (4, 64)}}[preset]
+             "sd3-tiny": {"pooled_projections": (4, 64)},
+             "flux-tiny": {"pooled_projections": (4, 32), "guidance": (4,)}}[preset]
     assert {name: value.shape for name, value in wires[0].added.items()} == added
     assert store.gets == 2  # the service resolved each once
     sent = sum(wire.nbytes for wire in wires) + sum(array.nbytes for array in store.objects.values())
