@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 from diffusers import FluxImg2ImgPipeline, FluxInpaintPipeline, FluxPipeline, UniPCMultistepScheduler
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 from PIL import Image
 from safetensors.torch import load_file
 
@@ -23,12 +22,10 @@ from serving.config import (
     EngineConfig,
     GenerationDefaults,
 )
-from serving.controlnet.client import LocalControlNets
 from serving.controlnet.models import build_controlnet_preset
-from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, EngineLoop, GenerationParams, LocalBackend, LoRASpec
 from serving.engine.cfg import LocalCFGWorker
-from serving.engine.types import ControlNetSpec, EditImage
+from serving.engine.types import EditImage
 from serving.lora.cache import LoRACache
 from serving.lora.format import LoRAFormatError, LoRATargets, load_lora_file
 from serving.lora.registry import LoRARegistry
@@ -38,6 +35,7 @@ from tests.helpers.held_loras import held_loader, release_once_blocked
 from tests.helpers.images import shape_image
 from tests.helpers.images_api import images_client
 from tests.helpers.lora_files import write_flux_lora, write_lora
+from tests.helpers.transformer_controlnets import control_specs, local_services, reference_images, seeded_controlnets
 
 CPU = torch.device("cpu")
 TOLERANCE = 1e-3  # max abs pixel difference on a 0..1 scale
@@ -285,20 +283,10 @@ def test_a_flux_lora_is_refused_by_the_other_families_naming_flux(tmp_path, styl
 def test_flux_controlnets_match_diffusers_flux_controlnet_pipeline(names, monkeypatch):
     """ControlNets as a service: block and single-block samples join the transformer's blocks; two sum like
     FluxMultiControlNetModel."""
-    controlnets = {name: build_controlnet_preset("flux-tiny", seed=seed) for name, seed in (("edges", 1), ("mask", 2))}
-    client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
-    engine = _engine(controlnets=client)
-    images = {"edges": shape_image("square"), "mask": shape_image("disk")}
-    specs = tuple(ControlNetSpec(name, images[name], scale) for name, scale in zip(names, (0.8, 1.2), strict=False))
-    params = _params(controlnets=specs, n=2)
-    ours = denoise_together(engine, [(params, [])])[0]
-    # diffusers samples the control image's latent distribution; the engine takes its mode (see test_sd3.py)
-    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
-    pipe = build_preset("flux-tiny").as_controlnet_pipeline([controlnets[name] for name in names])
-    control = [Image.fromarray(spec.image) for spec in specs]
-    scales = [spec.scale for spec in specs]
-    reference = _reference(pipe, params, control_image=control if len(specs) > 1 else control[0],
-                           controlnet_conditioning_scale=scales if len(specs) > 1 else scales[0])
+    controlnets = seeded_controlnets("flux-tiny")
+    params = _params(controlnets=control_specs(names), n=2)
+    ours = denoise_together(_engine(controlnets=local_services(controlnets)), [(params, [])])[0]
+    reference = reference_images("flux-tiny", controlnets, params, monkeypatch, true_cfg_scale=params.true_cfg_scale)
     assert np.abs(ours - reference).max() <= TOLERANCE
     plain = denoise_together(_engine(), [(_params(n=2), [])])[0]
     assert np.abs(ours - plain).max() > 20 * TOLERANCE

@@ -5,19 +5,13 @@ Equality with StableDiffusion3Pipeline (plain, LoRAs, batching, parallel CFG, th
 import numpy as np
 import pytest
 import torch
-from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
-from PIL import Image
 
-from serving.controlnet.client import LocalControlNets
-from serving.controlnet.models import build_controlnet_preset
-from serving.controlnet.runner import ControlNetRunner
 from serving.engine import DiffusionEngine, GenerationParams
 from serving.engine.diffusion_engine import InvalidImageSize
-from serving.engine.types import ControlNetSpec
 from serving.presets import build_preset
-from tests.helpers.denoising import denoise_together, loaded_lora, pipeline_images
-from tests.helpers.images import shape_image
+from tests.helpers.denoising import denoise_together, loaded_lora
 from tests.helpers.lora_files import write_lora
+from tests.helpers.transformer_controlnets import control_specs, local_services, reference_images, seeded_controlnets
 
 CPU = torch.device("cpu")
 TOLERANCE = 1e-3  # max abs pixel difference on a 0..1 scale
@@ -48,24 +42,11 @@ def test_sizes_the_sd3_transformer_cannot_take_are_refused(width, height, messag
 def test_sd3_controlnets_match_diffusers_sd3_controlnet_pipeline(names, instantx, monkeypatch):
     """ControlNets as a service on the transformer's blocks; two sum like SD3MultiControlNetModel. InstantX-style
     ControlNets (``force_zeros_for_pooled_projection``) take zero pooled projections and unshifted latents."""
-    controlnets = {name: build_controlnet_preset("sd3-tiny", seed=seed) for name, seed in (("edges", 1), ("mask", 2))}
-    for model in controlnets.values():
-        model.register_to_config(force_zeros_for_pooled_projection=instantx)
-    client = LocalControlNets({name: ControlNetRunner(model, CPU) for name, model in controlnets.items()})
-    engine = _engine(controlnets=client)
-    images = {"edges": shape_image("square"), "mask": shape_image("disk")}
-    specs = tuple(ControlNetSpec(name, images[name], scale) for name, scale in zip(names, (0.8, 1.2), strict=False))
-    params = _params(controlnets=specs, n=2)
-    ours = denoise_together(engine, [(params, [])])[0]
-    # diffusers samples the control image's latent distribution with the global generator; the engine takes its
-    # mode (one image conditions every row alike): compare with the pipeline on the mode
-    monkeypatch.setattr(DiagonalGaussianDistribution, "sample", lambda self, generator=None: self.mode())
-    pipe = build_preset("sd3-tiny").as_controlnet_pipeline([controlnets[name] for name in names])
-    control = [Image.fromarray(spec.image) for spec in specs]
-    scales = [spec.scale for spec in specs]
-    reference = pipeline_images(pipe, params, control_image=control if len(specs) > 1 else control[0],
-                                controlnet_conditioning_scale=scales if len(specs) > 1 else scales[0])
-    assert np.abs(ours - reference).max() <= TOLERANCE
+    controlnets = seeded_controlnets(
+        "sd3-tiny", lambda model: model.register_to_config(force_zeros_for_pooled_projection=instantx))
+    params = _params(controlnets=control_specs(names), n=2)
+    ours = denoise_together(_engine(controlnets=local_services(controlnets)), [(params, [])])[0]
+    assert np.abs(ours - reference_images("sd3-tiny", controlnets, params, monkeypatch)).max() <= TOLERANCE
     plain = denoise_together(_engine(), [(_params(n=2), [])])[0]
     assert np.abs(ours - plain).max() > 20 * TOLERANCE
 
