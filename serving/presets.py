@@ -78,6 +78,10 @@ _PIPELINES = {"sd": (StableDiffusionPipeline, StableDiffusionControlNetPipeline)
               "sdxl": (StableDiffusionXLPipeline, StableDiffusionXLControlNetPipeline),
               "sd3": (StableDiffusion3Pipeline, StableDiffusion3ControlNetPipeline),
               "flux": (FluxPipeline, FluxControlNetPipeline)}
+#: What the family's pipelines are built or loaded without: SD's safety checker, SDXL's watermarker.
+_WITHOUT_EXTRAS: dict[ModelFamily, dict[str, object]] = {
+    "sd": {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False},
+    "sdxl": {"add_watermarker": False}}
 #: A denoiser: a UNet with down, mid and up blocks (SD, SDXL), an MMDiT transformer (SD3) or a Flux transformer.
 Denoiser = UNet2DConditionModel | SD3Transformer2DModel | FluxTransformer2DModel
 #: Flux's native image side in latent pixels (diffusers' ``FluxPipeline.default_sample_size``).
@@ -201,12 +205,11 @@ class DiffusionComponents:
         if self.family == "flux":
             return parts | {"transformer": self.denoiser, "text_encoder_2": self.text_encoder_3,
                             "tokenizer_2": self.tokenizer_3}
-        parts["unet"] = self.denoiser
+        parts |= {"unet": self.denoiser, **_WITHOUT_EXTRAS[self.family]}
         if self.family == "sdxl":
             return parts | {"text_encoder_2": self.text_encoder_2, "tokenizer_2": self.tokenizer_2,
-                            "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt,
-                            "add_watermarker": False}
-        return parts | {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
+                            "force_zeros_for_empty_prompt": self.force_zeros_for_empty_prompt}
+        return parts
 
 
 def _sd_scheduler() -> DDIMScheduler:
@@ -515,18 +518,16 @@ def load_local(path: str | Path) -> DiffusionComponents:
     """Load a diffusers SD, SDXL, SD3 or Flux text-to-image directory from local disk only (never a hub), its
     weights from ``.safetensors`` files only (a pickled ``.bin`` is refused unopened: pickle can run code)."""
     family = local_family(path)
-    options = {"local_files_only": True, "use_safetensors": True, "dtype": torch.float32}
-    pipe: DiffusionPipeline
-    if family == "flux":
-        pipe = FluxPipeline.from_pretrained(path, **options)
-    elif family == "sd3":
-        pipe = StableDiffusion3Pipeline.from_pretrained(path, **options)
-    elif family == "sdxl":
-        pipe = StableDiffusionXLPipeline.from_pretrained(path, add_watermarker=False, **options)
-    else:
-        pipe = StableDiffusionPipeline.from_pretrained(path, safety_checker=None, requires_safety_checker=False,
-                                                       **options)
+    pipeline_cls, without = pipeline_loader(family)
+    pipe = pipeline_cls.from_pretrained(path, local_files_only=True, use_safetensors=True, dtype=torch.float32,
+                                        **without)
     return components_of(pipe, family)
+
+
+def pipeline_loader(family: ModelFamily) -> tuple[type[DiffusionPipeline], dict[str, object]]:
+    """The family's text-to-image pipeline class and the arguments its loads take to leave out SD's safety checker
+    and SDXL's watermarker."""
+    return _PIPELINES[family][0], _WITHOUT_EXTRAS.get(family, {})
 
 
 def components_of(pipe: DiffusionPipeline, family: ModelFamily) -> DiffusionComponents:

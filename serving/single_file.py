@@ -19,12 +19,20 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from diffusers import FluxTransformer2DModel, StableDiffusionPipeline, StableDiffusionXLPipeline
+from diffusers import FluxTransformer2DModel
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from serving.preset_catalog import PRESET_FAMILIES
-from serving.presets import DiffusionComponents, ModelFamily, build_preset, components_of, load_local, local_family
+from serving.presets import (
+    DiffusionComponents,
+    ModelFamily,
+    build_preset,
+    components_of,
+    load_local,
+    local_family,
+    pipeline_loader,
+)
 
 #: A tensor name only each layout has (after a ``model.diffusion_model.`` prefix, where the file has one).
 _MARKERS: tuple[tuple[str, str], ...] = (
@@ -72,12 +80,10 @@ def load_single_file(path: str | Path, config: str | Path) -> DiffusionComponent
         raise SingleFileError(f"{path} holds a {found} model, and config {str(config)!r} is a {expected} model")
     if found == "flux":
         return _load_flux(path, config)
+    pipeline_cls, without = pipeline_loader(found)
     with _config_directory(config) as directory:
-        pipeline_cls = StableDiffusionXLPipeline if found == "sdxl" else StableDiffusionPipeline
-        extra = {"add_watermarker": False} if found == "sdxl" else {
-            "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}
         pipe = pipeline_cls.from_single_file(str(path), config=str(directory), local_files_only=True,
-                                             torch_dtype=torch.float32, **extra)
+                                             torch_dtype=torch.float32, **without)
     return components_of(pipe, found)
 
 
