@@ -80,6 +80,32 @@ def module_sharing_weights(module: torch.nn.Module, memo: dict[int, object] | No
     return copy.deepcopy(module, memo)
 
 
+#: What ``ControlNetModel.from_unet`` copies from the UNet: the ControlNet's encoder.
+_ENCODER_FROM_UNET = ("conv_in", "time_proj", "time_embedding", "class_embedding", "add_embedding", "down_blocks",
+                      "mid_block")
+
+
+def share_encoder_with_unet(controlnet: torch.nn.Module, unet: torch.nn.Module) -> int:
+    """Points ``controlnet``'s encoder, a copy of ``unet``'s (an untrained ``from_unet`` ControlNet), at the UNet's
+    weight storage through parameter objects of its own, as ``module_sharing_weights`` does; returns the bytes
+    freed. ValueError where a weight differs from the UNet's: only an exact copy may be shared."""
+    freed = 0
+    for part_name in _ENCODER_FROM_UNET:
+        part, source = getattr(controlnet, part_name, None), getattr(unet, part_name, None)
+        if part is None or source is None:
+            continue
+        sources = dict(source.named_parameters())
+        for name, parameter in list(part.named_parameters()):
+            shared = sources.get(name)
+            if shared is None or shared.shape != parameter.shape or not torch.equal(shared, parameter):
+                raise ValueError(f"the ControlNet's {part_name}.{name} is not a copy of the UNet's")
+            owner, _, leaf = name.rpartition(".")
+            setattr(part.get_submodule(owner), leaf,
+                    torch.nn.Parameter(shared.detach(), requires_grad=parameter.requires_grad))
+            freed += parameter.numel() * parameter.element_size()
+    return freed
+
+
 def conditioning_image(size: int, index: int) -> np.ndarray:
     """A white rectangle on black, in one of two places by the parity of ``index``."""
     image = np.zeros((size, size, 3), np.uint8)

@@ -1,12 +1,13 @@
-"""The benchmark's second and third model over one copy of the weights (``sharing_weights``), and diffusers' fused
-LoRA undone before anything else runs on them (``bench_diffusion.Diffusers``)."""
+"""The benchmark's second and third model over one copy of the weights (``sharing_weights``), a ControlNet's encoder
+over its UNet's (``share_encoder_with_unet``), and diffusers' fused LoRA undone before anything else runs on them
+(``bench_diffusion.Diffusers``)."""
 
 import numpy as np
 import pytest
 import torch
 
 from benchmarks.bench_diffusion import WARM, Diffusers, LoRAFiles
-from benchmarks.common import sharing_weights, write_attention_lora
+from benchmarks.common import share_encoder_with_unet, sharing_weights, write_attention_lora
 from serving.controlnet.models import build_controlnet_preset
 from serving.engine import GenerationParams
 from serving.lora.format import LoRATargets
@@ -70,3 +71,37 @@ def test_a_fused_diffusers_lora_is_undone_in_the_shared_weights_after_its_case(m
     assert vanilla.state == "none"
     after = _weights(model)
     assert all(torch.allclose(after[key], before[key], atol=1e-6) for key in before)
+
+
+def _controlnet_residuals(controlnet, model) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        down, mid = controlnet(
+            torch.randn(1, 4, 8, 8, generator=generator), 10, torch.randn(1, 4, 80, generator=generator),
+            torch.rand(1, 3, 16, 16, generator=generator), return_dict=False,
+            added_cond_kwargs={"text_embeds": torch.randn(1, 48, generator=generator),
+                               "time_ids": torch.randn(1, 6, generator=generator)})
+    return (*down, mid)
+
+
+def test_a_controlnet_encoder_shares_the_unet_storage_and_computes_the_same(model):
+    controlnet = build_controlnet_preset("sdxl-tiny", denoiser=model.denoiser)
+    before = _controlnet_residuals(controlnet, model)
+    encoder_bytes = sum(p.numel() * p.element_size()
+                        for part in (controlnet.conv_in, controlnet.time_embedding, controlnet.add_embedding,
+                                     controlnet.down_blocks, controlnet.mid_block) for p in part.parameters())
+    assert share_encoder_with_unet(controlnet, model.denoiser) == encoder_bytes
+    unet = dict(model.denoiser.named_parameters())
+    shared = {name: p for name, p in controlnet.named_parameters() if name.startswith(("down_blocks.", "mid_block."))}
+    assert shared and all(p.data_ptr() == unet[name].data_ptr() and p is not unet[name] for name, p in shared.items())
+    assert controlnet.controlnet_cond_embedding.conv_out.weight.data_ptr() not in {p.data_ptr() for p in unet.values()}
+    after = _controlnet_residuals(controlnet, model)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+def test_a_controlnet_encoder_that_differs_from_the_unet_is_not_shared(model):
+    controlnet = build_controlnet_preset("sdxl-tiny", denoiser=model.denoiser)
+    with torch.no_grad():
+        controlnet.mid_block.resnets[0].conv1.weight.add_(1.0)
+    with pytest.raises(ValueError, match="mid_block.resnets.0.conv1.weight is not a copy"):
+        share_encoder_with_unet(controlnet, model.denoiser)
