@@ -161,16 +161,22 @@ def test_backend_answers_a_refusal_with_503_overloaded_and_the_wait_as_retry_aft
 @pytest.mark.parametrize("bound", [3.0, None])
 def test_loop_refuses_while_busy_what_would_denoise_past_its_slowdown_and_admits_when_idle(tiny_engine, monkeypatch,
                                                                                           bound):
-    """Steps stretched 0.1 s (as by other processes on the core) after the running request's third: a 4-step
-    request joining its batch (no wait) is refused, predicted far past 3x its steps alone, and admitted once the
-    loop is idle; with the bound off (None) it is admitted while busy."""
+    """Steps stretched (as by other processes on the core) after the running request's third, each by 10x the
+    fastest step before, so past 3x the fastest however loaded the machine: a 4-step request joining its batch (no
+    wait) is refused, predicted far past 3x its steps alone, and admitted once the loop is idle; with the bound off
+    (None) it is admitted while busy."""
     stretched, reached, release = threading.Event(), threading.Event(), threading.Event()
     step = tiny_engine.step
+    unstretched: list[float] = []  # seconds of each step before the stretch
 
     def stretched_step(states):
+        started = time.perf_counter()
+        result = step(states)
         if stretched.is_set():
-            time.sleep(0.1)
-        return step(states)
+            time.sleep(10 * min(unstretched))
+        else:
+            unstretched.append(time.perf_counter() - started)
+        return result
 
     def on_step(state):
         if state.params.num_inference_steps == 30 and state.step_index == 3:
