@@ -55,7 +55,9 @@ compute, not memory of its own. A UNet ControlNet's encoder is built as an exact
 start) and runs over the UNet's storage (``share_encoder_with_unet``): the same compute, the encoder's size less
 host memory (``controlnet_encoder_shared_bytes`` in the results), without which ``sdxl-shape`` did not fit a 24 GiB
 host. diffusers' ``fuse_lora`` writes show in that encoder too while a fused case runs (values, not time: every
-fused case unfuses after it).
+fused case unfuses after it). The command runs itself again under ``ALLOCATOR_ENV`` (a fixed glibc mmap threshold,
+``allocator_env`` in the results), so that weight-sized blocks freed on one thread go back to the system rather than
+piling up in its arena.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ import itertools
 import os
 import resource
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -481,7 +484,22 @@ def _lora_config(args: argparse.Namespace) -> LoRAConfig:
     return LoRAConfig(load_workers=1, **{key: value for key, value in budgets.items() if value is not None})
 
 
+#: glibc's malloc keeps a freed block below its mmap threshold (which grows to 32 MiB as large blocks are freed) in
+#: the arena of the thread that made it: merged LoRA copies and diffusers' fused deltas, weight-sized, made and
+#: freed on different threads, piled up until ``sdxl-shape`` outgrew a 24 GiB host. A fixed threshold of 4 MiB hands
+#: every block that large back to the system when it is freed; smaller activations stay in the arenas.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
+
+
+def _under_allocator_env() -> None:
+    """Run this command again under ``ALLOCATOR_ENV`` unless it already is (glibc reads it at process start)."""
+    if any(os.environ.get(name) != value for name, value in ALLOCATOR_ENV.items()):
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_diffusion", *sys.argv[1:]],
+                  {**os.environ, **ALLOCATOR_ENV})
+
+
 def main() -> None:
+    _under_allocator_env()
     args, params = diffusion_arguments(__doc__, steps=4, repeats=5, options=_options)
     if PRESET_FAMILIES[args.preset] == "flux":
         params = replace(params, **FLUX_REQUEST)
@@ -564,6 +582,7 @@ def main() -> None:
                     "seed": params.seed, "lora_scale": SCALE},
         "lora_file_bytes": lora_bytes,
         "controlnet_encoder_shared_bytes": shared_bytes,
+        "allocator_env": ALLOCATOR_ENV,
         "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # ru_maxrss: KiB
         "errors": 0,  # a failed request aborts the run
         "flags": flags,

@@ -103,5 +103,5 @@ def test_a_controlnet_encoder_that_differs_from_the_unet_is_not_shared(model):
     controlnet = build_controlnet_preset("sdxl-tiny", denoiser=model.denoiser)
     with torch.no_grad():
         controlnet.mid_block.resnets[0].conv1.weight.add_(1.0)
-    with pytest.raises(ValueError, match="mid_block.resnets.0.conv1.weight is not a copy"):
+    with pytest.raises(ValueError, match=r"mid_block\.resnets\.0\.conv1\.weight is not a copy"):
         share_encoder_with_unet(controlnet, model.denoiser)
