@@ -26,12 +26,11 @@ class BankError(ValueError):
     """An invalid or unusable bank file; the message names the file and field."""
 
 
-class ProfileRecord(BaseModel):
-    """One trial: a configuration and what it sustained."""
+class Measurement(BaseModel):
+    """What one deployment of an application sustained."""
 
     model_config = ConfigDict(extra="forbid")
 
-    config: ConfigurationField
     rps: float | None = Field(None, ge=0.0, description="Highest sustainable request rate found (requests/s).")
     achieved_rps: float | None = Field(None, ge=0.0, description="2xx answers per second measured at that rate.")
     p50_ms: float | None = Field(None, ge=0.0, description="Median latency at that rate.")
@@ -45,14 +44,30 @@ class ProfileRecord(BaseModel):
                                 "(None: not recorded).")
     interference: Interference | None = Field(None, description="The node's CPU time its rate search lost to "
                                               "other work (None: not recorded).")
+    duration_s: float | None = Field(None, ge=0.0, description="Wall time of the measurement: deploy or update, "
+                                     "warm-up and rate search (None: not recorded).")
 
     @model_validator(mode="after")
-    def _objective_iff_ok(self) -> ProfileRecord:
+    def _objective_iff_ok(self) -> Measurement:
         if (self.objective is None) == (self.status == "ok"):
             raise ValueError(
                 f"objective: must be {'set' if self.status == 'ok' else 'null'} when status is {self.status!r}"
             )
         return self
+
+
+class ProfileRecord(Measurement):
+    """One trial: a configuration of the space and what it sustained."""
+
+    config: ConfigurationField
+
+
+class StartingPoint(Measurement):
+    """The application as its Serve config has it (no knob applied), measured before the search: what tuning
+    gains over."""
+
+    resources: float | None = Field(None, ge=0.0, description="The devices its deployments held (the objective's "
+                                    "divisor under rps_per_share).")
 
 
 class Repeats(BaseModel):
@@ -112,6 +127,8 @@ class BankEntry(BaseModel):
     objective: Literal["rps_per_share", "rps"] = "rps_per_share"
     trials: list[ProfileRecord]
     repeats: list[Repeats] = Field(default_factory=list)
+    starting: StartingPoint | None = Field(None, description="The application's own configuration, measured "
+                                           "before the grid (None: not recorded).")
 
     @model_validator(mode="after")
     def _trials_in_space(self) -> BankEntry:
@@ -185,6 +202,21 @@ class BankEntry(BaseModel):
             if value > 0:
                 values[self.space.index(config)] = value
         return self.space.configurations(), values
+
+    def durations(self) -> np.ndarray:
+        """Each configuration's trial wall time in enumeration order (seconds; NaN where not recorded)."""
+        seconds = np.full(self.space.size, np.nan)
+        for trial in self.trials:
+            if trial.duration_s is not None:
+                seconds[self.space.index(trial.config)] = trial.duration_s
+        return seconds
+
+    def gain_over_starting(self) -> float | None:
+        """The optimum's objective over the app as configured (``starting``); None where that was not recorded or
+        held no rate."""
+        if self.starting is None or not self.starting.objective:
+            return None
+        return max(self.measured().values()) / self.starting.objective
 
     @classmethod
     def load(cls, path: str | Path) -> BankEntry:

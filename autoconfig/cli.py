@@ -7,47 +7,36 @@ the exit code; ``tune`` stopped by Ctrl-C or SIGTERM keeps its finished trials a
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
-from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 from autoconfig import __version__
 
-if TYPE_CHECKING:
-    from autoconfig.searchers.base import Observation
-    from autoconfig.space import Configuration
-    from autoconfig.study import TuningStudy
-
 #: ``tune --searcher`` choices (``autoconfig.searchers.SEARCHERS``, named here so ``--help`` needs no import of it).
 SEARCHER_NAMES = ("grid", "random", "tpe", "gp", "meta", "rgpe", "best-on-average", "prior-only", "tpe-warm",
                   "pareto")
-BANK_SEARCHERS = frozenset({"meta", "rgpe", "best-on-average", "prior-only", "tpe-warm"})
-#: Applications with shortcut knobs, a shipped space and a built-in workload: import path -> space name.
-BUILT_IN_KINDS = {"disagg.app:build_app": "dlrm", "serving.app:build_app": "diffusion",
-                  "serving.app:build_multi_app": "diffusion"}
-
-
-def _is_workload_file(value: str) -> bool:
-    """``--workload`` names a JSONL file (``*.jsonl`` or an existing file) rather than KEY=VALUE options."""
-    return value.endswith(".jsonl") or Path(value).is_file()
+#: ``--gpu-share-mode`` choices (``autoconfig.gpu_share.GpuShareMode``).
+GPU_SHARE_MODE_NAMES = ("mps", "memory", "schedule")
 
 
 def _check(args: argparse.Namespace, console: Console) -> int:
+    from autoconfig.gpu_share import gpu_overcommit
     from autoconfig.serve_config import ServeConfigError, check_models, load_serve_config
 
     try:
         config = load_serve_config(args.config)
+        overflow = gpu_overcommit(config)
+        if overflow is not None:
+            raise ServeConfigError(f"{args.config}: {overflow}")
         reports = check_models(config, source=str(args.config))
     except ServeConfigError as exc:
         console.print(f"[red]invalid:[/red] {exc}", soft_wrap=True)
+        return 1
+    except ValueError as exc:  # a GPU share that is not a number
+        console.print(f"[red]invalid:[/red] {args.config}: {exc}", soft_wrap=True)
         return 1
     table = Table(title=f"{args.config} (HTTP {config.http_options.host}:{config.http_options.port})")
     for column in ("application", "route", "import path", "deployment", "replicas", "resources"):
@@ -67,239 +56,9 @@ def _check(args: argparse.Namespace, console: Console) -> int:
 
 
 def _tune(args: argparse.Namespace, console: Console) -> int:
-    import ray
-    from pydantic import ValidationError
-    from ray import serve
-    from rich.progress import Progress
+    from autoconfig.tune_command import run_tune
 
-    from autoconfig.bank import ModelDescription, load_bank
-    from autoconfig.knobs import check_space, configure_serve_config, write_serve_config
-    from autoconfig.pareto import Limits
-    from autoconfig.searchers import SEARCHERS, GridSearcher
-    from autoconfig.serve_config import ServeConfigError, load_serve_config
-    from autoconfig.space import SearchSpace, SpaceError, describe_validation_error
-    from autoconfig.stress import SearchSettings
-    from autoconfig.study import StudyError, TuningStudy
-    from autoconfig.trial import TRIAL_APP_NAME, delete_trial_app, run_trial
-    from autoconfig.tuner import remeasured_while_interfered, repeat_best, tune, unconfirmed
-    from autoconfig.workloads import load_workload_file, parse_workload_options, workload_for_app
-
-    try:
-        template = load_serve_config(args.config)
-        app = next((app for app in template.applications if app.name == args.app), None)
-        if app is None:
-            names = ", ".join(app.name for app in template.applications)
-            raise ServeConfigError(f"{args.config}: no application {args.app!r}; applications: {names}")
-        kind = BUILT_IN_KINDS.get(app.import_path)
-        workload_file = args.workload is not None and _is_workload_file(args.workload)
-        if kind is None and not (args.space and workload_file):
-            raise ValueError(f"application {args.app!r} ({app.import_path}) is not a built-in app: give --space "
-                             "FILE.yaml (its knobs as dotted paths) and --workload FILE.jsonl (its requests)")
-        if args.space is None:
-            space = SearchSpace.default(kind)
-        else:  # a file, or the name of a shipped space (dlrm-joint...)
-            space = SearchSpace.from_yaml(args.space) if Path(args.space).is_file() else SearchSpace.default(args.space)
-        try:
-            check_space(template, args.app, space, accelerator=args.accelerator)
-        except SpaceError as error:
-            raise SpaceError(f"{args.space or kind + ' space'}: {error}") from None
-        profiling = args.command == "profile"  # the whole grid, recorded as a bank entry
-        if args.repeat_best < 0 or args.repeats < 1:
-            raise ValueError(f"--repeat-best must be >= 0 and --repeats >= 1, got {args.repeat_best} and "
-                             f"{args.repeats}")
-        if args.repeat_limit is None:
-            args.repeat_limit = 2 * args.repeat_best
-        if args.max_interference is not None and not 0.0 < args.max_interference <= 1.0:
-            raise ValueError(f"--max-interference must be in (0, 1], got {args.max_interference}")
-        if args.interference_retries < 0:
-            raise ValueError(f"--interference-retries must be >= 0, got {args.interference_retries}")
-        if args.repeat_limit < args.repeat_best:
-            raise ValueError(f"--repeat-limit must be >= --repeat-best ({args.repeat_best}), got {args.repeat_limit}")
-        if profiling:
-            ModelDescription(name=args.model_name)  # a bad name is refused now, not after the last trial
-            args.searcher, args.budget, args.seed = "grid", space.size, 0
-        study = TuningStudy.open(args.storage, args.study or f"{args.app}-{args.searcher}", space)
-        prior = load_bank(args.bank) if args.bank and not profiling else []
-        if workload_file:
-            workload, workload_description = load_workload_file(args.workload), {"file": str(args.workload)}
-        else:
-            workload_description = parse_workload_options(args.workload)
-            workload = workload_for_app(app.import_path, app.args, workload_description)
-        # What was tuned, as a bank entry records it: the bank's searchers weigh alike models more.
-        description = {"app": args.app, "args": app.args, "workload": workload_description,
-                       "slo_p99_ms": args.slo_p99_ms}
-        settings = SearchSettings(probe_s=args.probe_s, start_rps=args.start_rps, max_probes=args.max_probes,
-                                  rel_tolerance=args.tolerance, min_requests=args.min_requests)
-        limits = Limits(max_memory_mib=args.max_memory_mib)
-    except ValidationError as error:  # the rate search's options, named as SearchSettings fields
-        console.print(f"[red]error:[/red] {describe_validation_error(error)}", soft_wrap=True)
-        return 2
-    except (ServeConfigError, SpaceError, StudyError, ValueError) as error:
-        console.print(f"[red]error:[/red] {error}", soft_wrap=True)
-        return 2
-    if args.searcher in BANK_SEARCHERS and not prior:
-        console.print(f"[red]error:[/red] --searcher {args.searcher} needs --bank DIR (profiles of other models to "
-                      "learn from)", soft_wrap=True)
-        return 2
-    # A profile walks the grid in deployment order: the kept trial app restarts replicas a few times per grid.
-    try:
-        searcher = (GridSearcher(space, order="deployment") if profiling
-                    else SEARCHERS[args.searcher](space, args.seed, prior, target=description))
-    except ValueError as error:  # a bank with no profile over this space's knobs
-        console.print(f"[red]error:[/red] --searcher {args.searcher}: {error}", soft_wrap=True)
-        return 2
-    if args.accelerator == "cpu":
-        from serving.common.cpu_share import CgroupCpu, CpuShareError
-
-        try:
-            CgroupCpu.find()
-        except CpuShareError as error:  # replicas on other nodes may still enforce theirs; they log if not
-            console.print(f"[yellow]warning:[/yellow] device_share is only reserved on this node, not enforced "
-                          f"({error})")
-    done = len(study.history())
-    console.print(f"study {study.name!r} in {args.storage}: {done} finished trial(s), budget {args.budget}, "
-                  f"space of {space.size} configurations, searcher {args.searcher}")
-    _warn_other_machines(console, study)
-    owns_cluster = not ray.is_initialized() and args.address is None  # a local cluster of our own: ours to stop
-    if not ray.is_initialized():
-        ray.init(address=args.address, include_dashboard=False)
-    confirmed = None  # tune's best configuration by the mean of its repeated runs
-    try:
-        with _sigterm_as_interrupt(), Progress(console=console) as progress:
-            bar = progress.add_task("profiling", total=args.budget, completed=min(done, args.budget))
-
-            def measure(config):
-                progress.update(bar, description=f"profiling {config.as_dict()}")
-                return run_trial(template, args.app, config.as_dict(), workload, args.slo_p99_ms,
-                                 warmup_s=args.warmup_s, search=settings, objective=args.objective,
-                                 accelerator=args.accelerator, teardown=args.fresh_deploy)
-
-            def set_aside(config, attempt, record):
-                progress.console.print(f"measuring {config.as_dict()} again ({attempt}/{args.interference_retries})"
-                                       f": {record.sustainable_rps:.1f} rps with "
-                                       f"{record.interference.describe()}")
-
-            profile = measure if args.max_interference is None else remeasured_while_interfered(
-                measure, limit=args.max_interference, retries=args.interference_retries, on_retry=set_aside)
-
-            def report(number, config, record):
-                progress.advance(bar)
-                progress.console.print(f"trial {number}: {config.as_dict()} -> {_outcome(record)}")
-
-            outcome = tune(study, searcher, profile, budget=args.budget, limits=limits, on_trial=report)
-            complete = len(outcome.history) == space.size if profiling else outcome.best is not None
-            if complete and args.repeats > 1 and args.repeat_best > 0:
-                progress.update(bar, total=args.budget + args.repeat_limit * (args.repeats - 1))  # at most
-
-                def repeated(config, run, record):
-                    progress.advance(bar)
-                    progress.console.print(f"repeat {run}/{args.repeats}: {config.as_dict()} -> {_outcome(record)}")
-
-                measured = repeat_best(study, profile, configs=args.repeat_best, runs=args.repeats,
-                                       limit=args.repeat_limit, on_repeat=repeated)
-                progress.update(bar, total=progress.tasks[bar].completed)
-                for config in unconfirmed(study, configs=args.repeat_best, runs=args.repeats):
-                    progress.console.print(f"[yellow]warning:[/yellow] {config.as_dict()} ranks among the "
-                                           f"{args.repeat_best} best on fewer than {args.repeats} runs: "
-                                           f"--repeat-limit {args.repeat_limit} reached")
-                if not profiling:
-                    confirmed = _print_confirmation(console, measured, outcome.best)
-    except KeyboardInterrupt as stop:  # the trial in progress is dropped; the finished ones are stored
-        console.print(f"[yellow]stopped:[/yellow] study {study.name!r} in {args.storage} keeps its "
-                      f"{len(study.history())} finished trial(s); run the same command to resume")
-        return 143 if isinstance(stop, _Terminated) else 130
-    finally:
-        delete_trial_app(TRIAL_APP_NAME)  # kept between trials unless --fresh-deploy
-        if owns_cluster:  # on a shared cluster Serve keeps running
-            serve.shutdown()
-            ray.shutdown()
-    _print_trials(console, study.records())
-    _warn_interference(console, study)
-    if profiling:
-        if len(outcome.history) < space.size:
-            console.print(f"[red]{len(outcome.history)} of {space.size} configurations profiled[/red]")
-            return 1
-        entry = study.to_bank_entry({"name": args.model_name, **description}, _machine(), args.objective)
-        path = Path(args.bank) / f"{args.model_name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        entry.save(path)
-        for repeat in entry.repeats:
-            console.print(f"noise: {repeat.config.as_dict()} objectives {repeat.objectives}")
-        noise = entry.noise()
-        console.print(f"[green]profiled[/green] {space.size} configurations; wrote {path}"
-                      + ("" if noise is None else f"; measurement noise (median std/mean of {len(entry.repeats)} "
-                         f"repeated configurations): {noise:.1%}"))
-        return 0
-    front = _print_front(console, study.records())  # the trials over a limit carry their violation
-    if args.front_out:
-        Path(args.front_out).write_text(json.dumps(front, indent=1) + "\n")
-        console.print(f"wrote the Pareto front to {args.front_out}")
-    if outcome.best is None:
-        closest = min(study.records(), key=lambda r: r.get("p99_ms") or float("inf"), default=None)
-        console.print(f"[red]no configuration met the p99 SLO of {args.slo_p99_ms:g} ms[/red]"
-                      + (f"; the lowest p99 seen was {closest['p99_ms']:.1f} ms at {closest['config']}"
-                         if closest and closest.get("p99_ms") else ""))
-        return 1
-    best, measure = outcome.best, "objective"
-    if confirmed is not None:
-        best, measure = confirmed, f"mean objective over {len(measured[confirmed.config])} runs"
-    tuned = configure_serve_config(template, args.app, best.config.as_dict(), accelerator=args.accelerator)
-    write_serve_config(tuned, args.out)
-    console.print(f"[green]best:[/green] {best.config.as_dict()} ({measure} {best.value:.2f}); "
-                  f"wrote {args.out} (deploy with `serve deploy {args.out}`)")
-    return 0
-
-
-def _print_confirmation(console: Console, measured: dict[Configuration, list[float | None]],
-                        single_best: Observation) -> Observation | None:
-    """Print each repeated configuration's runs and mean; return ``confirmed_best`` of them."""
-    from autoconfig.bank import mean_of_runs
-    from autoconfig.tuner import confirmed_best
-
-    table = Table(title="the best configurations, measured again (a run that held no rate counts 0)")
-    for column in ("configuration", "objectives", "mean"):
-        table.add_column(column)
-    for config, runs in measured.items():
-        table.add_row(str(config.as_dict()), ", ".join("-" if v is None else f"{v:.2f}" for v in runs),
-                      f"{mean_of_runs(runs):.2f}")
-    console.print(table)
-    confirmed = confirmed_best(measured)
-    if confirmed is not None and confirmed.config != single_best.config:
-        console.print(f"the best single run ({single_best.config.as_dict()}, {single_best.value:.2f}) did not hold "
-                      f"up: {confirmed.config.as_dict()} has the best mean")
-    return confirmed
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises ``KeyboardInterrupt`` (no ``except Exception`` in a trial catches it)."""
-
-
-def _raise_terminated(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While trials run, SIGTERM stops ``tune`` as Ctrl-C does: the trial app is deleted, the study kept."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _machine() -> dict[str, object]:
-    """Where a profile was measured."""
-    import os
-    import platform
-
-    import torch
-
-    from autoconfig.provenance import cpu_model
-
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "python": platform.python_version()}
+    return run_tune(args, console)
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
@@ -342,6 +101,7 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     from autoconfig.report import plot_report
     from autoconfig.searchers.base import Observation
     from autoconfig.study import StudyError, TuningStudy
+    from autoconfig.tune_command import print_front, print_trials
     from autoconfig.tuner import best_observation
 
     try:
@@ -363,14 +123,14 @@ def _report(args: argparse.Namespace, console: Console) -> int:
     if not history:
         console.print(f"[red]error:[/red] {title} has no finished trial", soft_wrap=True)
         return 1
-    _print_trials(console, records)
+    print_trials(console, records)
     best = best_observation(history)
     if best is None:
         console.print(f"{len(history)} trials; [red]none met the SLO[/red]")
     else:
         console.print(f"{len(history)} trials of {space.size}; best {best.config.as_dict()} "
                       f"({objective} {best.value:.2f}, found at trial {history.index(best) + 1})")
-    _print_front(console, records)
+    print_front(console, records)
     console.print(f"plot: {plot_report(space, history, args.plot, title=title, objective=objective, records=records)}")
     return 0
 
@@ -395,76 +155,6 @@ def _plan(args: argparse.Namespace, console: Console) -> int:
     return 1 if unplaced else 0
 
 
-def _outcome(record) -> str:
-    """A trial's status, rate (offered, and achieved when measured) and objective, for its progress line; what
-    the rate search lost to other work where that was noticeable."""
-    from autoconfig.interference import NOTICEABLE
-
-    achieved = "" if record.achieved_rps is None else f" ({record.achieved_rps:.1f} achieved)"
-    line = f"{record.status}, {record.sustainable_rps:.1f} rps{achieved}, objective {record.objective:.2f}"
-    lost = record.interference
-    return line + (f" [yellow]({lost.describe()})[/yellow]" if lost and lost.lost >= NOTICEABLE else "")
-
-
-def _warn_interference(console: Console, study: TuningStudy) -> None:
-    """Warn about the trials and repeat runs whose rate search lost a noticeable share of the node's CPUs."""
-    from autoconfig.interference import NOTICEABLE, Interference
-
-    def lost(run: dict) -> float:
-        return Interference.model_validate(run["interference"]).lost if run.get("interference") else 0.0
-
-    trials = [number for number, record in enumerate(study.records(), 1) if lost(record) >= NOTICEABLE]
-    runs = sum(lost(run) >= NOTICEABLE for runs in study.repeats().values() for run in runs)
-    if trials or runs:
-        console.print(f"[yellow]warning:[/yellow] {len(trials)} trial(s) ({', '.join(map(str, trials)) or '-'}) "
-                      f"and {runs} repeat run(s) lost {NOTICEABLE:.0%} or more of the node's CPUs to the "
-                      "hypervisor or to other processes while measured: their rates understate the configurations'; "
-                      "measure them again on a quiet node")
-
-
-def _warn_other_machines(console: Console, study: TuningStudy) -> None:
-    """Warns when a resumed study holds measurements taken on other hardware than this machine: its rates are
-    another system's, and mixing them with this machine's misleads the search and the bank."""
-    from autoconfig.provenance import machine_id
-
-    runs = [*study.records(), *(run for runs in study.repeats().values() for run in runs)]
-    elsewhere = Counter(run["machine"] for run in runs if run.get("machine") not in (None, machine_id()))
-    if elsewhere:
-        named = ", ".join(f"{count} on {machine}" for machine, count in elsewhere.items())
-        console.print(f"[yellow]warning:[/yellow] study {study.name!r} holds measurements taken on other hardware "
-                      f"({named}); this machine is {machine_id()}. Rates from different machines are not "
-                      "comparable: use a new --study to profile this machine alone", soft_wrap=True)
-
-
-def _print_front(console: Console, records: list[dict]) -> list[dict]:
-    """Print the Pareto front of ``records`` (objective up, p99 and memory down, within the limits the study
-    applied) and return it, best objective first."""
-    from autoconfig.pareto import front_metrics, pareto_front
-
-    front = [records[i] for i in pareto_front(records)]
-    metrics = front_metrics(records)
-    table = Table(title=f"Pareto front ({', '.join(metrics)})")
-    for column in ("configuration", *metrics):
-        table.add_column(column)
-    for record in front:
-        table.add_row(str(record["config"]), *(f"{record[name]:.2f}" for name in metrics))
-    if front:
-        console.print(table)
-    return [{"config": record["config"], **{name: record[name] for name in metrics}} for record in front]
-
-
-def _print_trials(console: Console, records: list[dict]) -> None:
-    table = Table(title="trials")
-    for column in ("#", "configuration", "status", "rps", "achieved rps", "p99 ms", "objective"):
-        table.add_column(column)
-    for number, record in enumerate(records, start=1):
-        p99, achieved = record.get("p99_ms"), record.get("achieved_rps")
-        table.add_row(str(number), str(record["config"]), str(record.get("status")),
-                      f"{record.get('sustainable_rps', 0):.1f}", "-" if achieved is None else f"{achieved:.1f}",
-                      "-" if p99 is None else f"{p99:.1f}", f"{record.get('objective', 0):.2f}")
-    console.print(table)
-
-
 def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     """What ``tune`` and ``profile`` share: the application, the SLO, the study and how trials measure."""
     parser.add_argument("--config", default="deploy/serve_config.yaml", help="Serve config template")
@@ -477,6 +167,12 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--study", help="study name (default: APP-SEARCHER); an existing study is resumed")
     parser.add_argument("--objective", choices=("rate_per_share", "max_rate"), default="rate_per_share")
     parser.add_argument("--accelerator", choices=("cpu", "gpu"), default="cpu")
+    parser.add_argument("--gpu-share-mode", choices=GPU_SHARE_MODE_NAMES, default=None,
+                        help="what a GPU device_share divides (--accelerator gpu): mps, compute and memory (each "
+                             "replica's CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and memory fraction; needs an MPS control "
+                             "daemon on every GPU node); memory, memory only (compute is time-sliced); schedule, "
+                             "Ray's fractional num_gpus alone (default: mps where every GPU node's daemon answers, "
+                             "else memory, with a warning)")
     parser.add_argument("--probe-s", type=float, default=1.0,
                         help="seconds of a scouting probe (the doubling) and of the shortest deciding probe")
     parser.add_argument("--min-requests", type=int, default=200,

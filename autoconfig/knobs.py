@@ -1,16 +1,17 @@
 """Knob values written into a Ray Serve config: what a configuration means for a deployment.
 
 ``apply_knobs`` sets the shortcuts ``max_batch_size``, ``batch_wait_timeout_s``, ``device_share``, ``num_replicas``
-and optionally ``torch_threads`` on the deployment holding a built-in application's model (``APP_KNOBS``), then
-each dotted-path knob (``Deployment.option[.key]``, the name may be a pattern, or ``args.key``) on the deployment
-entries or the args it names; what each knob sets and what that enforces is in docs/AUTOCONFIG.md.
+and optionally ``torch_threads`` on the deployment holding a built-in application's model (``APP_KNOBS``: a shortcut
+the application does not read is refused), then each dotted-path knob (``Deployment.option[.key]``, the name may be
+a pattern, or ``args.key``) on the deployment entries or the args it names. On a GPU the ``GpuShareMode`` says what
+a ``device_share`` below 1 divides; what each knob sets and what that enforces is in docs/AUTOCONFIG.md.
 """
 
 from __future__ import annotations
 
 import copy
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -20,13 +21,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.serve.config import AutoscalingConfig
 from ray.serve.schema import DeploymentSchema, RayActorOptionsSchema, ServeDeploySchema
 
-from autoconfig.serve_config import validate_app_args
+from autoconfig.gpu_share import GpuShareMode, gpu_overcommit, gpu_share_env
+from autoconfig.serve_config import validate_app_args, validate_user_configs
 from autoconfig.space import SearchSpace, SpaceError, describe_validation_error, is_path_knob, shortcut_values
 
 Accelerator = Literal["cpu", "gpu"]
-CUDA_MEMORY_FRACTION_ENV = "SWIFTSERVE_CUDA_MEMORY_FRACTION"
 CPU_SHARE_ENV = "SWIFTSERVE_CPU_SHARE"
-MPS_PERCENTAGE_ENV = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 
 
 class Knobs(BaseModel):
@@ -35,7 +35,7 @@ class Knobs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_batch_size: int = Field(ge=1)
-    batch_wait_timeout_s: float = Field(ge=0.0, le=10.0)
+    batch_wait_timeout_s: float | None = Field(None, ge=0.0, le=10.0)
     device_share: float = Field(gt=0.0)
     num_replicas: int = Field(ge=1)
     torch_threads: int | None = Field(None, ge=1)
@@ -53,13 +53,14 @@ class AppKnobs:
     ``target`` names the deployment holding the model (from the app's ``args``); ``user_config`` is the live
     batching configuration of that deployment; ``max_ongoing`` maps deployment names to their
     ``max_ongoing_requests`` (the target's name is passed in); ``threads`` is a key path under ``args`` (an int
-    indexes a list).
+    indexes a list); ``reads``: the shortcuts the application acts on (any other is refused).
     """
 
     target: Callable[[Mapping[str, Any]], str]
     user_config: Callable[[Knobs], dict[str, Any]]
     max_ongoing: Callable[[Knobs, str], dict[str, int]]
     threads: tuple[str | int, ...]
+    reads: frozenset[str]
 
 
 def default_model_name(args: Mapping[str, Any]) -> str:
@@ -71,6 +72,9 @@ def default_model_name(args: Mapping[str, Any]) -> str:
     return (models[0].get("model") or {}).get("name") or DiffusionModelConfig.model_fields["name"].default
 
 
+_SHORTCUTS = frozenset(Knobs.model_fields)
+
+
 def _images_knobs(target: Callable[[Mapping[str, Any]], str], threads: tuple[str | int, ...]) -> AppKnobs:
     return AppKnobs(
         target=target,
@@ -80,22 +84,35 @@ def _images_knobs(target: Callable[[Mapping[str, Any]], str], threads: tuple[str
             "ImagesIngress": 2 * knobs.max_batch_size * knobs.num_replicas,
         },
         threads=threads,
+        reads=_SHORTCUTS - {"batch_wait_timeout_s"},  # the engine batches at step boundaries: no batching timer
     )
 
 
 APP_KNOBS: Mapping[str, AppKnobs] = {
     "disagg.app:build_app": AppKnobs(
         target=lambda args: "MonolithicDLRM" if args.get("serving") == "monolithic" else "DisaggregatedDLRM",
-        user_config=lambda knobs: {"max_batch_size": knobs.max_batch_size,
-                                   "batch_wait_timeout_s": knobs.batch_wait_timeout_s},
+        user_config=lambda knobs: knobs.model_dump(include={"max_batch_size", "batch_wait_timeout_s"},
+                                                   exclude_none=True),
         max_ongoing=lambda knobs, target: {target: 2 * knobs.max_batch_size},
         threads=("model", "torch_threads"),
+        reads=_SHORTCUTS,
     ),
     "serving.app:build_app": _images_knobs(lambda args: "DiffusionModel", ("model", "torch_threads")),
     # Several models: the shortcuts tune the first (the default) model's deployment; the others keep the template's.
     "serving.app:build_multi_app": _images_knobs(lambda args: f"DiffusionModel_{default_model_name(args)}",
                                                  ("models", 0, "model", "torch_threads")),
 }
+
+
+def _unread_shortcut(knobs: Iterable[str], import_path: str) -> str | None:
+    """The first of ``knobs`` that is a shortcut the application at ``import_path`` does not read, with why, or
+    None."""
+    mapping = APP_KNOBS.get(import_path)
+    for name in knobs:
+        if mapping is not None and not is_path_knob(name) and name not in mapping.reads:
+            return (f"{name}: no deployment of {import_path} reads it (its shortcuts: "
+                    f"{', '.join(sorted(mapping.reads))}); drop it from the space")
+    return None
 
 
 def _set(tree: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
@@ -150,9 +167,11 @@ def _path_error(option: tuple[str, ...]) -> str | None:
     return None
 
 
-def _apply_path(app: dict[str, Any], knob: str, value: Any, accelerator: Accelerator) -> None:
+def _apply_path(app: dict[str, Any], knob: str, value: Any, accelerator: Accelerator,
+                gpu_share_mode: GpuShareMode) -> None:
     """Set dotted-path knob ``Deployment.option[.key]`` on every deployment entry ``Deployment`` names (a
-    shell-style pattern may name several: ``EmbeddingShard_*``), or ``args.key[.key]`` in the app's args."""
+    shell-style pattern may name several: ``EmbeddingShard_*``), or ``args.key[.key]`` in the app's args. A CPU or
+    GPU count set this way is a share as ``device_share`` is: enforced on CPU, divided by the mode on GPU."""
     head, *option = knob.split(".")
     if not option:
         raise ValueError(f"knob {knob}: not a knob; use the shortcuts or a dotted path Deployment.option[.key]")
@@ -175,8 +194,13 @@ def _apply_path(app: dict[str, Any], knob: str, value: Any, accelerator: Acceler
         _set(deployment, tuple(option), value)
         if option == ["num_replicas"]:
             deployment.pop("autoscaling_config", None)  # a fixed replica count is tuned
+        env: dict[str, str] = {}
         if option == ["ray_actor_options", "num_cpus"] and accelerator == "cpu":  # our replicas enforce it
-            _set(deployment, ("ray_actor_options", "runtime_env", "env_vars", CPU_SHARE_ENV), str(value))
+            env = {CPU_SHARE_ENV: str(value)}
+        elif option == ["ray_actor_options", "num_gpus"] and accelerator == "gpu" and value:
+            env = gpu_share_env(float(value), gpu_share_mode)
+        for name, setting in env.items():
+            _set(deployment, ("ray_actor_options", "runtime_env", "env_vars", name), setting)
 
 
 def apply_knobs(
@@ -184,32 +208,36 @@ def apply_knobs(
     configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator = "cpu",
-    mps: bool = False,
+    gpu_share_mode: GpuShareMode = "memory",
 ) -> dict[str, Any]:
     """A copy of ``app`` (a Serve application config as a dict) set to ``configuration``: the shortcuts first,
     then the dotted paths.
 
-    Raises ``ValueError`` for shortcuts on an ``import_path`` without them, a dotted path naming no listed
-    deployment or no option, or a GPU share above 1 that is not whole.
+    Raises ``ValueError`` for shortcuts on an ``import_path`` without them or that it does not read, a dotted path
+    naming no listed deployment or no option, or a GPU share above 1 that is not whole.
     """
     app = copy.deepcopy(dict(app))
     shortcuts = shortcut_values(configuration)
     if shortcuts:
-        _apply_shortcuts(app, shortcuts, accelerator, mps)
+        _apply_shortcuts(app, shortcuts, accelerator, gpu_share_mode)
     for knob, value in configuration.items():
         if is_path_knob(knob):
-            _apply_path(app, knob, value, accelerator)
+            _apply_path(app, knob, value, accelerator, gpu_share_mode)
 
     return app
 
 
 def _apply_shortcuts(app: dict[str, Any], configuration: Mapping[str, Any], accelerator: Accelerator,
-                     mps: bool) -> None:
+                     gpu_share_mode: GpuShareMode) -> None:
     knobs = Knobs.model_validate(dict(configuration))
-    mapping = APP_KNOBS.get(app.get("import_path", ""))
+    import_path = app.get("import_path", "")
+    mapping = APP_KNOBS.get(import_path)
     if mapping is None:
-        raise ValueError(f"import_path {app.get('import_path')!r} has no shortcut knobs (known: "
+        raise ValueError(f"import_path {import_path!r} has no shortcut knobs (known: "
                          f"{', '.join(APP_KNOBS)}); name its options as dotted paths, e.g. Model.num_replicas")
+    unread = _unread_shortcut(configuration, import_path)
+    if unread is not None:
+        raise ValueError(f"knob {unread}")
     args = app.setdefault("args", {})
     target_name = mapping.target(args)
     target = _deployment(app, target_name)
@@ -229,10 +257,7 @@ def _apply_shortcuts(app: dict[str, Any], configuration: Mapping[str, Any], acce
         if knobs.device_share > 1 and not float(knobs.device_share).is_integer():
             raise ValueError(f"device_share {knobs.device_share} on GPU: above 1 it must be a whole number of GPUs")
         actor["num_gpus"] = knobs.device_share
-        fraction = min(knobs.device_share, 1.0)
-        env[CUDA_MEMORY_FRACTION_ENV] = str(fraction)
-        if mps:
-            env[MPS_PERCENTAGE_ENV] = str(max(1, round(100 * fraction)))
+        env.update(gpu_share_env(knobs.device_share, gpu_share_mode))
     if threads is not None:
         _set(args, mapping.threads, threads)
     if env:
@@ -245,7 +270,7 @@ def configure_serve_config(
     configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator = "cpu",
-    mps: bool = False,
+    gpu_share_mode: GpuShareMode = "memory",
 ) -> ServeDeploySchema:
     """``config`` with application ``app_name`` set to ``configuration``, validated as ``load_serve_config`` does."""
     raw = config.model_dump(exclude_unset=True)
@@ -254,10 +279,11 @@ def configure_serve_config(
         raise ValueError(f"no application {app_name!r} in the Serve config; it has: {', '.join(names)}")
     index = names.index(app_name)
     raw["applications"][index] = apply_knobs(
-        raw["applications"][index], configuration, accelerator=accelerator, mps=mps
+        raw["applications"][index], configuration, accelerator=accelerator, gpu_share_mode=gpu_share_mode
     )
     configured = ServeDeploySchema.model_validate(raw)
     validate_app_args(configured.applications[index])
+    validate_user_configs(configured.applications[index])
     return configured
 
 
@@ -267,21 +293,30 @@ def check_space(
     space: SearchSpace,
     *,
     accelerator: Accelerator = "cpu",
-    mps: bool = False,
+    gpu_share_mode: GpuShareMode = "memory",
 ) -> None:
     """Refuse, before any trial, a space that application ``app_name`` cannot take: a :class:`SpaceError` names
-    the knob (shortcuts on an app without them, a dotted path naming no listed deployment or no option) or the
-    knob and value Serve's schema refuses (each value tried on the space's first configuration)."""
+    the knob (shortcuts on an app without them or that it does not read, a dotted path naming no listed deployment
+    or no option, a ``user_config`` key its deployment does not read) or the knob and value Serve's schema refuses
+    or whose GPU shares overflow a GPU (each value tried on the space's first configuration)."""
+    app = next((app for app in config.applications if app.name == app_name), None)
+    unread = None if app is None else _unread_shortcut(space.knob_names, app.import_path)
+    if unread is not None:
+        raise SpaceError(f"knobs.{unread}")
     base = space.configurations()[0].as_dict()
     for name in space.knob_names:
         for i, value in enumerate(space.values(name)):
             try:
-                configure_serve_config(config, app_name, base | {name: value}, accelerator=accelerator, mps=mps)
+                configured = configure_serve_config(config, app_name, base | {name: value}, accelerator=accelerator,
+                                                    gpu_share_mode=gpu_share_mode)
             except ValidationError as exc:
                 raise SpaceError(f"knobs.{name}.values[{i}] = {value!r}: Serve refuses it: "
                                  f"{describe_validation_error(exc)}") from None
             except (ValueError, TypeError, ImportError) as exc:
                 raise SpaceError(f"knobs.{name}: {str(exc).removeprefix(f'knob {name}: ')}") from None
+            overflow = gpu_overcommit(configured) if accelerator == "gpu" else None
+            if overflow is not None:
+                raise SpaceError(f"knobs.{name}.values[{i}] = {value!r}: {overflow}")
 
 
 def write_serve_config(config: ServeDeploySchema, path: str | Path) -> None:

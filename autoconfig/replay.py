@@ -18,16 +18,26 @@ from autoconfig.searchers.base import Observation, Searcher, SearcherFactory
 @dataclass(frozen=True)
 class SearcherReport:
     """One searcher's runs: ``best_so_far[model, seed, trial]`` is the best value so far over the model's optimum
-    (0 before any feasible trial; held after the run stopped). Trial counts are ``[model, seed]``."""
+    (0 before any feasible trial; held after the run stopped) and ``elapsed_s[model, seed, trial]`` the recorded
+    wall time of the trials so far (NaN where an entry has no durations). Trial counts are ``[model, seed]``."""
 
     best_so_far: np.ndarray
     space_sizes: tuple[int, ...]
     tolerance: float
+    elapsed_s: np.ndarray
 
     def trials_to(self, levels: Sequence[float]) -> np.ndarray:
         """Trials each run took to reach ``levels[model]`` of its model's optimum (the space's size if never)."""
         return np.array([[_first_reaching(curve, level, size) for curve in runs]
                          for runs, level, size in zip(self.best_so_far, levels, self.space_sizes, strict=True)])
+
+    def minutes_to_within(self) -> np.ndarray:
+        """Minutes of recorded trial time each run took to within ``tolerance`` of its optimum (the whole run's if
+        never; NaN where the entry recorded no durations), ``[model, seed]``."""
+        counts = self.trials_to_within
+        length = self.elapsed_s.shape[2]
+        return np.array([[self.elapsed_s[m, s, min(count, length) - 1] / 60 for s, count in enumerate(runs)]
+                         for m, runs in enumerate(counts)])
 
     @property
     def trials_to_optimum(self) -> np.ndarray:
@@ -85,19 +95,21 @@ def replay(
     length = max(min(budget or entry.space.size, entry.space.size) for entry in entries)
     sizes = tuple(entry.space.size for entry in entries)
     reports = {}
+    durations = [entry.durations() for entry in entries]
     for name, factory in factories.items():
         shape = (len(entries), len(seeds))
-        curves = np.zeros((*shape, length))
+        curves, elapsed = np.zeros((*shape, length)), np.zeros((*shape, length))
         for m, (entry, values) in enumerate(zip(entries, surfaces, strict=True)):
             prior = [other for i, other in enumerate(entries) if i != m]
             for s, seed in enumerate(seeds):
                 searcher = factory(entry.space, seed, prior, target=entry.model.model_dump())
-                curve = _run(searcher, values, min(budget or entry.space.size, entry.space.size))
-                curves[m, s, : len(curve)] = curve
-                curves[m, s, len(curve) :] = curve[-1]
+                curve, tried = _run(searcher, values, min(budget or entry.space.size, entry.space.size))
+                seconds = np.cumsum(durations[m][tried])
+                curves[m, s, : len(curve)], elapsed[m, s, : len(curve)] = curve, seconds
+                curves[m, s, len(curve) :], elapsed[m, s, len(curve) :] = curve[-1], seconds[-1]
                 if on_run is not None:
                     on_run(name, entry.name, seed)
-        reports[name] = SearcherReport(curves, sizes, tolerance)
+        reports[name] = SearcherReport(curves, sizes, tolerance, elapsed)
     return ReplayResult(
         models=tuple(e.name for e in entries),
         space_sizes=sizes,
@@ -107,21 +119,24 @@ def replay(
     )
 
 
-def _run(searcher: Searcher, values: np.ndarray, budget: int) -> np.ndarray:
-    """Best value so far / optimum after each trial, stopping once the optimum is observed."""
+def _run(searcher: Searcher, values: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best value so far / optimum after each trial, stopping once the optimum is observed, and the index of each
+    configuration tried."""
     optimum = np.nanmax(values)
     history: list[Observation] = []
-    curve = []
+    curve, tried = [], []
     best = 0.0
     for _ in range(budget):
         config = searcher.suggest(history)
-        value = values[searcher.space.index(config)]
+        index = searcher.space.index(config)
+        value = values[index]
         history.append(Observation(config, None if np.isnan(value) else float(value)))
         best = max(best, 0.0 if np.isnan(value) else float(value))
         curve.append(best / optimum)
+        tried.append(index)
         if best >= optimum:
             break
-    return np.array(curve)
+    return np.array(curve), np.array(tried)
 
 
 def _first_reaching(curve: np.ndarray, level: float, cap: int) -> int:

@@ -7,6 +7,7 @@ typo in a YAML file into an error naming the field, before anything is deployed.
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import inspect
 import time
@@ -55,10 +56,42 @@ def parse_serve_config(config: str | Mapping[str, Any], *, source: str = "<serve
     for index, app in enumerate(schema.applications):
         try:
             validate_app_args(app)
-        except (ValidationError, ImportError, AttributeError, TypeError) as exc:
+            validate_user_configs(app)
+        except (ValidationError, ImportError, AttributeError, TypeError, ValueError) as exc:
             detail = _first_error(exc, prefix=("args",)) if isinstance(exc, ValidationError) else str(exc)
             raise ServeConfigError(f"{source}: applications[{index}] ({app.name}): {detail}") from exc
     return schema
+
+
+#: The live settings (Serve ``user_config``) the built-in applications' model deployments read, by import path:
+#: the deployment names (a pattern) and the model their ``reconfigure`` validates it against.
+_USER_CONFIGS = {
+    "disagg.app:build_app": ("*DLRM", "disagg.config:BatchingConfig"),
+    "serving.app:build_app": ("DiffusionModel", "serving.config:EngineTuning"),
+    "serving.app:build_multi_app": ("DiffusionModel_*", "serving.config:EngineTuning"),
+}
+
+
+def validate_user_configs(app: ServeApplicationSchema) -> None:
+    """Validate the ``user_config`` of a built-in application's model deployments as their ``reconfigure`` will;
+    ValueError naming the deployment and key, a key no deployment reads (``batch_wait_timeout_s`` of the
+    diffusion app) included."""
+    known = _USER_CONFIGS.get(app.import_path)
+    if known is None:
+        return
+    pattern, model_path = known
+    model: type[BaseModel] = import_builder(model_path)
+    for index, deployment in enumerate(app.deployments or []):
+        if not fnmatch.fnmatchcase(deployment.name, pattern) or not isinstance(deployment.user_config, dict):
+            continue
+        try:
+            model.model_validate(deployment.user_config)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            where = field_path(("deployments", index, "user_config", *error["loc"]))
+            detail = "the deployment does not read it" if error["type"] == "extra_forbidden" else error["msg"]
+            raise ValueError(f"{where}: {detail} ({deployment.name}'s user_config takes "
+                             f"{', '.join(model.model_fields)})") from None
 
 
 def validate_app_args(app: ServeApplicationSchema) -> BaseModel | dict[str, Any]:

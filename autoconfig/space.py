@@ -1,8 +1,9 @@
 """The search space: each knob a finite list of values, so every configuration can be enumerated.
 
-A knob is either a shortcut of the built-in applications (``max_batch_size``, ``batch_wait_timeout_s``,
-``device_share``, ``num_replicas``, optional ``torch_threads``; all four or none) or a dotted path into one of the
-application's deployment entries (``Model.user_config.max_batch_size``, ``Model.ray_actor_options.num_cpus``).
+A knob is either a shortcut of the built-in applications (``max_batch_size``, ``device_share``, ``num_replicas``:
+all three or none; optional ``batch_wait_timeout_s``, which only the DLRM app reads, and ``torch_threads``) or a
+dotted path into one of the application's deployment entries (``Model.user_config.max_batch_size``,
+``Model.ray_actor_options.num_cpus``).
 ``SearchSpace`` is read from a YAML space file (format: docs/AUTOCONFIG.md); errors name the field
 (``knobs.max_batch_size.values[2]: ...``). ``encode`` maps a configuration into ``[0, 1]^d`` for model-based
 searchers.
@@ -41,7 +42,7 @@ from serving.common.http import field_path
 MAX_SPACE_SIZE = 100_000
 SPACES_DIR = Path(__file__).parent / "spaces"
 KNOB_NAMES = ("max_batch_size", "batch_wait_timeout_s", "device_share", "num_replicas", "torch_threads")
-REQUIRED_SHORTCUTS = KNOB_NAMES[:4]
+REQUIRED_SHORTCUTS = ("max_batch_size", "device_share", "num_replicas")
 #: knob (or a dotted path's last part) -> offset added before the log of the default ``log`` scale
 _LOG_KNOBS = {"max_batch_size": 0.0, "batch_wait_timeout_s": 1e-3}
 #: ``Deployment.option[.key...]``: a deployment name (or pattern, or ``args``) without dots, then identifiers

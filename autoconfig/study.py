@@ -12,19 +12,21 @@ import os
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import optuna
 import sqlalchemy
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from autoconfig.bank import BankEntry, ProfileRecord, Repeats
+from autoconfig.bank import BankEntry, Measurement, ProfileRecord, Repeats, StartingPoint
 from autoconfig.searchers.base import Observation
 from autoconfig.space import Configuration, SearchSpace
 
 _SPACE_ATTR = "search_space"
 _REPEATS_ATTR = "repeats"
+_STARTING_ATTR = "starting_point"
+M = TypeVar("M", bound=Measurement)
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
@@ -124,30 +126,18 @@ class TuningStudy:
     def to_bank_entry(self, model: Mapping[str, Any], machine: Mapping[str, Any], objective: str) -> BankEntry:
         """The study as a profile-bank entry (``objective``: ``rate_per_share`` or ``max_rate``, as measured)."""
         records = self.records()
-        trials = [
-            ProfileRecord(
-                config=self.space.configuration(record["config"]),
-                rps=record.get("sustainable_rps"),
-                achieved_rps=record.get("achieved_rps"),
-                p50_ms=record.get("p50_ms"),
-                p99_ms=record.get("p99_ms"),
-                error_rate=record.get("error_rate"),
-                memory_mib=record.get("memory_mib"),
-                status=record["status"],
-                objective=_objective(record),
-                code=record.get("code"),
-                machine=record.get("machine"),
-                interference=record.get("interference"),
-            )
-            for record in records
-        ]
+        trials = [_measurement(record, ProfileRecord, config=self.space.configuration(record["config"]))
+                  for record in records]
         repeats = []
         for config, runs in self._repeated_runs(records).items():
             repeats.append(Repeats(config=config, objectives=[_objective(run) for run in runs],
                                    codes=_per_run(runs, "code"), machines=_per_run(runs, "machine"),
                                    interference=_per_run(runs, "interference")))
+        starting = self.starting_point()
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
-                         objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats)
+                         objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats,
+                         starting=None if starting is None else _measurement(starting, StartingPoint,
+                                                                             resources=starting.get("resources")))
 
     def add_bank_entry(self, entry: BankEntry) -> None:
         """Stores ``entry``'s trials and repeats in this empty study (over the entry's space), so that a resumed
@@ -160,6 +150,9 @@ class TuningStudy:
         for trial in entry.trials:
             measured = trial.model_dump(exclude={"config", "rps"}, exclude_none=True)
             self.record(trial.config, trial.objective, {"sustainable_rps": trial.rps, **measured})
+        if entry.starting is not None:
+            measured = entry.starting.model_dump(exclude={"rps"}, exclude_none=True)
+            self.record_starting_point({"sustainable_rps": entry.starting.rps, **measured})
         for repeat in entry.repeats:
             runs = zip(repeat.objectives, repeat.per_run("codes"), repeat.per_run("machines"),
                        repeat.per_run("interference"), strict=True)
@@ -167,6 +160,14 @@ class TuningStudy:
                 run = {"status": "ok", "objective": value} if value is not None else {"status": "slo_violated"}
                 recorded = {"code": code, "machine": machine, "interference": lost and lost.model_dump()}
                 self.record_repeat(repeat.config, run | {key: item for key, item in recorded.items() if item})
+
+    def starting_point(self) -> dict[str, Any] | None:
+        """The application's own configuration as measured (``record_starting_point``), or None."""
+        return self._study.user_attrs.get(_STARTING_ATTR)
+
+    def record_starting_point(self, measurements: Mapping[str, Any]) -> None:
+        """Stores the measurement of the application as its Serve config has it (a trial record's fields)."""
+        self._study.set_user_attr(_STARTING_ATTR, {key: _json_safe(item) for key, item in measurements.items()})
 
     def repeats(self) -> dict[Configuration, list[dict[str, Any]]]:
         """The repeated measurements of configurations (``record_repeat``), in the order first repeated."""
@@ -207,6 +208,15 @@ class TuningStudy:
             user_attrs={key: _json_safe(item) for key, item in measurements.items()},
         )
         self._study.add_trial(trial)
+
+
+def _measurement(record: Mapping[str, Any], kind: type[M], **fields: Any) -> M:
+    """A bank ``Measurement`` of ``kind`` from a stored trial record's fields."""
+    return kind(rps=record.get("sustainable_rps"), achieved_rps=record.get("achieved_rps"),
+                p50_ms=record.get("p50_ms"), p99_ms=record.get("p99_ms"), error_rate=record.get("error_rate"),
+                memory_mib=record.get("memory_mib"), status=record["status"], objective=_objective(record),
+                code=record.get("code"), machine=record.get("machine"), interference=record.get("interference"),
+                duration_s=record.get("duration_s"), **fields)
 
 
 def trial_metrics(attrs: Mapping[str, Any]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema
 
 from autoconfig.interference import Interference, measure_interference
-from autoconfig.knobs import Accelerator, Knobs, configure_serve_config
+from autoconfig.knobs import Accelerator, GpuShareMode, Knobs, configure_serve_config
 from autoconfig.provenance import code_version, machine_id
 from autoconfig.serve_config import load_serve_config, start_serve, wait_for_applications
 from autoconfig.space import shortcut_values
@@ -90,12 +90,13 @@ def trial_application(
     configuration: Mapping[str, Any],
     *,
     accelerator: Accelerator,
-    mps: bool,
+    gpu_share_mode: GpuShareMode,
     name: str,
     route_prefix: str,
 ) -> ServeApplicationSchema:
     """Application ``app_name`` of ``template`` at ``configuration``, renamed to ``name`` at ``route_prefix``."""
-    configured = configure_serve_config(template, app_name, configuration, accelerator=accelerator, mps=mps)
+    configured = configure_serve_config(template, app_name, configuration, accelerator=accelerator,
+                                        gpu_share_mode=gpu_share_mode)
     app = next(app for app in configured.applications if app.name == app_name)
     raw = app.model_dump(exclude_unset=True) | {"name": name, "route_prefix": route_prefix}
     return ServeApplicationSchema.model_validate(raw)
@@ -267,7 +268,7 @@ def run_trial(
     client: ClientSettings | None = None,
     objective: Objective = "rate_per_share",
     accelerator: Accelerator = "cpu",
-    mps: bool = False,
+    gpu_share_mode: GpuShareMode = "memory",
     trial_app_name: str = TRIAL_APP_NAME,
     route_prefix: str = TRIAL_ROUTE_PREFIX,
     http_port: int | None = None,
@@ -305,7 +306,7 @@ def run_trial(
             app_name,
             configuration,
             accelerator=accelerator,
-            mps=mps,
+            gpu_share_mode=gpu_share_mode,
             name=trial_app_name,
             route_prefix=route_prefix,
         )

@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 from ray.serve.schema import ServeDeploySchema
 
-from autoconfig.knobs import CUDA_MEMORY_FRACTION_ENV, configure_serve_config
+from autoconfig.gpu_share import CUDA_MEMORY_FRACTION_ENV
+from autoconfig.knobs import configure_serve_config
 from autoconfig.planning.cluster import NodeShape
 from autoconfig.planning.plan import Plan
 from autoconfig.planning.services import Layout, Pool, Workload

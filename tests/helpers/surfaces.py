@@ -57,7 +57,8 @@ class LatentFactors:
     @classmethod
     def sample(cls, rng: np.random.Generator, space: SearchSpace) -> LatentFactors:
         """Factors scaled to ``space`` (its longest wait and largest total share)."""
-        scale_ms = max(1000 * max(space.values("batch_wait_timeout_s")), 1.0)
+        waits = space.values("batch_wait_timeout_s") if "batch_wait_timeout_s" in space.knob_names else (0.0,)
+        scale_ms = max(1000 * max(waits), 1.0)
         c0, c1, overhead = (
             np.exp(rng.uniform(np.log(lo), np.log(hi))) * scale_ms
             for lo, hi in ((0.02, 0.5), (0.002, 0.1), (0.0005, 0.01))
@@ -83,7 +84,8 @@ def profile(factors: LatentFactors, space: SearchSpace, rng: np.random.Generator
     """One trial per configuration of ``space``, in enumeration order."""
     configs = space.configurations()
     column = {name: np.array([c[name] for c in configs], dtype=np.float64) for name in space.knob_names}
-    batch, wait_ms = column["max_batch_size"], 1000 * column["batch_wait_timeout_s"]
+    batch = column["max_batch_size"]
+    wait_ms = 1000 * column.get("batch_wait_timeout_s", np.zeros(len(configs)))  # diffusion has no batching timer
     share, replicas = column["device_share"], column["num_replicas"]
     effective_share = share
     if "torch_threads" in column:

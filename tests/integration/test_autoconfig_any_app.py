@@ -64,7 +64,10 @@ def test_tune_any_serve_app_from_a_workload_file_and_dotted_knobs(base_url, tmp_
             "--tolerance", "0.5", "--out", str(out)]
     assert main(argv) == 0
 
-    records = TuningStudy.open(storage, "echo", SearchSpace.parse(SPACE)).records()
+    study = TuningStudy.open(storage, "echo", SearchSpace.parse(SPACE))
+    records = study.records()
+    # First the app as its config has it (no reconfigure: no delay), the baseline of the gain tune prints.
+    assert study.starting_point()["status"] == "ok" and study.starting_point()["sustainable_rps"] >= 4
     assert [(r["config"]["Echo.user_config.delay_ms"], r["status"]) for r in records] == [
         (2, "ok"), (400, "slo_violated")]  # a 400 ms answer cannot meet a 200 ms p99
     assert records[0]["sustainable_rps"] >= 4 and records[0]["error_rate"] == 0

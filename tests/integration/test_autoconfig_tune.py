@@ -26,17 +26,40 @@ SPACE = {"knobs": {
 }}
 
 
-def test_tune_sizes_both_pools_counts_every_cpu_writes_a_deployable_config_and_resumes(base_url, tmp_path):
+def _template_that_fits(directory) -> str:
+    """The shipped Serve config with its DLRM app at the CPUs the test cluster has left, so that the app as
+    configured, which tune measures first, can be placed."""
+    config = yaml.safe_load((REPO / "deploy" / "serve_config.yaml").read_text())
+    dlrm = next(app for app in config["applications"] if app["name"] == "dlrm")
+    for deployment in dlrm["deployments"]:
+        cpus = {"DisaggregatedDLRM": DENSE_CPUS, "EmbeddingShard_0": SHARD_CPUS, "EmbeddingShard_1": SHARD_CPUS}
+        if deployment["name"] in cpus:
+            deployment["ray_actor_options"]["num_cpus"] = cpus[deployment["name"]]
+    path = directory / "serve_config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_tune_sizes_both_pools_counts_every_cpu_writes_a_deployable_config_and_resumes(base_url, tmp_path, capsys):
     space_file = tmp_path / "space.yaml"
     space_file.write_text(yaml.safe_dump(SPACE))
     storage, out = f"sqlite:///{tmp_path / 'studies.db'}", tmp_path / "tuned.yaml"
-    argv = ["tune", "--config", str(REPO / "deploy" / "serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "1000",
+    argv = ["tune", "--config", _template_that_fits(tmp_path), "--app", "dlrm", "--slo-p99-ms", "1000",
             "--budget", "2", "--searcher", "grid", "--space", str(space_file), "--storage", storage,
             "--study", "it", "--probe-s", "1", "--min-requests", "10", "--warmup-s", "1", "--start-rps", "4",
             "--max-probes", "3", "--tolerance", "0.5", "--repeats", "1", "--out", str(out)]
     code = main(argv)
 
-    records = TuningStudy.open(storage, "it", SearchSpace.parse(SPACE)).records()
+    study = TuningStudy.open(storage, "it", SearchSpace.parse(SPACE))
+    records = study.records()
+    # The app as configured was measured first, on the same cluster and probes: the gain is stated against it.
+    starting = study.starting_point()
+    assert starting["status"] == "ok", starting
+    assert starting["resources"] == pytest.approx(DENSE_CPUS + 2 * SHARD_CPUS)
+    assert starting["objective"] == pytest.approx(starting["sustainable_rps"] / starting["resources"])
+    out_text = " ".join(capsys.readouterr().out.split())
+    assert "the app as configured -> ok" in out_text
+    assert f"against {starting['objective']:.2f} for the app as configured" in out_text
     assert [r["config"]["args.embedding.replicas_per_shard"] for r in records] == [1, 2]  # grid order
     assert code == 0 and [r["status"] for r in records] == ["ok", "ok"], [(r["status"], r.get("error"))
                                                                         for r in records]
@@ -65,4 +88,5 @@ def test_tune_sizes_both_pools_counts_every_cpu_writes_a_deployable_config_and_r
         assert shard.ray_actor_options.runtime_env["env_vars"][CPU_SHARE_ENV] == str(SHARD_CPUS)  # enforced
 
     assert main(argv) == 0  # resumed: the study already holds its budget, nothing is profiled again
-    assert TuningStudy.open(storage, "it", SearchSpace.parse(SPACE)).records() == records
+    resumed = TuningStudy.open(storage, "it", SearchSpace.parse(SPACE))
+    assert resumed.records() == records and resumed.starting_point() == starting

@@ -318,6 +318,8 @@ def _fake_run_trial(stall_after: int | None) -> Callable[..., TrialRecord]:
     def run_trial(template: Any, app_name: str, configuration: dict[str, Any], workload: Any, slo_p99_ms: float,
                   **options: Any) -> TrialRecord:
         nonlocal started
+        if not configuration:  # the app as configured, measured once before the first trial
+            return measure(Configuration(**configuration))
         started += 1
         time.sleep(SILENT_CHILD_S if stall_after is not None and started > stall_after else 0.03)
         return measure(Configuration(**configuration))

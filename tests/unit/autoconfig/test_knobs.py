@@ -17,6 +17,9 @@ from tests.helpers import REPO
 SERVE_CONFIG = REPO / "deploy" / "serve_config.yaml"
 BANK_CONFIG = REPO / "benchmarks" / "autoconfig_bank" / "serve_config.yaml"
 CONFIGURATION = {"max_batch_size": 32, "batch_wait_timeout_s": 0.02, "device_share": 1.6, "num_replicas": 3}
+#: The diffusion app reads no batching timer: its configurations have no batch_wait_timeout_s.
+DIFFUSION = {name: value for name, value in CONFIGURATION.items() if name != "batch_wait_timeout_s"}
+CONFIGURATIONS = {"dlrm": CONFIGURATION, "diffusion": DIFFUSION}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,7 @@ def test_monolithic_dlrm_targets_the_monolithic_deployment(template):
 def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_batches(template):
     """The default config's diffusion app serves three models: the shortcuts tune the first, `tiny`, where requests
     naming no model go; `sdxl-tiny` and `flux-tiny` keep the template's deployments and args."""
-    configured = configure_serve_config(template, "diffusion", CONFIGURATION | {"torch_threads": 4})
+    configured = configure_serve_config(template, "diffusion", DIFFUSION | {"torch_threads": 4})
     app = _app(configured, "diffusion")
     args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
     assert isinstance(args, ImagesAppConfig)
@@ -116,7 +119,7 @@ def test_the_one_model_diffusion_app_keeps_its_shortcuts(template):
     diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
     diffusion.update(import_path="serving.app:build_app", args=diffusion["args"]["models"][0], deployments=[])
     configured = configure_serve_config(ServeDeploySchema.model_validate(raw), "diffusion",
-                                        CONFIGURATION | {"torch_threads": 4})
+                                        DIFFUSION | {"torch_threads": 4})
     args = validate_app_args(next(a for a in configured.applications if a.name == "diffusion"))
     assert isinstance(args, DiffusionAppConfig) and args.model.torch_threads == 4
     model = _deployments(_app(configured, "diffusion"))["DiffusionModel"]
@@ -132,16 +135,18 @@ def test_an_args_path_indexes_the_list_of_models(template):
 
 
 @pytest.mark.parametrize(
-    ("share", "mps", "fraction", "percentage"), [(0.25, True, "0.25", "25"), (2, False, "1.0", None)]
+    ("share", "mode", "fraction", "percentage"),
+    [(0.25, "mps", "0.25", "25"), (2, "mps", "1.0", "100"), (0.25, "memory", "0.25", None),
+     (0.25, "schedule", None, None)],
 )
-def test_gpu_share_requests_fractional_gpus_a_memory_cap_and_mps_percentage(template, share, mps, fraction, percentage):
+def test_gpu_share_requests_fractional_gpus_and_what_its_mode_divides(template, share, mode, fraction, percentage):
     configured = configure_serve_config(
-        template, "dlrm", CONFIGURATION | {"device_share": share}, accelerator="gpu", mps=mps
+        template, "dlrm", CONFIGURATION | {"device_share": share}, accelerator="gpu", gpu_share_mode=mode
     )
     actor = _deployments(_app(configured, "dlrm"))["DisaggregatedDLRM"]["ray_actor_options"]
     assert actor["num_gpus"] == share
     assert actor["num_cpus"] == 0.3  # the template's CPUs stay
-    env = actor["runtime_env"]["env_vars"]
+    env = actor.get("runtime_env", {}).get("env_vars", {})
     assert env.get("SWIFTSERVE_CUDA_MEMORY_FRACTION") == fraction
     assert env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") == percentage
     assert set(env) <= {"SWIFTSERVE_CUDA_MEMORY_FRACTION", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"}
@@ -185,7 +190,8 @@ def test_autoscaling_gives_way_to_num_replicas_and_the_input_is_not_modified(tem
 @pytest.mark.parametrize(("app_name", "accelerator"), [("dlrm", "gpu"), ("diffusion", "cpu")])
 def test_written_yaml_loads_back_and_passes_autoconfig_check(template, tmp_path, app_name, accelerator):
     configured = configure_serve_config(
-        template, app_name, CONFIGURATION | {"device_share": 0.5}, accelerator=accelerator, mps=True
+        template, app_name, CONFIGURATIONS[app_name] | {"device_share": 0.5}, accelerator=accelerator,
+        gpu_share_mode="mps"
     )
     path = tmp_path / "tuned.yaml"
     write_serve_config(configured, path)
@@ -195,7 +201,8 @@ def test_written_yaml_loads_back_and_passes_autoconfig_check(template, tmp_path,
 
 
 def _trial_schema(template: ServeDeploySchema, app_name: str, configuration: dict, accelerator: str = "cpu"):
-    return trial.trial_application(template, app_name, configuration, accelerator=accelerator, mps=False,
+    return trial.trial_application(template, app_name, configuration, accelerator=accelerator,
+                                   gpu_share_mode="memory",
                                    name="autoconfig-trial", route_prefix="/autoconfig-trial")
 
 
@@ -204,20 +211,21 @@ def _trial_app(template: ServeDeploySchema, app_name: str, configuration: dict) 
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("app_name", "change"),
     [
-        {"max_batch_size": 8},
-        {"batch_wait_timeout_s": 0.0},
-        {"num_replicas": 1},
-        {"max_batch_size": 4, "batch_wait_timeout_s": 0.1, "num_replicas": 5},
+        ("dlrm", {"max_batch_size": 8}),
+        ("dlrm", {"batch_wait_timeout_s": 0.0}),
+        ("dlrm", {"num_replicas": 1}),
+        ("dlrm", {"max_batch_size": 4, "batch_wait_timeout_s": 0.1, "num_replicas": 5}),
+        ("diffusion", {"max_batch_size": 8}),
+        ("diffusion", {"num_replicas": 1}),
+        ("diffusion", {"max_batch_size": 4, "num_replicas": 5}),
     ],
 )
-@pytest.mark.parametrize("app_name", ["dlrm", "diffusion"])
 def test_batching_and_replica_changes_update_the_trial_app_in_place(template, app_name, change):
-    deployed = _trial_app(template, app_name, CONFIGURATION)
-    new = _trial_app(template, app_name, CONFIGURATION | change)
-    # user_config, max_ongoing_requests or num_replicas differ (diffusion has no wait timeout: nothing does)...
-    assert (new == deployed) == (app_name == "diffusion" and set(change) == {"batch_wait_timeout_s"})
+    deployed = _trial_app(template, app_name, CONFIGURATIONS[app_name])
+    new = _trial_app(template, app_name, CONFIGURATIONS[app_name] | change)
+    assert new != deployed  # user_config, max_ongoing_requests or num_replicas differ...
     assert not trial._restarts_replicas(deployed, new)  # ...all of which Serve applies to running replicas
     assert not trial._restarts_replicas(deployed, deployed)
 
@@ -272,14 +280,14 @@ def test_cluster_fit_counts_every_deployment_of_the_app(template):
     assert "ShardDirectory" not in message  # needs nothing
     # Diffusion: ingress 0.1 + tiny 1 x 1.1 + its ControlNet 0.2 + sdxl-tiny's 0.3 and 0.1 + flux-tiny's 0.2 = 2.0
     # fits; 2 replicas do not.
-    _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 1})
+    _fits(template, "diffusion", DIFFUSION | {"device_share": 1.1, "num_replicas": 1})
     with pytest.raises(
         ValueError,
         match=r"needs 3\.1 CPU \(ImagesIngress 0\.1, DiffusionModel_tiny 2\.2, ControlNet_edges_tiny 0\.2, "
         r"DiffusionModel_sdxl-tiny 0\.3, ControlNet_edges-xl_sdxl-tiny 0\.1, DiffusionModel_flux-tiny 0\.2\); "
         r"the cluster has 2",
     ):
-        _fits(template, "diffusion", CONFIGURATION | {"device_share": 1.1, "num_replicas": 2})
+        _fits(template, "diffusion", DIFFUSION | {"device_share": 1.1, "num_replicas": 2})
 
 
 @pytest.mark.usefixtures("two_cpus")
@@ -292,7 +300,7 @@ def test_cluster_fit_on_gpu_counts_gpus_of_which_a_cpu_cluster_has_none(template
 def test_cluster_fit_of_the_bank_template_which_reserves_cpus_only_for_the_model(template):
     bank = load_serve_config(BANK_CONFIG)
     _fits(bank, "dlrm-tiny-disaggregated", CONFIGURATION | {"device_share": 1.0, "num_replicas": 2})
-    _fits(bank, "diffusion-tiny", CONFIGURATION | {"device_share": 2.0, "num_replicas": 1})
+    _fits(bank, "diffusion-tiny", DIFFUSION | {"device_share": 2.0, "num_replicas": 1})
     with pytest.raises(ValueError, match=r"\(MonolithicDLRM 3\)"):
         _fits(bank, "dlrm-small", CONFIGURATION | {"device_share": 1.0, "num_replicas": 3})
 
@@ -312,6 +320,19 @@ def test_dotted_knobs_set_the_deployment_entries_they_name_after_the_shortcuts(t
     assert deployments["ShardDirectory"]["user_config"]["note"] == "x"
     untouched = _deployments(_app(template, "dlrm"))["EmbeddingShard_1"]
     assert deployments["EmbeddingShard_1"] == untouched
+
+
+@pytest.mark.parametrize(("mode", "env"), [
+    ("mps", {"SWIFTSERVE_CUDA_MEMORY_FRACTION": "0.25", "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "25"}),
+    ("memory", {"SWIFTSERVE_CUDA_MEMORY_FRACTION": "0.25"}), ("schedule", {})])
+def test_a_dotted_gpu_count_is_a_share_divided_as_its_mode_says(template, mode, env):
+    """The ControlNet services of diffusion-joint on a GPU: each replica's quarter GPU is capped like the model's."""
+    knob = {"ControlNet_*.ray_actor_options.num_gpus": 0.25}
+    app = _app(configure_serve_config(template, "diffusion", knob, accelerator="gpu", gpu_share_mode=mode), "diffusion")
+    for name in ("ControlNet_edges_tiny", "ControlNet_edges-xl_sdxl-tiny"):
+        actor = _deployments(app)[name]["ray_actor_options"]
+        assert actor["num_gpus"] == 0.25
+        assert actor.get("runtime_env", {}).get("env_vars", {}) == env
 
 
 def test_a_gpu_trial_does_not_turn_a_dotted_cpu_count_into_an_enforced_share(template):
@@ -371,3 +392,45 @@ def test_an_args_knob_the_builder_refuses_is_named(template):
     with pytest.raises(SpaceError, match=r"knobs\.args\.embedding\.replicas_per_shard\.values\[1\] = 100: .*"
                                          r"embedding\.replicas_per_shard"):
         check_space(template, "dlrm", space)
+
+
+@pytest.mark.parametrize("import_path", ["serving.app:build_multi_app", "serving.app:build_app"])
+def test_a_shortcut_the_app_does_not_read_is_refused_naming_it(template, import_path):
+    """The diffusion engine batches at step boundaries: a batching timer would change nothing, so it is refused."""
+    app = _app(template, "diffusion")
+    if import_path == "serving.app:build_app":
+        app.update(import_path=import_path, args=app["args"]["models"][0], deployments=[])
+    with pytest.raises(ValueError, match=rf"^knob batch_wait_timeout_s: no deployment of {import_path} reads it "
+                                         r"\(its shortcuts: device_share, max_batch_size, num_replicas, "
+                                         r"torch_threads\); drop it from the space$"):
+        apply_knobs(app, CONFIGURATION)
+
+
+def test_check_space_refuses_a_knob_no_deployment_reads_shortcut_or_user_config_key(template):
+    from autoconfig.knobs import check_space
+    from autoconfig.space import SearchSpace, SpaceError
+
+    timer = SearchSpace.parse({"knobs": {name: {"values": [value]} for name, value in CONFIGURATION.items()}})
+    check_space(template, "dlrm", timer)  # the DLRM app reads it
+    with pytest.raises(SpaceError, match=r"^knobs\.batch_wait_timeout_s: no deployment of serving\.app:build_multi_app"
+                                         r" reads it"):
+        check_space(template, "diffusion", timer)
+    path = SearchSpace.parse({"knobs": {"DiffusionModel_tiny.user_config.batch_wait_timeout_s": {"values": [0.01]}}})
+    with pytest.raises(SpaceError, match=r"^knobs\.DiffusionModel_tiny\.user_config\.batch_wait_timeout_s: "
+                                         r"deployments\[\d\]\.user_config\.batch_wait_timeout_s: the deployment "
+                                         r"does not read it \(DiffusionModel_tiny's user_config takes "
+                                         r"max_batch_rows, continuous_batching"):
+        check_space(template, "diffusion", path)
+    rows = SearchSpace.parse({"knobs": {"DiffusionModel_tiny.user_config.max_batch_rows": {"values": [2, 4]}}})
+    check_space(template, "diffusion", rows)  # a key its reconfigure reads
+
+
+def test_the_shipped_spaces_hold_only_knobs_their_apps_read(template):
+    from autoconfig.knobs import check_space
+    from autoconfig.space import SearchSpace
+
+    for name, app_name in (("dlrm", "dlrm"), ("dlrm-joint", "dlrm"), ("diffusion", "diffusion"),
+                           ("diffusion-joint", "diffusion")):
+        check_space(template, app_name, SearchSpace.default(name))
+    assert "batch_wait_timeout_s" not in SearchSpace.default("diffusion").knob_names
+    assert SearchSpace.default("diffusion").size == 35  # 5 batch sizes x 7 (share, replicas) pairs on one GPU

@@ -97,8 +97,9 @@ def test_tune_cli_writes_the_front_within_the_memory_limit(tmp_path, monkeypatch
     import ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    # The app as configured (no knob) measures as the space's first configuration does.
     monkeypatch.setattr(trial_module, "run_trial", lambda template, app, config, *a, **k: _memory_profile(
-        SPACE.configuration(config)))
+        SPACE.configuration(config or SPACE.configurations()[0].as_dict())))
     monkeypatch.setattr(trial_module, "delete_trial_app", lambda name: None)
     space, front = tmp_path / "space.yaml", tmp_path / "front.json"
     space.write_text(yaml.safe_dump(SPACE.to_dict()))

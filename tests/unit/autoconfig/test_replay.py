@@ -149,7 +149,11 @@ def test_replay_refuses_unusable_banks():
 
 @pytest.mark.slow
 def test_meta_searcher_beats_random_on_held_out_synthetic_surfaces():
-    space = SearchSpace.default("diffusion")
+    # 140 configurations: batching (size and timer), shares and replicas on one device.
+    space = SearchSpace.parse({"knobs": {
+        "max_batch_size": {"values": [1, 2, 4, 8, 16]}, "batch_wait_timeout_s": {"values": [0.0, 0.01, 0.05, 0.1]},
+        "device_share": {"values": [0.25, 0.5, 1.0]}, "num_replicas": {"values": [1, 2, 3, 4]}},
+        "max_total_share": 1.0})
     bank = synthetic_bank(6, space, seed=11)
     adapt = {"meta_batch": 4, "adapt_steps": 10}
     factories = {
@@ -161,3 +165,34 @@ def test_meta_searcher_beats_random_on_held_out_synthetic_surfaces():
     medians = {name: report.summary()["within_median"] for name, report in result.searchers.items()}
     assert medians["meta"] < medians["random"]
     assert medians["meta"] < medians["untrained"]
+
+
+def _timed(base: BankEntry, seconds: list[float | None]) -> BankEntry:
+    trials = [trial.model_copy(update={"duration_s": s}) for trial, s in zip(base.trials, seconds, strict=True)]
+    return base.model_copy(update={"trials": trials})
+
+
+def test_the_replay_adds_up_each_runs_recorded_trial_time_to_within_the_tolerance():
+    """Grid order: the optimum (configuration 2) is reached at the third trial, after 60 + 120 + 30 s."""
+    timed = _timed(entry("timed", [1.0, 2.0, 4.0, 3.0]), [60.0, 120.0, 30.0, 90.0])
+    untimed = entry("untimed", [4.0, 3.0, 2.0, 1.0])
+    result = replay({"grid": lambda space, seed, prior, target=None: GridSearcher(space)}, [timed, untimed],
+                    seeds=[0])
+    report = result.searchers["grid"]
+    assert report.trials_to_within.tolist() == [[3], [1]]
+    minutes = report.minutes_to_within()
+    assert minutes[0, 0] == pytest.approx(3.5) and np.isnan(minutes[1, 0])  # no durations recorded: not a figure
+    np.testing.assert_array_equal(timed.durations(), [60.0, 120.0, 30.0, 90.0])
+    assert np.isnan(untimed.durations()).all()
+
+
+def test_a_bank_entry_states_its_optimum_over_the_app_as_shipped_only_where_measured():
+    from autoconfig.bank import StartingPoint
+
+    base = entry("m", [1.0, 2.0, 6.0, 3.0])
+    assert base.gain_over_starting() is None
+    shipped = base.model_copy(update={"starting": StartingPoint(status="ok", rps=2.0, objective=2.0, resources=1.0)})
+    assert shipped.gain_over_starting() == 3.0
+    failed = base.model_copy(update={"starting": StartingPoint(status="slo_violated")})
+    assert failed.gain_over_starting() is None
+    assert BankEntry.model_validate(json.loads(json.dumps(shipped.model_dump(mode="json")))) == shipped

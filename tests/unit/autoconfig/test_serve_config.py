@@ -56,3 +56,35 @@ def test_autoconfig_check_exit_codes(tmp_path, capsys):
     assert "2 application(s) valid" in capsys.readouterr().out
     assert autoconfig_main(["check", str(tmp_path / "missing.yaml")]) == 1
     assert "invalid" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("deployment", "user_config", "named"), [
+    ("DiffusionModel_tiny", {"max_batch_rows": 4, "batch_wait_timeout_s": 0.01},
+     r"deployments\[1\]\.user_config\.batch_wait_timeout_s: the deployment does not read it \(DiffusionModel_tiny's "
+     r"user_config takes max_batch_rows, "),
+    ("DiffusionModel_tiny", {"max_batch_rows": 0}, r"deployments\[1\]\.user_config\.max_batch_rows: Input should be"),
+])
+def test_check_refuses_a_user_config_key_the_deployment_does_not_read(tmp_path, capsys, deployment, user_config,
+                                                                       named):
+    """What a deployment's reconfigure would refuse at deploy time, `autoconfig check` refuses first, naming it."""
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    entries = raw["applications"][0]["deployments"]
+    assert entries[1]["name"] == deployment
+    entries[1]["user_config"] = user_config
+    with pytest.raises(ServeConfigError, match=r"applications\[0\] \(diffusion\): " + named):
+        load_serve_config(_write(tmp_path, raw))
+    assert autoconfig_main(["check", str(_write(tmp_path, raw))]) == 1
+    assert "invalid" in capsys.readouterr().out
+
+
+def test_check_accepts_the_dlrm_batching_timer_and_refuses_a_typo_in_it(tmp_path):
+    raw = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    dlrm = next(app for app in raw["applications"] if app["name"] == "dlrm")
+    dense = next(entry for entry in dlrm["deployments"] if entry["name"] == "DisaggregatedDLRM")
+    dense["user_config"] = {"max_batch_size": 8, "batch_wait_timeout_s": 0.01}
+    load_serve_config(_write(tmp_path, raw))
+    dense["user_config"] = {"max_batch_size": 8, "batch_wait_timeout": 0.01}
+    with pytest.raises(ServeConfigError, match=r"\(dlrm\): deployments\[\d\]\.user_config\.batch_wait_timeout: the "
+                                               r"deployment does not read it \(DisaggregatedDLRM's user_config takes "
+                                               r"max_batch_size, batch_wait_timeout_s\)"):
+        load_serve_config(_write(tmp_path, raw))

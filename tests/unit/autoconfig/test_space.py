@@ -39,7 +39,7 @@ def test_yaml_round_trip_and_defaults(tmp_path):
     assert space.size == 12
     assert SearchSpace.parse(space.to_dict()) == space
     assert SearchSpace.default("dlrm").size == 540
-    assert SearchSpace.default("diffusion").size == 140
+    assert SearchSpace.default("diffusion").size == 35
 
 
 @pytest.mark.parametrize(
@@ -159,7 +159,7 @@ def test_log_scale_is_chosen_per_knob():
         ({"M.user_config.x": {"values": [[1]]}}, "knobs.M.user_config.x.values[0]"),
         ({"M": {"values": [1]}}, "knobs.M: not a knob"),
         ({"M.9x": {"values": [1]}}, "knobs.M.9x: not a knob"),
-        ({"max_batch_size": {"values": [1]}, "M.num_replicas": {"values": [1]}}, "knobs.batch_wait_timeout_s: Field"),
+        ({"max_batch_size": {"values": [1]}, "M.num_replicas": {"values": [1]}}, "knobs.device_share: Field"),
         ({}, "knobs: at least one knob"),
     ],
 )
@@ -188,3 +188,15 @@ def test_a_configuration_read_back_is_the_spaces_own_and_a_stray_knob_is_named()
     with pytest.raises(SpaceError, match="no value for knob 'num_replicas'"):
         space.index({k: v for k, v in read_back.items() if k != "num_replicas"})
     assert hash(read_back) == hash(shortcuts(4, 0.0, 0.5, 2)) and len({read_back, shortcuts(4, 0.0, 0.5, 2)}) == 1
+
+
+def test_the_batching_timer_is_an_optional_shortcut_the_other_three_are_not():
+    """Only the DLRM app reads ``batch_wait_timeout_s``: a diffusion space leaves it out."""
+    knobs = {k: v for k, v in small_space()["knobs"].items() if k != "batch_wait_timeout_s"}
+    space = SearchSpace.parse({"knobs": knobs})
+    assert "batch_wait_timeout_s" not in space.knob_names
+    assert all("batch_wait_timeout_s" not in config for config in space.configurations())
+    without = {k: v for k, v in knobs.items() if k != "num_replicas"}
+    with pytest.raises(SpaceError, match=r"knobs\.num_replicas: Field required \(the shortcuts max_batch_size, "
+                                         r"device_share, num_replicas come together\)"):
+        SearchSpace.parse({"knobs": without})

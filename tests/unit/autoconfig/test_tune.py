@@ -114,16 +114,26 @@ def test_the_confirmed_best_has_the_best_mean_a_run_without_a_rate_counting_zero
     assert confirmed_best({}) is None
 
 
-def _cli_trials(monkeypatch, tmp_path, profile) -> Path:
-    """The CLI runs ``profile`` as its trials, as if connected to a cluster (it starts none); returns a space file
-    of ``SPACE``."""
+#: What the fake cluster measures for the application as its Serve config has it (no knob applied).
+AS_CONFIGURED = TrialRecord(app_name="dlrm", configuration={}, status="ok", objective_name="max_rate", objective=5.0,
+                            sustainable_rps=5.0, p99_ms=20.0, resources=1.3, duration_s=60.0)
+
+
+def _cli_trials(monkeypatch, tmp_path, profile, seen: list[tuple[dict, dict]] | None = None) -> Path:
+    """The CLI runs ``profile`` as its trials (``AS_CONFIGURED`` for the app as configured), as if connected to a
+    cluster (it starts none), each call's configuration and options into ``seen``; returns a space file of
+    ``SPACE``."""
     import ray
 
     import autoconfig.trial
 
+    def run_trial(template, app, config, *args, **options):
+        if seen is not None:
+            seen.append((dict(config), options))
+        return profile(SPACE.configuration(config)) if config else AS_CONFIGURED
+
     monkeypatch.setattr(ray, "is_initialized", lambda: True)
-    monkeypatch.setattr(autoconfig.trial, "run_trial", lambda template, app, config, *a, **k: profile(
-        SPACE.configuration(config)))
+    monkeypatch.setattr(autoconfig.trial, "run_trial", run_trial)
     monkeypatch.setattr(autoconfig.trial, "delete_trial_app", lambda name: None)
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE.to_dict()))
@@ -503,3 +513,94 @@ def test_tune_warns_when_it_resumes_a_study_measured_on_other_hardware(tmp_path,
     capsys.readouterr()
     study = TuningStudy.load(sqlite_url(tmp_path / "s.db"), "dlrm-grid")
     assert [record["machine"] for record in study.records()] == ["a", "a", machine_id()]
+
+
+def _tune_argv(tmp_path: Path, space: Path, *more: str) -> list[str]:
+    return ["tune", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--searcher", "grid",
+            "--repeat-best", "0", "--out", str(tmp_path / "tuned.yaml"), *more]
+
+
+def test_tune_measures_the_app_as_configured_first_once_per_study_and_ends_with_the_gain(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from autoconfig.cli import main
+
+    seen: list[tuple[dict, dict]] = []
+    space = _cli_trials(monkeypatch, tmp_path, fake_profile([]), seen)
+    assert main(_tune_argv(tmp_path, space, "--budget", "4")) == 0
+    assert [config for config, _ in seen][:2] == [{}, SPACE.configurations()[0].as_dict()]  # before any trial
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the app as configured -> ok, 5.0 rps, objective 5.00" in out
+    # The grid's first 4 are batch 1: at best 1 x 2 replicas = 2.0, below the app as configured.
+    assert "tuned objective 2.00 against 5.00 for the app as configured: 0.40x; tuning took " in out
+    assert "(the study's trials 0.0 min in all)" in out  # 4 trials of 0.1 s
+    assert main(_tune_argv(tmp_path, space, "--budget", str(SPACE.size))) == 0  # resumed: not measured again
+    assert [config for config, _ in seen].count({}) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the app as configured ->" not in out
+    assert "tuned objective 32.00 against 5.00 for the app as configured: 6.40x" in out
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "dlrm-grid", SPACE)
+    assert study.starting_point()["objective"] == 5.0 and study.starting_point()["resources"] == 1.3
+
+
+def test_profile_keeps_the_app_as_configured_in_the_bank_entry(tmp_path, monkeypatch):
+    from autoconfig.cli import main
+
+    space = _cli_trials(monkeypatch, tmp_path, fake_profile([]))
+    argv = ["profile", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--bank", str(tmp_path / "bank"),
+            "--model-name", "m", "--repeat-best", "0"]
+    assert main(argv) == 0
+    entry = BankEntry.load(tmp_path / "bank" / "m.json")
+    assert entry.starting is not None
+    assert (entry.starting.status, entry.starting.objective, entry.starting.rps, entry.starting.resources) == (
+        "ok", 5.0, 5.0, 1.3)
+    copy = TuningStudy.open(sqlite_url(tmp_path / "copy.db"), "copy", SPACE)
+    copy.add_bank_entry(entry)
+    assert copy.to_bank_entry(entry.model.model_dump(), entry.machine, "max_rate").starting == entry.starting
+
+
+def test_tune_with_the_app_as_configured_holding_no_rate_states_no_gain(tmp_path, monkeypatch, capsys):
+    from autoconfig.cli import main
+    from autoconfig.tune_command import gain_line
+
+    space = _cli_trials(monkeypatch, tmp_path, fake_profile([]))
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "dlrm-grid", SPACE)
+    study.record_starting_point({"status": "failed", "objective": 0.0, "error": "ValueError: needs 9 CPU"})
+    assert main(_tune_argv(tmp_path, space, "--budget", "2")) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the app as configured held no rate within the SLO (ValueError: needs 9 CPU): no gain to state" in out
+    assert gain_line(4.0, None, study, 90.0).startswith("tuning took 1.5 min")
+
+
+def test_gpu_share_mode_needs_a_gpu_and_mps_a_daemon_on_every_gpu_node(tmp_path, monkeypatch, capsys):
+    import autoconfig.tune_command
+    from autoconfig.cli import main
+
+    seen: list[tuple[dict, dict]] = []
+    space = _cli_trials(monkeypatch, tmp_path, fake_profile([]), seen)
+    assert main(_tune_argv(tmp_path, space, "--budget", "2", "--gpu-share-mode", "mps")) == 2
+    assert "--gpu-share-mode mps: GPU shares need --accelerator gpu" in " ".join(capsys.readouterr().out.split())
+    monkeypatch.setattr(autoconfig.tune_command, "gpu_nodes_without_mps", lambda: {"n1": "no daemon"})
+    gpu = ("--budget", "2", "--accelerator", "gpu")
+    assert main(_tune_argv(tmp_path, space, *gpu, "--gpu-share-mode", "mps")) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "error: --gpu-share-mode mps: node n1: no daemon" in out and not seen  # before any trial
+    assert main(_tune_argv(tmp_path, space, *gpu)) == 0  # the default falls back to memory, warned
+    out = " ".join(capsys.readouterr().out.split())
+    assert "warning: --gpu-share-mode memory: device_share divides GPU memory, not compute" in out
+    assert {options["gpu_share_mode"] for _, options in seen} == {"memory"}
+    tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    dense = next(entry for app in tuned["applications"] if app["name"] == "dlrm" for entry in app["deployments"]
+                 if entry["name"] == "DisaggregatedDLRM")
+    assert set(dense["ray_actor_options"]["runtime_env"]["env_vars"]) == {"SWIFTSERVE_CUDA_MEMORY_FRACTION"}
+    monkeypatch.setattr(autoconfig.tune_command, "gpu_nodes_without_mps", lambda: {})
+    seen.clear()
+    assert main([*_tune_argv(tmp_path, space, *gpu), "--study", "mps"]) == 0  # every node answers: mps
+    assert {options["gpu_share_mode"] for _, options in seen} == {"mps"}
+    tuned = yaml.safe_load((tmp_path / "tuned.yaml").read_text())
+    dense = next(entry for app in tuned["applications"] if app["name"] == "dlrm" for entry in app["deployments"]
+                 if entry["name"] == "DisaggregatedDLRM")
+    share = dense["ray_actor_options"]["num_gpus"]
+    assert dense["ray_actor_options"]["runtime_env"]["env_vars"] == {
+        "SWIFTSERVE_CUDA_MEMORY_FRACTION": str(share), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(round(100 * share))}

@@ -1,4 +1,4 @@
-"""The summaries bench_lora and bench_overload write beside their tables."""
+"""The summaries bench_lora, bench_overload and bench_autoconfig write beside their tables."""
 
 import pytest
 
@@ -27,3 +27,28 @@ def test_overload_summary_relates_the_soak_to_capacity_and_takes_the_steepest_me
     assert summary["diffusion_ok_over_capacity"] == 0.0 and summary["diffusion_refused_share"] == 0.0
     assert "diffusion_admitted_p99_ratio" not in summary  # nothing admitted: no ratio, not a zero
     assert summary["max_rss_slope_mib_per_min"] == 2.0
+
+
+def test_bench_autoconfig_states_the_gain_and_minutes_per_family_only_from_what_entries_recorded():
+    import numpy as np
+
+    from autoconfig.bank import StartingPoint
+    from autoconfig.space import SearchSpace
+    from benchmarks.bench_autoconfig import tuning_gains
+    from tests.helpers.surfaces import grid_entry
+
+    dlrm = SearchSpace.parse({"knobs": {"max_batch_size": {"values": [1, 2]}, "device_share": {"values": [1.0]},
+                                        "num_replicas": {"values": [1]}}})
+    diffusion = SearchSpace.parse({"knobs": {**dlrm.to_dict()["knobs"], "torch_threads": {"values": [1]}}})
+    shipped = StartingPoint(status="ok", rps=1.0, objective=1.0)
+    entries = [grid_entry("a", [2.0, 4.0], dlrm).model_copy(update={"starting": shipped}),
+               grid_entry("b", [3.0, 1.0], dlrm).model_copy(update={"starting": shipped}),
+               grid_entry("c", [1.0, 2.0], dlrm),
+               grid_entry("d", [5.0, 1.0], diffusion)]
+    minutes = np.array([[2.0, 4.0], [np.nan, np.nan], [1.0, 1.0], [np.nan, np.nan]])
+    gains = tuning_gains(entries, minutes)
+    assert gains["median_gain_over_shipped"] == 3.5 and gains["models_with_shipped"] == 2  # of 4.0 and 3.0
+    assert gains["median_minutes_to_within_5pct"] == 1.5 and gains["models_with_durations"] == 2  # of 2, 4, 1, 1
+    assert gains["families"]["diffusion"] == {"median_gain_over_shipped": None, "models_with_shipped": 0,
+                                              "median_minutes_to_within_5pct": None, "models_with_durations": 0}
+    assert gains["families"]["dlrm"]["median_gain_over_shipped"] == 3.5
