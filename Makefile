@@ -8,8 +8,13 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 SERVE_CONFIG ?= deploy/serve_config.yaml
 # `make test`: unit tests in this many processes (pytest-xdist; none starts Ray), then the integration tests in one
-# (they share one Ray cluster), then the benchmark scripts' smoke runs (one at a time)
+# (they share one Ray cluster), then the benchmark scripts' smoke runs (one at a time). Each suite writes a JUnit
+# file and its 50 slowest tests; a unit test may take UNIT_TIMEOUT_S (the others pyproject's 600 s), and an
+# integration test's limit leaves out its fixtures (the session's cluster and deploy have timeouts of their own).
 TEST_WORKERS ?= 2
+UNIT_TIMEOUT_S ?= 300
+CI_OUT ?= out/ci
+PYTEST_REPORT = --durations=50 --junitxml=$(CI_OUT)
 
 # `make loadtest`: headless Locust against $(HOST); reports under $(LOADTEST_OUT); extra options in LOADTEST_ARGS
 HOST ?= http://127.0.0.1:8000
@@ -39,9 +44,10 @@ serve: install
 
 test: install
 	$(BIN)/ruff check .
-	$(BIN)/pytest tests/unit -n $(TEST_WORKERS)
-	$(BIN)/pytest tests/integration
-	$(BIN)/pytest tests/smoke
+	rm -rf $(CI_OUT) && mkdir -p $(CI_OUT)
+	$(BIN)/pytest tests/unit -n $(TEST_WORKERS) --timeout $(UNIT_TIMEOUT_S) $(PYTEST_REPORT)/unit.xml
+	$(BIN)/pytest tests/integration -o timeout_func_only=true $(PYTEST_REPORT)/integration.xml
+	$(BIN)/pytest tests/smoke $(PYTEST_REPORT)/smoke.xml
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,10 +1,25 @@
+import json
+import os
+import subprocess
+import sys
+
 from transformers import CLIPTokenizer
 
 from serving._private.tokenizer import BOS_TOKEN, EOS_TOKEN, WORDS, build_tokenizer, build_vocabulary
 
+_PRINT_VOCABULARY = ("import json; from serving._private.tokenizer import build_vocabulary; "
+                     "print(json.dumps(build_vocabulary()))")
 
-def test_vocabulary_is_deterministic():
-    assert build_vocabulary() == build_vocabulary()
+
+def test_vocabulary_is_the_same_in_every_process_whatever_its_hash_seed():
+    """Token ids must not depend on the process (string hashes order sets and dicts of sets): the shipped weights
+    were trained on them and every replica must agree."""
+    here = json.dumps(build_vocabulary())
+    for seed in ("0", "1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        there = subprocess.run([sys.executable, "-c", _PRINT_VOCABULARY], env=env, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        assert there == here, f"PYTHONHASHSEED={seed}"
 
 
 def test_every_listed_word_is_one_token():
