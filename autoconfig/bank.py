@@ -68,6 +68,11 @@ class StartingPoint(Measurement):
 
     resources: float | None = Field(None, ge=0.0, description="The devices its deployments held (the objective's "
                                     "divisor under rps_per_share).")
+    reference_config: ConfigurationField | None = Field(None, description="The entry's best configuration, measured "
+                                                        "again right after it where the grid came from another "
+                                                        "session (None: measured with the grid).")
+    reference_objective: float | None = Field(None, ge=0.0, description="Its objective then (None: not measured, "
+                                              "or it held no rate).")
 
 
 class Repeats(BaseModel):
@@ -212,11 +217,15 @@ class BankEntry(BaseModel):
         return seconds
 
     def gain_over_starting(self) -> float | None:
-        """The optimum's objective over the app as configured (``starting``); None where that was not recorded or
-        held no rate."""
-        if self.starting is None or not self.starting.objective:
+        """The optimum's objective over the app as configured (``starting``), the optimum as measured beside it
+        where it was measured again; None where the starting point was not recorded or held no rate, or the
+        optimum measured again held none."""
+        starting = self.starting
+        if starting is None or not starting.objective:
             return None
-        return max(self.measured().values()) / self.starting.objective
+        if starting.reference_config is not None:
+            return None if not starting.reference_objective else starting.reference_objective / starting.objective
+        return max(self.measured().values()) / starting.objective
 
     @classmethod
     def load(cls, path: str | Path) -> BankEntry:

@@ -136,8 +136,10 @@ class TuningStudy:
         starting = self.starting_point()
         return BankEntry(model=dict(model), machine=dict(machine), space=self.space, trials=trials,
                          objective="rps_per_share" if objective == "rate_per_share" else "rps", repeats=repeats,
-                         starting=None if starting is None else _measurement(starting, StartingPoint,
-                                                                             resources=starting.get("resources")))
+                         starting=None if starting is None else _measurement(
+                             starting, StartingPoint, resources=starting.get("resources"),
+                             reference_config=starting.get("reference_config"),
+                             reference_objective=starting.get("reference_objective")))
 
     def add_bank_entry(self, entry: BankEntry) -> None:
         """Stores ``entry``'s trials and repeats in this empty study (over the entry's space), so that a resumed

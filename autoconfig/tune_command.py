@@ -40,6 +40,7 @@ from autoconfig.stress import SearchSettings
 from autoconfig.study import StudyError, TuningStudy
 from autoconfig.tuner import (
     TuneOutcome,
+    best_observation,
     confirmed_best,
     remeasured_while_interfered,
     repeat_best,
@@ -265,14 +266,28 @@ def search(args: argparse.Namespace, inputs: TuneInputs, searcher: Searcher, gpu
 def _measure_starting_point(study: TuningStudy, measure: Callable[[Mapping[str, Any]], trial.TrialRecord],
                             console: Console) -> dict[str, Any]:
     """The application as its Serve config has it (no knob applied), measured once per study: what tuning gains
-    over."""
+    over. A study that already holds trials (measured in another session, maybe on a busier machine) gets its best
+    so far measured again right after it (``reference_config``, ``reference_objective``), so that the two compare."""
     starting = study.starting_point()
     if starting is None:
+        best = _best_so_far(study)
         record = measure({})
         starting = record.model_dump(exclude={"search", "configuration"})
-        study.record_starting_point(starting)
         console.print(f"the app as configured -> {_outcome(record)}")
+        if best is not None:
+            again = measure(best.as_dict())
+            starting |= {"reference_config": best.as_dict(),
+                         "reference_objective": again.objective if again.status == "ok" else None}
+            console.print(f"its best so far measured again beside it: {best.as_dict()} -> {_outcome(again)}")
+        study.record_starting_point(starting)
     return starting
+
+
+def _best_so_far(study: TuningStudy) -> Configuration | None:
+    """The study's best configuration (by the mean of its runs where it was raced), or None without one."""
+    confirmed = confirmed_best(study.repeated_objectives())
+    best = confirmed or best_observation(study.history())
+    return None if best is None else best.config
 
 
 def _interference_checked(args: argparse.Namespace, measure: Callable[[Configuration], trial.TrialRecord],

@@ -8,7 +8,8 @@ repeated; the entry's noise).
 A model already in the bank is skipped; an interrupted one resumes from its study (``--storage``), so the hours
 a bank takes can be spread over several runs. ``--top-up DIR`` keeps the grids of DIR's entries and measures only
 what they still miss: the repeats their racing needs (``tuner.repeat_best``) and the app as configured (the
-entry's ``starting``, what tuning gains over), writing the topped-up entries to ``--bank``.
+entry's ``starting``, what tuning gains over, with the entry's best measured again right after it, so that the gain
+compares two measurements of one session), writing the topped-up entries to ``--bank``.
 The templates and spaces are in ``benchmarks/autoconfig_bank/``; the bank goes to
 ``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured with unenforced
 shares and coarse probes).

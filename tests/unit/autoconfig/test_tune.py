@@ -604,3 +604,30 @@ def test_gpu_share_mode_needs_a_gpu_and_mps_a_daemon_on_every_gpu_node(tmp_path,
     share = dense["ray_actor_options"]["num_gpus"]
     assert dense["ray_actor_options"]["runtime_env"]["env_vars"] == {
         "SWIFTSERVE_CUDA_MEMORY_FRACTION": str(share), "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(round(100 * share))}
+
+
+def test_a_study_measured_in_another_session_gets_its_best_measured_again_beside_the_app_as_configured(
+        tmp_path, monkeypatch):
+    """A top-up of a stored grid: the starting point is measured now, so the grid's best is measured again right
+    after it, and the entry's gain compares those two, not one taken in another session."""
+    from autoconfig.cli import main
+
+    study = TuningStudy.open(sqlite_url(tmp_path / "s.db"), "m", SPACE)
+    tune(study, GridSearcher(SPACE), fake_profile([]), budget=SPACE.size)  # the grid, earlier
+    best = max(study.history(), key=lambda o: o.value or 0.0).config
+    seen: list[tuple[dict, dict]] = []
+    halved = fake_profile([])  # today the machine runs at half speed: every objective halves
+
+    def today(config: Configuration) -> TrialRecord:
+        record = halved(config)
+        return record.model_copy(update={"objective": record.objective / 2})
+
+    space = _cli_trials(monkeypatch, tmp_path, today, seen)
+    argv = ["profile", "--config", str(REPO / "deploy/serve_config.yaml"), "--app", "dlrm", "--slo-p99-ms", "50",
+            "--space", str(space), "--storage", sqlite_url(tmp_path / "s.db"), "--study", "m",
+            "--bank", str(tmp_path / "bank"), "--model-name", "m", "--repeat-best", "0"]
+    assert main(argv) == 0
+    assert [config for config, _ in seen] == [{}, best.as_dict()]  # nothing else: the grid was complete
+    entry = BankEntry.load(tmp_path / "bank" / "m.json")
+    assert entry.starting.reference_config == best and entry.starting.reference_objective == 16.0
+    assert entry.gain_over_starting() == 16.0 / 5.0  # not the grid's 32 over today's 5
