@@ -324,7 +324,7 @@ def test_a_local_flux_directory_loads_as_the_model_saved_there(tmp_path, preset)
     params = _params()
     ours = denoise_together(_engine(components), [(params, [])])[0]
     expected = denoise_together(_engine(build_preset(preset)), [(params, [])])[0]
-    # The same weights: equal but for summation order (threads), 1e-6 seen under a loaded machine.
+    # The same weights: equal but for the summation order of its threads.
     assert np.abs(ours - expected).max() <= 1e-5
 
 
