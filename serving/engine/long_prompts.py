@@ -58,6 +58,8 @@ def weighted_states(tokenizer, encoder: torch.nn.Module, prompts: Sequence[Seque
                                   returned_embeddings_type=_RETURNED[states], device=device,
                                   padding_attention_mask_value=0 if mask_padding else 1, model_max_length=window,
                                   split_long_text_mode=SplitLongTextMode.SENTENCES)
+    # an empty prompt (no stretches) as compel spells it: one empty fragment (compel cannot match none to tokens)
+    prompts = [pieces or [WeightedText("")] for pieces in prompts]
     encoded = [provider.get_embeddings_for_weighted_prompt_fragments(
         text_batch=[[piece.text for piece in pieces]], fragment_weights_batch=[[piece.weight for piece in pieces]],
         device=device) for pieces in prompts]

@@ -97,6 +97,29 @@ def test_an_image_from_a_long_weighted_prompt_equals_diffusers_given_compels_emb
     assert np.abs(image - expected).max() <= TOLERANCE
 
 
+@pytest.mark.parametrize(("ours", "theirs"), WEIGHTED[:2], ids=WEIGHTED_IDS[:2])
+def test_a_long_or_weighted_prompt_without_a_negative_prompt_has_compels_empty_negative(ours, theirs):
+    engine = _engine("tiny")
+    ours, negative = engine.prompts.encode(_params(prompt=ours, negative_prompt=None))
+    with torch.inference_mode():
+        reference = CompelForSD(build_preset("tiny").as_pipeline())(theirs, negative_prompt="")
+    torch.testing.assert_close(ours.hidden, reference.embeds)
+    torch.testing.assert_close(negative.hidden, reference.negative_embeds)
+
+
+@pytest.mark.parametrize("preset", ["sdxl-tiny", "sd3-tiny"])
+def test_other_families_encode_a_long_prompt_without_a_negative_prompt(preset):
+    """SDXL conditions an absent negative prompt on zeros; SD3 on the empty prompt's windows."""
+    engine = _engine(preset)
+    ours, negative = engine.prompts.encode(_params(prompt=LONG, negative_prompt=None))
+    _, empty = engine.prompts.encode(_params(prompt=LONG, negative_prompt=""))
+    assert negative.hidden.shape == ours.hidden.shape
+    if preset == "sdxl-tiny":
+        assert not negative.hidden.any()
+    else:
+        torch.testing.assert_close(negative.hidden, empty.hidden)
+
+
 @pytest.mark.parametrize("preset", ["tiny", "sdxl-tiny", "sd3-tiny"])
 @pytest.mark.parametrize("prompt", PLAIN_PROMPTS, ids=PLAIN_IDS)
 def test_a_prompt_without_emphasis_within_the_window_encodes_as_diffusers_does(preset, prompt):
