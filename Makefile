@@ -1,5 +1,5 @@
-# swiftserve: `make serve` starts both applications on 127.0.0.1:8000, `make test` runs lint + tests,
-# `make loadtest` drives a running server with Locust (loadtests/README.md).
+# swiftserve: `make serve` starts both applications on 127.0.0.1:8000 (DLRM gRPC: port 9000), `make test` runs
+# lint + tests, `make loadtest` drives a running server with Locust (loadtests/README.md).
 # Both set up .venv on first use (torch CPU wheel first, then the project, editable, with dev extras).
 
 PYTHON ?= python3

@@ -158,13 +158,15 @@ def _first_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> str:
 
 
 def start_serve(config: ServeDeploySchema, *, http_port: int | None = None) -> Any:
-    """Serve started (or joined, if already running) with the config's HTTP options (``http_port`` replacing its
-    port), proxy location and logging; returns Serve's controller client."""
+    """Serve started (or joined, if already running) with the config's HTTP and gRPC options, proxy location and
+    logging; returns Serve's controller client. ``http_port`` (a trial's) replaces the HTTP port and leaves the gRPC
+    proxy off: trials measure over HTTP, and the config's gRPC port may be taken by the app it tunes."""
     from ray.serve._private.api import serve_start
 
     http_options = config.http_options.model_dump() | ({"port": http_port} if http_port is not None else {})
     return serve_start(
         http_options=http_options,
+        grpc_options=config.grpc_options.model_dump() if http_port is None else None,
         proxy_location=config.proxy_location,
         global_logging_config=config.logging_config,
     )

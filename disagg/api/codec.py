@@ -53,11 +53,13 @@ WIRE_DTYPES: dict[str, np.dtype] = {
 }  # fmt: skip
 
 
-def _bad(param: str, message: str) -> APIError:
+def invalid_field(param: str, message: str) -> APIError:
+    """A 400 naming the request field ``param`` at fault."""
     return APIError(400, f"{param}: {message}", param=param, code="invalid_value")
 
 
-def _too_large(param: str, message: str) -> APIError:
+def too_large(param: str, message: str) -> APIError:
+    """A 413: the request field ``param`` is past a limit."""
     return APIError(413, f"{param}: {message}", param=param, code="too_large")
 
 
@@ -89,12 +91,12 @@ def _header_length(value: str | None, body_length: int) -> int:
     if value is None:
         return body_length
     if not (value.isascii() and value.isdigit()):
-        raise _bad(HEADER_LENGTH, f"must be a non-negative integer, got {value!r}")
+        raise invalid_field(HEADER_LENGTH, f"must be a non-negative integer, got {value!r}")
     digits = value.lstrip("0") or "0"
     # more digits than the body length has: longer than the body, and int() refuses over 4300 digits (ValueError)
     if len(digits) > len(str(body_length)) or int(digits) > body_length:
         shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
-        raise _bad(HEADER_LENGTH, f"JSON header of {shown} bytes is longer than the {body_length}-byte body")
+        raise invalid_field(HEADER_LENGTH, f"JSON header of {shown} bytes is longer than the {body_length}-byte body")
     return int(digits)
 
 
@@ -104,24 +106,24 @@ def _binary_size(tensor: InferTensor, index: int) -> int | None:
     param = f"inputs[{index}].parameters.{BINARY_DATA_SIZE}"
     if size is None:
         if tensor.data is None:
-            raise _bad(f"inputs[{index}].data", f"field required (or parameters.{BINARY_DATA_SIZE})")
+            raise invalid_field(f"inputs[{index}].data", f"field required (or parameters.{BINARY_DATA_SIZE})")
         return None
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-        raise _bad(param, f"must be a non-negative integer, got {size!r}")
+        raise invalid_field(param, f"must be a non-negative integer, got {size!r}")
     if tensor.data is not None:
-        raise _bad(f"inputs[{index}].data", f"give either data or parameters.{BINARY_DATA_SIZE}, not both")
+        raise invalid_field(f"inputs[{index}].data", f"give either data or parameters.{BINARY_DATA_SIZE}, not both")
     if tensor.datatype not in WIRE_DTYPES:
-        raise _bad(f"inputs[{index}].datatype", f"{tensor.datatype} tensors are not accepted as binary data")
+        raise invalid_field(f"inputs[{index}].datatype", f"{tensor.datatype} tensors are not accepted as binary data")
     expected = math.prod(tensor.shape) * WIRE_DTYPES[tensor.datatype].itemsize
     if size != expected:
-        raise _bad(param, f"{size} bytes, but shape {tensor.shape} of {tensor.datatype} needs {expected}")
+        raise invalid_field(param, f"{size} bytes, but shape {tensor.shape} of {tensor.datatype} needs {expected}")
     return size
 
 
 def _flag(parameters: dict[str, Any] | None, key: str, param: str) -> bool | None:
     value = (parameters or {}).get(key)
     if value is not None and not isinstance(value, bool):
-        raise _bad(param, f"must be true or false, got {value!r}")
+        raise invalid_field(param, f"must be true or false, got {value!r}")
     return value
 
 
@@ -145,7 +147,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> ParsedInferRe
     sizes = [_binary_size(tensor, index) for index, tensor in enumerate(request.inputs)]
     declared, available = sum(size or 0 for size in sizes), len(body) - length
     if declared != available:
-        raise _bad(
+        raise invalid_field(
             "body",
             f"inputs declare {declared} bytes of binary data, but {available} bytes follow "
             f"the {length}-byte JSON header",
@@ -230,9 +232,10 @@ def _check_requested_outputs(request: InferRequest, signature: ModelSignature) -
     requested: set[str] = set()
     for index, output in enumerate(request.outputs or []):
         if output.name not in names:
-            raise _bad(f"outputs[{index}].name", f"unknown output {output.name!r}; this model has {_listed(names)}")
+            raise invalid_field(f"outputs[{index}].name",
+                                f"unknown output {output.name!r}; this model has {_listed(names)}")
         if output.name in requested:
-            raise _bad(f"outputs[{index}].name", f"duplicate output {output.name!r}")
+            raise invalid_field(f"outputs[{index}].name", f"duplicate output {output.name!r}")
         requested.add(output.name)
 
 
@@ -242,13 +245,14 @@ def _find_inputs(request: InferRequest, signature: ModelSignature) -> list[tuple
     found: dict[str, int] = {}
     for index, tensor in enumerate(request.inputs):
         if tensor.name not in expected:
-            raise _bad(f"inputs[{index}].name", f"unknown input {tensor.name!r}; expected {_listed(list(expected))}")
+            raise invalid_field(f"inputs[{index}].name",
+                                f"unknown input {tensor.name!r}; expected {_listed(list(expected))}")
         if tensor.name in found:
-            raise _bad(f"inputs[{index}].name", f"duplicate input {tensor.name!r}")
+            raise invalid_field(f"inputs[{index}].name", f"duplicate input {tensor.name!r}")
         found[tensor.name] = index
     for name in expected:
         if name not in found:
-            raise _bad("inputs", f"missing input {name!r}; expected {_listed(list(expected))}")
+            raise invalid_field("inputs", f"missing input {name!r}; expected {_listed(list(expected))}")
     return [(index, expected[name]) for name, index in found.items()]
 
 
@@ -256,7 +260,8 @@ def _check_datatype(tensor: InferTensor, index: int, expected: InputSignature) -
     """An INT64 input also takes INT32 data; other inputs take their own datatype only."""
     accepted = ("INT64", "INT32") if expected.datatype == "INT64" else (expected.datatype,)
     if tensor.datatype not in accepted:
-        raise _bad(f"inputs[{index}].datatype", f"{tensor.name} must be {' or '.join(accepted)}, got {tensor.datatype}")
+        raise invalid_field(f"inputs[{index}].datatype",
+                            f"{tensor.name} must be {' or '.join(accepted)}, got {tensor.datatype}")
 
 
 def _checked_shape(tensor: InferTensor, index: int, expected: InputSignature, limits: DLRMLimits) -> list[int]:
@@ -267,21 +272,21 @@ def _checked_shape(tensor: InferTensor, index: int, expected: InputSignature, li
     omits_last = len(wanted) > 1 and wanted[-1] == VARIABLE and len(tensor.shape) == len(wanted) - 1
     shape = [*tensor.shape, 1] if omits_last else tensor.shape
     if len(shape) != len(wanted):
-        raise _bad(param, f"{tensor.name} must have shape {_shape_text(wanted)}, got {tensor.shape}")
+        raise invalid_field(param, f"{tensor.name} must have shape {_shape_text(wanted)}, got {tensor.shape}")
     for axis in range(1, len(wanted)):
         size, limit = shape[axis], limits.max_ids_per_feature
         if wanted[axis] != VARIABLE and size != wanted[axis]:
-            raise _bad(param, f"{tensor.name} needs {wanted[axis]} values along dimension {axis}, got {size}")
+            raise invalid_field(param, f"{tensor.name} needs {wanted[axis]} values along dimension {axis}, got {size}")
         if size == 0:
-            raise _bad(param, f"{tensor.name} has no values along dimension {axis}")
+            raise invalid_field(param, f"{tensor.name} has no values along dimension {axis}")
         if wanted[axis] == VARIABLE and size > limit:
-            raise _bad(param, f"{tensor.name} has {size} values along dimension {axis}, over the limit of {limit} "
-                       "per variable dimension")
+            raise invalid_field(param, f"{tensor.name} has {size} values along dimension {axis}, over the limit of "
+                                f"{limit} per variable dimension")
     rows, max_rows = shape[0], limits.max_rows_per_request
     if rows == 0:
-        raise _bad(param, f"{tensor.name} has no rows")
+        raise invalid_field(param, f"{tensor.name} has no rows")
     if rows > max_rows:
-        raise _too_large(param, f"{rows} rows exceed the limit of {max_rows} rows per request")
+        raise too_large(param, f"{rows} rows exceed the limit of {max_rows} rows per request")
     return shape
 
 
@@ -290,29 +295,29 @@ def _json_array(tensor: InferTensor, index: int) -> np.ndarray:
     type: the caller checks it)."""
     param = f"inputs[{index}].data"
     if tensor.data is None:
-        raise _bad(param, "field required")
+        raise invalid_field(param, "field required")
     try:
         array = np.asarray(tensor.data)
     except (ValueError, TypeError, OverflowError):
-        raise _bad(param, "must be a flat list of numbers or nested lists of equal length") from None
+        raise invalid_field(param, "must be a flat list of numbers or nested lists of equal length") from None
     expected = math.prod(tensor.shape)
     if array.size != expected:
-        raise _bad(param, f"shape {tensor.shape} needs {expected} values, data has {array.size}")
+        raise invalid_field(param, f"shape {tensor.shape} needs {expected} values, data has {array.size}")
     if array.ndim > 1 and list(array.shape) != tensor.shape:
-        raise _bad(param, f"nested data has shape {list(array.shape)} but shape is {tensor.shape}")
+        raise invalid_field(param, f"nested data has shape {list(array.shape)} but shape is {tensor.shape}")
     return array
 
 
 def _floats(array: np.ndarray, tensor: InferTensor, index: int, datatype: str) -> np.ndarray:
     """Finite numbers of ``datatype`` (JSON integers included)."""
     if array.dtype.kind not in "iuf":
-        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be numbers")
+        raise invalid_field(f"inputs[{index}].data", f"{tensor.name} data must be numbers")
     with np.errstate(over="ignore", invalid="ignore"):
         values = array.astype(_NUMPY_DTYPES[datatype])
     not_finite = ~np.isfinite(values)
     if not_finite.any():
         position = np.unravel_index(int(np.argmax(not_finite)), values.shape)
-        raise _bad(
+        raise invalid_field(
             f"inputs[{index}].data",
             f"{tensor.name} value {values[position]} at {_at(position)} is not a finite {datatype} number "
             f"({int(not_finite.sum())} such value(s))",
@@ -326,7 +331,8 @@ def _integers(array: np.ndarray, tensor: InferTensor, index: int, datatype: str)
     if array.dtype.kind not in "iu" or (
         array.dtype != wire and not np.iinfo(wire).min <= array.min() <= array.max() <= np.iinfo(wire).max
     ):
-        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be integers in the {tensor.datatype} range")
+        raise invalid_field(f"inputs[{index}].data",
+                            f"{tensor.name} data must be integers in the {tensor.datatype} range")
     return array.astype(_NUMPY_DTYPES[datatype])
 
 
@@ -334,7 +340,7 @@ def _booleans(array: np.ndarray, tensor: InferTensor, index: int) -> np.ndarray:
     """true/false or 0/1 (binary BOOL data: bytes 0 and 1)."""
     numbers = array.view(np.uint8) if array.dtype.kind == "b" else array
     if numbers.dtype.kind not in "iu" or ((numbers != 0) & (numbers != 1)).any():
-        raise _bad(f"inputs[{index}].data", f"{tensor.name} data must be true/false or 0/1")
+        raise invalid_field(f"inputs[{index}].data", f"{tensor.name} data must be true/false or 0/1")
     return array.astype(np.bool_)
 
 
@@ -348,7 +354,7 @@ def _check_ids(ids: np.ndarray, valid: IdRange, tensor: InferTensor, index: int)
     empty_slot = f", or {EMPTY_SLOT} for an empty slot" if valid.low == EMPTY_SLOT else ""
     where = "" if table is None else f" for table {table}"
     ids_range = "0 or more" if table is None else f"0..{high - 1}"
-    raise _bad(
+    raise invalid_field(
         f"inputs[{index}].data",
         f"id {ids[position]} in {_at(position[: len(tensor.shape)])} is out of range{where} (valid ids {ids_range}"
         f"{empty_slot}; {int(out_of_range.sum())} id(s) out of range)",
@@ -397,8 +403,8 @@ def decode_infer_inputs(
     (first, _), *others = found
     for index, _ in others:
         if shapes[index][0] != shapes[first][0]:
-            raise _bad(f"inputs[{index}].shape", f"{request.inputs[index].name} has {shapes[index][0]} rows but "
-                       f"{request.inputs[first].name} has {shapes[first][0]}")
+            raise invalid_field(f"inputs[{index}].shape", f"{request.inputs[index].name} has {shapes[index][0]} rows "
+                                f"but {request.inputs[first].name} has {shapes[first][0]}")
     binary = binary_inputs or [None] * len(request.inputs)
     positions = {expected.name: index for index, expected in found}
     inputs = {}
@@ -427,6 +433,16 @@ def _output_tensor(expected: OutputSignature, output: torch.Tensor) -> InferTens
                        data=values.reshape(-1).tolist())
 
 
+def select_outputs(
+    outputs: Sequence[torch.Tensor], signature: ModelSignature, requested: Sequence[RequestedOutput] | None
+) -> list[tuple[OutputSignature, torch.Tensor]]:
+    """``outputs`` (the backend's, in signature order) with their signatures: those ``requested`` (the request's
+    ``outputs``, checked, in its order), or all when it names none."""
+    produced = {expected.name: (expected, output) for expected, output in zip(signature.outputs, outputs, strict=True)}
+    names = [output.name for output in requested] if requested else list(produced)
+    return [produced[name] for name in names]
+
+
 def encode_outputs(
     outputs: Sequence[torch.Tensor],
     signature: ModelSignature,
@@ -436,13 +452,10 @@ def encode_outputs(
     model_version: str | None,
     request_id: str | None,
 ) -> InferResponse:
-    """Infer response carrying ``outputs`` (the backend's, in signature order) as the signature's outputs, each of
-    its datatype: those ``requested`` (the request's ``outputs``, in its order), or all when it names none."""
-    produced = {expected.name: (expected, output) for expected, output in zip(signature.outputs, outputs, strict=True)}
-    names = [output.name for output in requested] if requested else list(produced)
+    """Infer response carrying the ``select_outputs`` of ``outputs``, each of its signature's datatype."""
     return InferResponse(
         model_name=model_name,
         model_version=model_version,
         id=request_id,
-        outputs=[_output_tensor(*produced[name]) for name in names],
+        outputs=[_output_tensor(*selected) for selected in select_outputs(outputs, signature, requested)],
     )

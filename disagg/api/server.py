@@ -35,7 +35,8 @@ def render_oip_error(error: APIError) -> JSONResponse:
     return JSONResponse(body.model_dump(), status_code=error.status_code, headers=error.headers)
 
 
-def _server_version() -> str:
+def server_version() -> str:
+    """The installed swiftserve's version ("unknown" in a source tree that is not installed)."""
     try:
         return package_metadata.version("swiftserve")
     except package_metadata.PackageNotFoundError:  # running from a source tree that is not installed
@@ -103,7 +104,7 @@ def _document_served_model(schema: dict[str, Any], config: DLRMAppConfig, signat
 def create_oip_api(backend: DLRMBackend, config: DLRMAppConfig, *, api_key: str = "") -> FastAPI:
     """FastAPI app serving ``backend`` as model ``config.model_name`` over OIP v2, behind ``serving.common.auth``
     when ``api_key`` is non-empty (deployments pass ``constants.API_KEY``)."""
-    app = FastAPI(title=f"{SERVER_NAME} DLRM (Open Inference Protocol v2)", version=_server_version())
+    app = FastAPI(title=f"{SERVER_NAME} DLRM (Open Inference Protocol v2)", version=server_version())
     app.state.backend = backend
     app.state.config = config
     install_error_handling(app, render_oip_error, max_body_bytes=config.limits.max_body_bytes)

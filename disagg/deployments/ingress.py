@@ -14,6 +14,7 @@ from ray import serve
 from disagg.api.backend import DLRMBackend
 from disagg.api.server import create_oip_api
 from disagg.config import BatchingConfig, DLRMAppConfig
+from disagg.deployments.grpc_ingress import OIPGrpcIngress
 from disagg.model_check import output_tensors
 from disagg.signature import ModelSignature
 from serving.common.constants import API_KEY
@@ -83,14 +84,14 @@ def split_rows(outputs: Sequence[torch.Tensor], row_counts: Sequence[int]) -> li
     return [list(parts) for parts in zip(*per_output, strict=True)]
 
 
-class BatchedDLRM(DLRMBackend, MemoryReport):
-    """A ``DLRMBackend`` deployment: concurrent requests are merged into one ``_forward_batch`` (``@serve.batch``);
-    two batches may be in flight: with one torch thread a replica computes both at once (in worker threads), and a
-    disaggregated one's lookups overlap the other's compute.
+class BatchedDLRM(DLRMBackend, MemoryReport, OIPGrpcIngress):
+    """A ``DLRMBackend`` deployment, over OIP v2's REST API and its gRPC calls: concurrent requests are merged into
+    one ``_forward_batch`` (``@serve.batch``); two batches may be in flight: with one torch thread a replica computes
+    both at once (in worker threads), and a disaggregated one's lookups overlap the other's compute.
 
     Subclasses set ``signature``, ``id_ranges``, ``config`` and ``metrics`` and call ``_apply_batching`` in their
-    constructor;
-    ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching without a restart.
+    constructor; ``reconfigure`` takes a ``BatchingConfig``-shaped Serve ``user_config`` to change batching without a
+    restart.
     """
 
     #: The application this replica serves.

@@ -1,4 +1,4 @@
-"""Optional API-key auth of both HTTP APIs (diffusion and OIP v2), as one route dependency.
+"""Optional API-key auth of both HTTP APIs (diffusion and OIP v2) as one route dependency, and of OIP over gRPC.
 
 With a non-empty key (``SWIFTSERVE_API_KEY``, fixed when the app is created), guarded routes need ``Authorization:
 Bearer <key>``; anything else is a 401 in the API's error shape with ``WWW-Authenticate: Bearer`` (plus
@@ -24,8 +24,34 @@ logger = get_logger("auth")
 _BEARER = HTTPBearer(auto_error=False, description="`Authorization: Bearer <SWIFTSERVE_API_KEY>`")
 
 
-def _refuse(request: Request, reason: str, message: str, challenge: str) -> APIError:
-    logger.info("refused %s %s: %s", request.method, request.url.path, reason)
+class BearerCheck:
+    """Checks ``Authorization`` values (an HTTP header, or gRPC metadata) against ``Bearer <api_key>``."""
+
+    def __init__(self, api_key: str) -> None:
+        self._expected = SecretDigest(api_key.encode("utf-8"))
+
+    def refusal(self, authorization: str | None, where: str) -> APIError | None:
+        """The 401 for ``authorization`` (None: absent), logged with ``where`` (method and path) and the reason;
+        None when it carries the key."""
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        token = token.strip()  # whitespace around the token is not part of it
+        if not authorization:
+            return _refuse(where, "no API key", "missing API key: send the header `Authorization: Bearer <API key>`",
+                           "Bearer")
+        if scheme.lower() != "bearer" or not token:
+            return _refuse(where, "not a Bearer token", "the Authorization header must be `Bearer <API key>`",
+                           "Bearer")
+        try:
+            presented = token.encode("latin-1")  # the header's raw bytes (use an ASCII key)
+        except UnicodeEncodeError:
+            presented = b""
+        if not self._expected.matches(presented):
+            return _refuse(where, "wrong API key", "invalid API key", 'Bearer error="invalid_token"')
+        return None
+
+
+def _refuse(where: str, reason: str, message: str, challenge: str) -> APIError:
+    logger.info("refused %s: %s", where, reason)
     return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": challenge})
 
 
@@ -37,24 +63,13 @@ def api_key_dependencies(api_key: str) -> list[DependsParam]:
     """
     if not api_key:
         return []
-    expected = SecretDigest(api_key.encode("utf-8"))
+    check = BearerCheck(api_key)
 
     async def require_api_key(
-        request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
+        request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)]
     ) -> None:
-        if credentials is None:  # no header, an empty token, or another scheme (Basic, ...)
-            if request.headers.get("authorization"):
-                raise _refuse(
-                    request, "not a Bearer token", "the Authorization header must be `Bearer <API key>`", "Bearer"
-                )
-            raise _refuse(
-                request, "no API key", "missing API key: send the header `Authorization: Bearer <API key>`", "Bearer"
-            )
-        try:
-            presented = credentials.credentials.encode("latin-1")  # the header's raw bytes (use an ASCII key)
-        except UnicodeEncodeError:
-            presented = b""
-        if not expected.matches(presented):
-            raise _refuse(request, "wrong API key", "invalid API key", 'Bearer error="invalid_token"')
+        refusal = check.refusal(request.headers.get("authorization"), f"{request.method} {request.url.path}")
+        if refusal is not None:
+            raise refusal
 
     return [Depends(require_api_key)]

@@ -6,6 +6,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+#: What a client is told of an error the code did not expect (the error itself is only logged).
+INTERNAL_ERROR_MESSAGE = "internal server error"
+
 
 class APIError(Exception):
     """An error answered to the client: status, message and, when a request field is at fault, its path."""

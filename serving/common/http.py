@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.common.errors import APIError
+from serving.common.errors import INTERNAL_ERROR_MESSAGE, APIError
 from serving.common.logging import get_logger
 
 logger = get_logger("http")
@@ -165,7 +165,7 @@ def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_byte
 
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return render(APIError(500, "internal server error", code="internal_error"))
+        return render(APIError(500, INTERNAL_ERROR_MESSAGE, code="internal_error"))
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

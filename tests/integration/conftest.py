@@ -1,7 +1,7 @@
 """One Ray cluster per test session, with both applications of deploy/serve_config.yaml deployed.
 
 The config is the one `make serve` uses, deployed through the same Serve controller path as
-`serve run`; the HTTP port is swapped for a free one. The cluster is `ray.cluster_utils.Cluster`: the head
+`serve run`; the HTTP and gRPC ports are swapped for free ones. The cluster is `ray.cluster_utils.Cluster`: the head
 (2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the custom resource
 `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
 replicas are placed on them by those resources, as on a real cluster. The diffusion app serves `tiny` (the
@@ -79,10 +79,17 @@ def pool_nodes(cluster: Cluster) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
-def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI) -> Iterator[str]:
+def grpc_port() -> int:
+    """Serve's gRPC port this session (OIP v2 over gRPC); the apps answer on it once ``base_url`` is up."""
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI, grpc_port: int) -> Iterator[str]:
     config = load_serve_config(REPO / "deploy" / "serve_config.yaml")
     config.http_options.host = "127.0.0.1"
     config.http_options.port = free_port()
+    config.grpc_options.port = grpc_port
     diffusion = next(app for app in config.applications if app.name == "diffusion")
     models = {entry["model"]["name"]: entry for entry in diffusion.args["models"]}
     assert list(models) == [DEFAULT_MODEL, SDXL_MODEL, FLUX_MODEL], list(models)

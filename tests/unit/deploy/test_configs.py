@@ -9,6 +9,7 @@ strict about unknown fields as the API server's strict field validation is; the 
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import math
 import re
@@ -315,7 +316,7 @@ def test_dockerfile_base_image_ports_and_command():
     assert _dockerfile_instructions("FROM") == ["${BASE_IMAGE}"]
     assert "nvidia/cuda:" in DOCKERFILE.read_text(), "the CUDA base image should be documented"
     exposed = {port for ports in _dockerfile_instructions("EXPOSE") for port in ports.split()}
-    assert {"8000", "8265", "6379"} <= exposed
+    assert {"8000", "9000", "8265", "6379"} <= exposed
     assert _dockerfile_instructions("CMD") == ['["serve", "run", "deploy/serve_config.yaml"]']
     assert "COPY . /app" in [f"COPY {args}" for args in _dockerfile_instructions("COPY")]
 
@@ -379,3 +380,39 @@ def test_the_app_deploys_a_cfg_worker_only_where_it_is_chosen(engine, device_map
     names = {deployment.name for deployment in serve_build_app(build_app(args), name="diffusion").deployments}
     assert ("CFGWorker" in names) is deployed
     assert {"ImagesIngress", "DiffusionModel"} <= names
+
+
+class _AnyServicer:
+    """Has every method a servicer function looks up (Serve's proxy registers such a stand-in)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda request, context: None
+
+
+class _CapturingServer:
+    """What a servicer function registers on a gRPC server: service name -> method names."""
+
+    def __init__(self) -> None:
+        self.services: dict[str, set[str]] = {}
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        self.services.setdefault(service, set()).update(handlers)
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:  # grpcio's older registration path
+        for handler in handlers:
+            for path in getattr(handler, "_method_handlers", {}):
+                service, method = path.strip("/").split("/")
+                self.services.setdefault(service, set()).add(method)
+
+
+@pytest.mark.parametrize("path", [DEPLOY / "serve_config.yaml", GPU_CONFIG], ids=lambda path: path.name)
+def test_configs_with_a_dlrm_app_serve_oip_over_grpc_on_the_exposed_port(path):
+    config = load_serve_config(path)
+    [function] = config.grpc_options.grpc_servicer_functions
+    module, _, name = function.rpartition(".")
+    server = _CapturingServer()
+    getattr(importlib.import_module(module), name)(_AnyServicer(), server)
+    assert server.services == {"inference.GRPCInferenceService": {
+        "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer"}}
+    exposed = {port for ports in _dockerfile_instructions("EXPOSE") for port in ports.split()}
+    assert str(config.grpc_options.port) in exposed
