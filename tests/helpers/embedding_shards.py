@@ -37,17 +37,22 @@ class ToyTables(nn.Module):
 
 
 class Gate:
-    """Wraps a shard module: sets ``entered`` when a lookup reaches it, then waits for ``release`` to compute."""
+    """Wraps a shard module: sets ``entered`` when a lookup reaches it, then waits for ``release`` to compute, and
+    sets ``left`` when the call returns (or gives up after 10 s unreleased)."""
 
     def __init__(self, module) -> None:
         self.module = module
         self.entered = threading.Event()
         self.release = threading.Event()
+        self.left = threading.Event()
 
     def __call__(self, **inputs):
         self.entered.set()
-        assert self.release.wait(10), "never released"
-        return self.module(**inputs)
+        try:
+            assert self.release.wait(10), "never released"
+            return self.module(**inputs)
+        finally:
+            self.left.set()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import asyncio
 import contextlib
 import pickle
-import time
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -18,7 +18,7 @@ from disagg.rpc.client import (
 )
 from disagg.rpc.server import EmbeddingServer
 from serving.common.errors import APIError
-from tests.helpers.embedding_shards import serving, toy_inputs, toy_shard
+from tests.helpers.embedding_shards import Gate, ToyShard, serving, toy_inputs, toy_shard
 
 
 @contextlib.asynccontextmanager
@@ -35,6 +35,11 @@ async def dead_address() -> str:
     await server.start()
     await server.stop(0)
     return server.address
+
+
+def gated(shard: ToyShard) -> ToyShard:
+    """``shard`` with its module behind a ``Gate``: a lookup waits there until the test releases it."""
+    return replace(shard, module=Gate(shard.module))
 
 
 def assert_same(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -62,18 +67,20 @@ def test_round_trip_over_two_shards_equals_calling_the_modules():
 
 
 def test_shards_are_looked_up_concurrently():
+    """Both shards are asked while neither may answer (each held at its gate): one at a time would wait forever."""
     async def body():
-        first, second = toy_shard(0, ("a",), delay_s=0.3), toy_shard(1, ("b",), delay_s=0.3)
+        first, second = gated(toy_shard(0, ("a",))), gated(toy_shard(1, ("b",)))
         async with serving(first) as s0, serving(second) as s1:
             shards = [ShardClient(0, [s0.address], input_names=["ids_a"]), ShardClient(1, [s1.address])]
             async with closing(EmbeddingClient(shards)) as client:
                 inputs = {"ids_a": torch.tensor([1]), "ids_b": torch.tensor([2])}
-                await client.lookup(inputs, timeout_s=5)  # connects and learns shard 1's inputs
-                start = time.monotonic()
-                outputs = await client.lookup(inputs, timeout_s=5)
-                elapsed = time.monotonic() - start
+                lookup = asyncio.ensure_future(client.lookup(inputs, timeout_s=60))
+                for shard in (first, second):
+                    assert await asyncio.to_thread(shard.module.entered.wait, 30), "shards asked one at a time"
+                for shard in (first, second):
+                    shard.module.release.set()
+                outputs = await lookup
         assert outputs.keys() == {"pooled_a", "pooled_b"}
-        assert elapsed < 0.5, f"two 0.3 s shards took {elapsed:.2f} s: not concurrent"
 
     asyncio.run(body())
 
@@ -97,19 +104,18 @@ def test_lookups_fail_over_when_a_replica_stops_and_skip_it_while_it_cools_down(
 
 
 def test_slow_replica_leaves_time_to_fail_over_to_a_fast_one():
+    """A replica that never answers (held at its gate) takes half the deadline; the other answers in the rest."""
     async def body():
-        slow, fast = toy_shard(delay_s=1.2), toy_shard()
+        hung, fast = gated(toy_shard()), toy_shard()
         async with (
-            serving(slow) as s_slow,
+            serving(hung) as s_hung,
             serving(fast) as s_fast,
-            closing(ShardClient(0, [s_slow.address, s_fast.address])) as client,
+            closing(ShardClient(0, [s_hung.address, s_fast.address])) as client,
         ):
-            start = time.monotonic()
-            for _ in range(2):  # round robin: one of the two starts on the slow replica
-                await client.lookup(toy_inputs(fast), timeout_s=1.5)
-            elapsed = time.monotonic() - start
-        assert client.stats.failovers == 1
-        assert elapsed < 1.5, f"{elapsed:.2f} s"
+            for _ in range(2):  # round robin: one of the two starts on the hung replica
+                await client.lookup(toy_inputs(fast), timeout_s=4)
+            hung.module.release.set()
+        assert client.stats.failovers == 1 and hung.module.entered.is_set()
 
     asyncio.run(body())
 
@@ -118,14 +124,11 @@ def test_all_replicas_down_raises_shard_unavailable_within_the_deadline():
     async def body():
         addresses = [await dead_address(), await dead_address()]
         async with closing(ShardClient(3, addresses, input_names=["ids_a", "ids_b"])) as shard:
-            start = time.monotonic()
             with pytest.raises(ShardUnavailable) as info:
-                await EmbeddingClient([shard]).lookup(toy_inputs(toy_shard()), timeout_s=1.0)
-            elapsed = time.monotonic() - start
-        assert elapsed < 1.0 + 0.3
+                await EmbeddingClient([shard]).lookup(toy_inputs(toy_shard()), timeout_s=30)
         assert info.value.shard_index == 3
         assert "UNAVAILABLE" in info.value.last_error and info.value.last_error.split(":")[0] in "".join(addresses)
-        assert shard.stats.unavailable == 1 and shard.stats.failovers == 1
+        assert shard.stats.unavailable == 1 and shard.stats.failovers == 1  # each once: no waiting out the deadline
 
     asyncio.run(body())
 
@@ -158,15 +161,15 @@ def test_replica_restarted_at_a_new_address_recovers_after_update_addresses():
 
 
 def test_slow_module_gets_deadline_exceeded_then_shard_unavailable_in_time():
+    """The module never answers (held at its gate): the lookup ends at its deadline, not when the module does."""
     async def body():
-        shard = toy_shard(delay_s=1.0)
+        shard = gated(toy_shard())
         async with serving(shard) as server, closing(ShardClient(0, [server.address])) as client:
-            start = time.monotonic()
             with pytest.raises(ShardUnavailable) as info:
                 await client.lookup(toy_inputs(shard), timeout_s=0.3)
-            elapsed = time.monotonic() - start
+            assert not shard.module.left.is_set()  # given up while the module still held the call
+            shard.module.release.set()
         assert "DEADLINE_EXCEEDED" in info.value.last_error
-        assert elapsed < 0.3 + 0.25, f"{elapsed:.2f} s"
 
     asyncio.run(body())
 
@@ -226,18 +229,18 @@ def test_oversized_request_is_a_request_error_and_the_server_keeps_serving():
 
 
 def test_unavailable_shard_fails_the_lookup_at_once_and_cancels_the_others():
+    """Shard 0 cannot answer (held at its gate) until the lookup has failed on shard 1 alone."""
     async def body():
-        slow = toy_shard(0, ("a",), delay_s=1.5)
-        async with serving(slow) as server:
+        held = gated(toy_shard(0, ("a",)))
+        async with serving(held) as server:
             shards = [ShardClient(0, [server.address], input_names=["ids_a"])]
             shards.append(ShardClient(1, [await dead_address()], input_names=["ids_b"]))
             async with closing(EmbeddingClient(shards)) as client:
-                start = time.monotonic()
                 with pytest.raises(ShardUnavailable) as info:
-                    await client.lookup({"ids_a": torch.tensor([1]), "ids_b": torch.tensor([1])}, timeout_s=5)
-                elapsed = time.monotonic() - start
+                    await client.lookup({"ids_a": torch.tensor([1]), "ids_b": torch.tensor([1])}, timeout_s=60)
+                assert not held.module.left.is_set()  # failed while shard 0 still held its call
+                held.module.release.set()
         assert info.value.shard_index == 1
-        assert elapsed < 1.0, f"{elapsed:.2f} s: waited for the slow shard"
         assert client.stats.unavailable == 1
 
     asyncio.run(body())

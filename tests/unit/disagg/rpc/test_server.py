@@ -26,6 +26,8 @@ from tests.helpers.embedding_shards import Gate, ToyShard, serving, toy_inputs, 
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: A drain long enough for a few loopback calls on a loaded machine.
+DRAIN_S = 5.0
 ROOT = REPO
 
 
@@ -37,6 +39,16 @@ async def stub_for(server: EmbeddingServer, **options):
 
 def lookup_request(inputs: dict[str, torch.Tensor], output_dtype: str = "") -> pb.LookupRequest:
     return pb.LookupRequest(inputs=wire.encode_all(inputs), output_dtype=output_dtype)
+
+
+async def health_status(health, service: str):
+    """The service's health status, polled until it is NOT_SERVING (for at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while True:
+        status = (await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)).status
+        if status == NOT_SERVING or time.monotonic() > deadline:
+            return status
+        await asyncio.sleep(0.02)
 
 
 async def assert_still_serves(stub, shard: ToyShard) -> None:
@@ -256,7 +268,7 @@ def test_message_limit_is_raised_above_grpc_default_of_4_mib():
         inputs = {"ids_a": torch.zeros(1_000_000, dtype=torch.int64), "ids_b": torch.zeros(1, dtype=torch.int64)}
         options = {"grpc.max_send_message_length": 64 << 20, "grpc.max_receive_message_length": 64 << 20}
         async with serving(shard) as server, stub_for(server, **options) as (stub, _):
-            response = await stub.Lookup(lookup_request(inputs), timeout=10)  # 8 MB in, 16 MB out
+            response = await stub.Lookup(lookup_request(inputs), timeout=60)  # 8 MB in, 16 MB out
         assert wire.decode_all(response.outputs)["pooled_a"].shape == (1_000_000, 4)
 
     asyncio.run(body())
@@ -271,12 +283,11 @@ def test_health_serving_then_not_serving_while_draining():
             for service in ("", SERVICE_NAME):
                 response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
                 assert response.status == SERVING
-            stopping = asyncio.create_task(server.stop(0, drain_s=1.0))
-            await asyncio.sleep(0.2)
-            for service in ("", SERVICE_NAME):
-                response = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
-                assert response.status == NOT_SERVING
+            stopping = asyncio.create_task(server.stop(0, drain_s=DRAIN_S))
+            for service in ("", SERVICE_NAME):  # NOT_SERVING at once: the drain's first step
+                assert await health_status(health, service) == NOT_SERVING
             await assert_still_serves(stub, shard)  # draining: still answers those that come
+            assert not stopping.done()
             await stopping
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
@@ -286,34 +297,38 @@ def test_health_serving_then_not_serving_while_draining():
 
 
 def test_health_checks_answer_while_a_lookup_computes():
+    """A health check answers while a lookup is held in the module (``Gate``): it never waits behind one."""
     async def body():
-        shard = toy_shard(delay_s=0.8)
-        async with serving(shard) as server, stub_for(server) as (stub, health):
-            lookup = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5))
-            await asyncio.sleep(0.15)
-            start = time.monotonic()
-            response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+        shard = toy_shard()
+        gate = Gate(shard.module)
+        async with serving(replace(shard, module=gate)) as server, stub_for(server) as (stub, health):
+            lookup = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=60))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
+            response = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=30)
             assert response.status == SERVING
-            assert time.monotonic() - start < 0.4
-            assert not lookup.done()
+            assert not gate.left.is_set() and not lookup.done()
+            gate.release.set()
             await lookup
 
     asyncio.run(body())
 
 
 def test_slow_lookup_gets_deadline_exceeded_and_queued_expired_ones_are_not_computed():
+    """With one worker held by a lookup (``Gate``), the next one expires in the queue and is never computed: the
+    lookup after it, served in order behind it, is the module's second call."""
     async def body():
-        shard = toy_shard(delay_s=0.5)
-        async with serving(shard, worker_threads=1) as server, stub_for(server) as (stub, _):
-            first = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=5))
-            await asyncio.sleep(0.1)
+        shard = toy_shard()
+        gate = Gate(shard.module)
+        async with serving(replace(shard, module=gate), worker_threads=1) as server, stub_for(server) as (stub, _):
+            first = asyncio.ensure_future(stub.Lookup(lookup_request(toy_inputs(shard)), timeout=60))
+            assert await asyncio.to_thread(gate.entered.wait, 30)
             with pytest.raises(grpc.aio.AioRpcError) as info:  # waits behind ``first``, expires in the queue
                 await stub.Lookup(lookup_request(toy_inputs(shard)), timeout=0.2)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            gate.release.set()
             await first
-            await asyncio.sleep(0.1)
-            assert shard.module.calls == 1
             await assert_still_serves(stub, shard)
+            assert shard.module.calls == 2
 
     asyncio.run(body())
 

@@ -1,6 +1,7 @@
 """ControlNets: conditioning images, the runner, and the engine against StableDiffusionControlNetPipeline."""
 
 import base64
+import threading
 import time
 from concurrent.futures import Future
 
@@ -249,24 +250,27 @@ def test_a_failing_cfg_worker_leaves_its_rows_to_the_engine():
 
 
 def test_a_slow_controlnet_call_runs_while_the_down_and_mid_blocks_do(controlnets):
-    """Timestamps: the call starts before the first down block and ends after the mid block, so the UNet's first
-    half never waited for it; the residuals still arrive and are used (the image differs from the uncontrolled)."""
+    """The call answers only once the UNet's mid block has run (it waits for that), so the UNet's first half never
+    waited for it; timestamps order the rest, and the residuals are used (the image differs from the uncontrolled)."""
     events: dict[str, float] = {}
     call_ended = []
+    mid_ran = threading.Event()
 
-    class Slow(ControlNetRunner):
+    class HeldUntilTheMidBlock(ControlNetRunner):
         def run(self, call):
             events.setdefault("call_started", time.perf_counter())
-            time.sleep(0.5)
+            assert mid_ran.wait(60), "the down and mid blocks did not run while the ControlNet call did"
             residuals = super().run(call)
             call_ended.append(time.perf_counter())
             return residuals
 
-    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU,
-                             controlnets=LocalControlNets({"edges": Slow(controlnets["edges"], CPU)}))
+    engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, controlnets=LocalControlNets(
+        {"edges": HeldUntilTheMidBlock(controlnets["edges"], CPU)}))
     def stamp(name):
         def hook(*_):
             events.setdefault(name, time.perf_counter())  # returns None: the hook leaves the forward alone
+            if name == "mid_ended":
+                mid_ran.set()
         return hook
 
     unet = engine.denoiser.module
@@ -291,14 +295,21 @@ def test_the_loops_busy_time_leaves_out_the_steps_waits_for_a_slow_controlnet(co
     from serving.config import EngineConfig
     from serving.engine import EngineLoop
 
+    mid_ran = threading.Event()
+
     class Slow(ControlNetRunner):
+        """Answers 0.3 s after the step's mid block ran: the step then waits at least that long for it."""
+
         def run(self, call):
+            assert mid_ran.wait(60), "the mid block did not run while the ControlNet call did"
+            mid_ran.clear()
             time.sleep(0.3)
             return super().run(call)
 
     sink = InMemorySink()
     engine = DiffusionEngine("tiny", build_preset("tiny"), CPU, metrics=Metrics(sink),
                              controlnets=LocalControlNets({"edges": Slow(controlnets["edges"], CPU)}))
+    engine.denoiser.module.mid_block.register_forward_hook(lambda *_: mid_ran.set())
     loop = EngineLoop(engine, EngineConfig(), metrics=Metrics(sink))
     try:
         params = _params(num_inference_steps=2, controlnets=(ControlNetSpec("edges", shape_image("square")),))
@@ -306,5 +317,5 @@ def test_the_loops_busy_time_leaves_out_the_steps_waits_for_a_slow_controlnet(co
     finally:
         loop.stop()
     steps_s = sum(sink.values(STEP_LATENCY)) / 1e3
-    assert engine.remote_wait_s >= 2 * 0.3 - 0.1  # each step waited for most of its call's sleep
+    assert engine.remote_wait_s >= 2 * 0.3 - 0.1  # each step waited out its call's sleep, but for a few statements
     assert loop.busy_s == pytest.approx(steps_s - engine.remote_wait_s, abs=1e-6)
