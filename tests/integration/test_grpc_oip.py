@@ -62,7 +62,7 @@ def test_tritonclient_grpc_answers_as_the_rest_binary_path(base_url, grpc_client
         rest.infer("dlrm", _inputs(triton_http, dense, sparse, binary_data=True))
     assert refused_grpc.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert refused_grpc.value.message() == refused_rest.value.message()
-    assert "out of range for table 0" in refused_grpc.value.message()
+    assert "out of range for table embeddings.0" in refused_grpc.value.message()
     rest.close()
 
 
