@@ -1,7 +1,8 @@
 """One Ray cluster per test session, with both applications of deploy/serve_config.yaml deployed.
 
 The config is the one `make serve` uses, deployed through the same Serve controller path as
-`serve run`; the HTTP and gRPC ports are swapped for free ones. The cluster is `ray.cluster_utils.Cluster`: the head
+`serve run`; the HTTP and gRPC ports are swapped for free ones. Its processes authenticate with a token
+(``tests/integration/__init__.py``), as on a cluster started with `ray start --head`. The cluster is `ray.cluster_utils.Cluster`: the head
 (2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the custom resource
 `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and dense
 replicas are placed on them by those resources, as on a real cluster. The diffusion app serves `tiny` (the
@@ -57,6 +58,7 @@ def embedding_pki(tmp_path_factory: pytest.TempPathFactory) -> PKI:
 
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
+    """The session's cluster; it authenticates with the token ``tests.integration`` put in the environment."""
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 2, "include_dashboard": False, "object_store_memory": 128 * 2**20,
     })
