@@ -1,6 +1,6 @@
 """A user model served from its factory and a weights file (the shipped two-tower example), disaggregated and
 monolithic, beside the session's applications (deployed first, so these two are only added and deleted): both
-answer the model's own outputs, per the signature."""
+answer the model's own outputs, per the signature, over REST and gRPC."""
 
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,6 +9,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import tritonclient.grpc as triton_grpc
 import yaml
 from safetensors.torch import save_file
 
@@ -90,3 +91,23 @@ def test_metadata_and_refusals_follow_the_signature(own_http):
         assert refused.status_code == 400 and "items" in refused.json()["error"], refused.text
         missing = own_http.post(f"{route}/models/two_tower/infer", json=_body({"user_id": inputs["user_id"]}))
         assert missing.status_code == 400 and "history" in missing.json()["error"], missing.text
+
+
+def test_over_grpc_both_layouts_answer_the_models_outputs(own_http, grpc_port, model_and_weights):
+    """OIP over gRPC serves a user model too: the signature's inputs, both outputs in order, equal to the model's."""
+    inputs = _request(6, 4, 5)
+    with torch.inference_mode():
+        expected = [output.numpy() for output in model_and_weights[0](**inputs)]
+    client = triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    try:
+        for app in ROUTES:
+            sent = []
+            for name, tensor in inputs.items():
+                sent.append(triton_grpc.InferInput(name, list(tensor.shape), "INT64"))
+                sent[-1].set_data_from_numpy(tensor.numpy())
+            result = client.infer("two_tower", sent, headers={"application": app})
+            assert [output.name for output in result.get_response().outputs] == ["score", "user_embedding"]
+            for name, values in zip(("score", "user_embedding"), expected, strict=True):
+                np.testing.assert_allclose(result.as_numpy(name), values, rtol=0, atol=1e-6)
+    finally:
+        client.close()
