@@ -7,9 +7,9 @@ and gRPC ports are swapped for free ones. Its processes authenticate with a toke
 custom resource `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and
 dense replicas are placed on them by those resources, as on a real cluster. The diffusion app serves `tiny` (the
 default model, `DEFAULT_MODEL`, which most tests use) and `sdxl-tiny`, whose deployments take a sliver of CPU here
-so autoconfig trials fit beside the session's apps. Variants added for the tests: `diffusion-cfg` (/cfg), `dlrm-
-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure` (/secure/v2, the same DLRM with its shards
-on every interface behind mutual TLS and a shared token, and a hot-embedding cache).
+so autoconfig trials fit beside the session's apps. Variants added for the tests: `diffusion-cfg` (/cfg),
+`dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure` (/secure/v2, the same DLRM with its
+shards on every interface behind mutual TLS and a shared token, and a hot-embedding cache).
 """
 
 import copy
