@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import Response
@@ -12,10 +12,13 @@ from serving.api.edits import EDITS_PATH, EditForm, read_edit_form
 from serving.api.models import ServedModel, ServedModels
 from serving.api.protocol import (
     ErrorResponse,
+    ImageCompletedEvent,
     ImageEditRequest,
     ImageGenerationRequest,
     ImageGenerationResponse,
     ModelList,
+    PartialImageEvent,
+    StreamErrorEvent,
     StreamKind,
 )
 from serving.api.streaming import stream_images
@@ -31,11 +34,23 @@ router = APIRouter(route_class=JSONRoute)
 #: The probe, always open.
 health_router = APIRouter(route_class=JSONRoute)
 
+_STREAM_EVENTS = (PartialImageEvent, ImageCompletedEvent, StreamErrorEvent)
+#: One server-sent event of a stream (before OpenAPI 3.2, a stream's ``schema`` describes each of its events).
+_STREAM_EVENT_SCHEMA = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "enum": [name for event in _STREAM_EVENTS
+                                             for name in get_args(event.model_fields["type"].annotation)]},
+        "data": {"type": "string", "contentMediaType": "application/json",
+                 "description": "The event as one line of JSON, its `type` the event's name."},
+    },
+}
 _IMAGE_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"description": "The images; with `stream: true`, server-sent events instead: `<kind>.partial_image` per "
                          "preview, then `<kind>.completed` per image (`<kind>`: `image_generation`, `image_edit`), "
                          "or `error` if the request fails after its first event.",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+          "content": {"text/event-stream": {"schema": _STREAM_EVENT_SCHEMA}}},
     **error_responses(ErrorResponse, 400, 404, 413, 422, 503),
 }
 
