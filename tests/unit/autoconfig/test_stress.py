@@ -218,7 +218,8 @@ def test_a_probe_stops_once_more_than_one_percent_of_its_requests_are_late():
     assert result.stopped_early and 11 <= result.cancelled < 100
     assert result.completed == 0 and result.errors == 0
     assert result.p99_ms > 50.0  # the waits of the cancelled requests: lower bounds of their latency
-    assert server.open == 0 and len(server.requests) == result.cancelled  # cancelled on the server too
+    # cancelled on the server too; a request whose send time had come may be cancelled before it reached it
+    assert server.open == 0 and 11 <= len(server.requests) <= result.cancelled
 
 
 def test_one_request_over_the_late_budget_puts_the_p99_above_the_slo_and_a_stopped_probe_never_holds():
