@@ -108,8 +108,10 @@ def _unread_shortcut(knobs: Iterable[str], import_path: str) -> str | None:
     """The first of ``knobs`` that is a shortcut the application at ``import_path`` does not read, with why, or
     None."""
     mapping = APP_KNOBS.get(import_path)
+    if mapping is None:
+        return None
     for name in knobs:
-        if mapping is not None and not is_path_knob(name) and name not in mapping.reads:
+        if not is_path_knob(name) and name not in mapping.reads:
             return (f"{name}: no deployment of {import_path} reads it (its shortcuts: "
                     f"{', '.join(sorted(mapping.reads))}); drop it from the space")
     return None

@@ -102,19 +102,17 @@ def tuning_gains(entries: list[BankEntry], meta_minutes: np.ndarray) -> dict[str
     gains = {entry.name: entry.gain_over_starting() for entry in entries}
     minutes = {entry.name: [float(m) for m in runs if np.isfinite(m)] for entry, runs in zip(entries, meta_minutes,
                                                                                              strict=True)}
-    families: dict[str, dict[str, float | int | None]] = {}
-    for family in sorted({entry_family(entry) for entry in entries}):
-        names = [entry.name for entry in entries if entry_family(entry) == family]
+
+    def of(names: list[str]) -> dict[str, float | int | None]:
         recorded = [gains[name] for name in names if gains[name] is not None]
         timed = [m for name in names for m in minutes[name]]
-        families[family] = {"median_gain_over_shipped": median(recorded), "models_with_shipped": len(recorded),
-                            "median_minutes_to_within_5pct": median(timed),
-                            "models_with_durations": sum(bool(minutes[name]) for name in names)}
-    recorded = [gain for gain in gains.values() if gain is not None]
-    timed = [m for runs in minutes.values() for m in runs]
-    return {"median_gain_over_shipped": median(recorded), "models_with_shipped": len(recorded),
-            "median_minutes_to_within_5pct": median(timed),
-            "models_with_durations": sum(bool(runs) for runs in minutes.values()), "families": families}
+        return {"median_gain_over_shipped": median(recorded), "models_with_shipped": len(recorded),
+                "median_minutes_to_within_5pct": median(timed),
+                "models_with_durations": sum(bool(minutes[name]) for name in names)}
+
+    families = {family: of([entry.name for entry in entries if entry_family(entry) == family])
+                for family in sorted({entry_family(entry) for entry in entries})}
+    return {**of(list(gains)), "families": families}
 
 
 def gain_lines(gains: dict[str, object]) -> list[str]:

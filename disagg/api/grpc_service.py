@@ -22,7 +22,7 @@ from disagg.api.server import server_version
 from disagg.config import DLRMAppConfig
 from serving.common.auth import BearerCheck
 from serving.common.constants import SERVER_NAME
-from serving.common.errors import APIError
+from serving.common.errors import APIError, body_too_large
 
 #: gRPC metadata: (key, value) pairs, keys in lower case.
 Metadata = Iterable[tuple[str, str]]
@@ -87,7 +87,7 @@ class OIPGrpcHandlers:
         self._authorize("ModelInfer", metadata)
         limit = self.config.limits.max_body_bytes
         if request.ByteSize() > limit:  # as the REST API's body cap answers
-            raise APIError(413, f"request body exceeds {limit} bytes", param="body", code="body_too_large")
+            raise body_too_large(limit)
         require_model(self.config, request.model_name, request.model_version or None)
         parsed, arrays = parse_grpc_infer_request(request)
         inputs = decode_infer_inputs(parsed, self.backend.signature, self.backend.id_ranges, self.config.limits,

@@ -12,14 +12,13 @@ from collections.abc import Awaitable, Callable
 from functools import cached_property
 from typing import Any, TypeVar
 
-import grpc
 from google.protobuf.message import Message
 
 from disagg.api._proto import grpc_predict_v2_pb2 as pb
 from disagg.api.grpc_service import Metadata, OIPGrpcHandlers, grpc_status
 from disagg.config import DLRMAppConfig
 from serving.common.constants import API_KEY
-from serving.common.errors import INTERNAL_ERROR_MESSAGE, APIError
+from serving.common.errors import APIError, internal_error
 from serving.common.logging import get_logger
 
 logger = get_logger("disagg.deployments.grpc_ingress")
@@ -34,12 +33,12 @@ async def _answer(handler: Callable[[Any, Metadata], Awaitable[Response]], reque
     try:
         return await handler(request, grpc_context.invocation_metadata())
     except APIError as error:
-        grpc_context.set_code(grpc_status(error))
-        grpc_context.set_details(error.message)
+        refusal = error
     except Exception:
         logger.exception("unhandled error in a gRPC call")
-        grpc_context.set_code(grpc.StatusCode.INTERNAL)
-        grpc_context.set_details(INTERNAL_ERROR_MESSAGE)
+        refusal = internal_error()
+    grpc_context.set_code(grpc_status(refusal))
+    grpc_context.set_details(refusal.message)
     return empty()
 
 

@@ -21,7 +21,7 @@ from serving.api.protocol import (
     StreamErrorEvent,
     StreamKind,
 )
-from serving.common.errors import INTERNAL_ERROR_MESSAGE, APIError
+from serving.common.errors import APIError, internal_error
 from serving.common.logging import get_logger
 from serving.engine import GenerationEvent, PartialImage
 
@@ -72,8 +72,7 @@ async def _frames(first: GenerationEvent, rest: AsyncIterator[GenerationEvent], 
         yield _frame(StreamErrorEvent(error=ErrorBody.of(error)))
     except Exception:
         logger.exception("images stream failed")
-        yield _frame(StreamErrorEvent(error=ErrorBody.of(APIError(500, INTERNAL_ERROR_MESSAGE,
-                                                                  code="internal_error"))))
+        yield _frame(StreamErrorEvent(error=ErrorBody.of(internal_error())))
 
 
 def _encode(event: GenerationEvent, kind: StreamKind, size: str, started: float) -> bytes:

@@ -6,9 +6,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-#: What a client is told of an error the code did not expect (the error itself is only logged).
-INTERNAL_ERROR_MESSAGE = "internal server error"
-
 
 class APIError(Exception):
     """An error answered to the client: status, message and, when a request field is at fault, its path."""
@@ -31,6 +28,16 @@ class APIError(Exception):
 
     def __reduce__(self):  # crosses Serve replicas as a plain APIError, whatever a subclass's constructor takes
         return (_rebuild_api_error, (self.status_code, self.message, self.param, self.code, self.headers))
+
+
+def internal_error() -> APIError:
+    """What a client is told of an error the code did not expect (the error itself is only logged)."""
+    return APIError(500, "internal server error", code="internal_error")
+
+
+def body_too_large(max_bytes: int) -> APIError:
+    """The 413 of a request body over ``max_bytes`` (an HTTP body, or a gRPC message)."""
+    return APIError(413, f"request body exceeds {max_bytes} bytes", param="body", code="body_too_large")
 
 
 def _rebuild_api_error(status_code: int, message: str, param: str | None, code: str | None,

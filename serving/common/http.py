@@ -20,7 +20,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from serving.common.errors import INTERNAL_ERROR_MESSAGE, APIError
+from serving.common.errors import APIError, body_too_large, internal_error
 from serving.common.logging import get_logger
 
 logger = get_logger("http")
@@ -165,7 +165,7 @@ def install_error_handling(app: FastAPI, render: ErrorRenderer, *, max_body_byte
 
     async def on_unexpected(_: Request, exc: Exception) -> Response:
         logger.exception("unhandled error")
-        return render(APIError(500, INTERNAL_ERROR_MESSAGE, code="internal_error"))
+        return render(internal_error())
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
@@ -206,8 +206,7 @@ class BodySizeLimitMiddleware:
             if not message.get("more_body", False):
                 break
         if too_large:
-            error = APIError(413, f"request body exceeds {self.max_body_bytes} bytes", param="body",
-                             code="body_too_large")
+            error = body_too_large(self.max_body_bytes)
             await self.render(error)(scope, receive, send)
             return
         body = b"".join(chunks)

@@ -80,6 +80,13 @@ class FakeBackend(DLRMBackend):
         return [torch.from_numpy(expected_scores(inputs["dense"].numpy(), inputs["sparse"].numpy())).to(torch.float32)]
 
 
+class FailingBackend(FakeBackend):
+    """Fails every infer with an error whose text a client must never see."""
+
+    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        raise RuntimeError("secret internal detail")
+
+
 class UserModelBackend(FakeBackend):
     """``USER_SIGNATURE``'s model: answers ``expected_user_outputs`` in float64 (the API sends its signature's FP32)."""
 

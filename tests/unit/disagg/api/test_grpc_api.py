@@ -27,6 +27,7 @@ from disagg.deployments.grpc_ingress import OIPGrpcIngress
 from tests.helpers.oip_fakes import (
     MAX_BODY_BYTES,
     MAX_ROWS,
+    FailingBackend,
     FakeBackend,
     UserModelBackend,
     app_config,
@@ -282,11 +283,6 @@ def test_with_an_api_key_only_health_calls_are_open():
             "probabilities"
     finally:
         served.close()
-
-
-class FailingBackend(FakeBackend):
-    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        raise RuntimeError("secret internal detail")
 
 
 def test_an_unexpected_error_is_internal_with_the_rest_message_and_no_detail():

@@ -18,6 +18,7 @@ from tests.helpers.oip_fakes import (
     MAX_BODY_BYTES,
     MAX_IDS,
     MAX_ROWS,
+    FailingBackend,
     FakeBackend,
     UserModelBackend,
     app_config,
@@ -25,11 +26,6 @@ from tests.helpers.oip_fakes import (
     expected_scores,
     expected_user_outputs,
 )
-
-
-class FailingBackend(FakeBackend):
-    async def infer(self, inputs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        raise RuntimeError("secret internal detail")
 
 
 @pytest.fixture
