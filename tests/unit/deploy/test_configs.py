@@ -20,8 +20,11 @@ from typing import Any
 
 import jsonschema
 import pytest
+import tomllib
 import yaml
+from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 from ray.serve._private.build_app import build_app as serve_build_app
 from ray.serve.schema import ServeDeploySchema
@@ -39,6 +42,7 @@ SERVE_CONFIGS = sorted(DEPLOY.glob("*.yaml"))
 GPU_CONFIG = DEPLOY / "serve_config.gpu.yaml"
 RAYSERVICE = DEPLOY / "kuberay" / "rayservice.yaml"
 DOCKERFILE = DEPLOY / "Dockerfile"
+CONSTRAINTS = REPO / "constraints.txt"
 CRD_SCHEMA = DEPLOY / "kuberay" / "rayservice-crd-v1.schema.json"  # the CRD's v1 schema, vendored
 SHARED_CRD = REPO.parent / "shared" / "schemas" / "ray.io_rayservices.yaml"  # the full CRD, where present
 IMAGE_NAME = "swiftserve"
@@ -153,10 +157,13 @@ def _pip_installs(commands: str) -> list[list[str]]:
 
 
 def _makefile_install_recipe() -> str:
+    """The Makefile's install recipe, its ``$(TORCH_PIN)`` replaced by the pin."""
     makefile = (REPO / "Makefile").read_text()
     recipe = re.search(r"^\$\(INSTALLED\):.*\n((?:\t.*\n)+)", makefile, re.MULTILINE)
     assert recipe, "Makefile has no $(INSTALLED) recipe"
-    return recipe.group(1)
+    torch_pin = re.search(r"^TORCH_PIN := (\S+)$", makefile, re.MULTILINE)
+    assert torch_pin, "Makefile sets no TORCH_PIN"
+    return recipe.group(1).replace("$(TORCH_PIN)", torch_pin.group(1))
 
 
 def _dockerfile_instructions(name: str) -> list[str]:
@@ -306,9 +313,56 @@ def test_dockerfile_installs_like_the_makefile():
     docker = _pip_installs("\n".join(_dockerfile_instructions("RUN")))
     assert docker == make, f"Dockerfile pip installs {docker} differ from the Makefile's {make}"
     torch_pins = [word for words in make for word in words if word.startswith("torch==")]
-    editable = [words for words in make if words[:1] == ["-e"]]
+    editable = [words for words in make if "-e" in words]
     assert len(torch_pins) == 1 and len(editable) == 1, make
     assert make.index([torch_pins[0]]) < make.index(editable[0]), "torch must be installed before the project"
+    assert editable[0][:2] == ["-c", CONSTRAINTS.name], "the project must install at the pinned versions"
+
+
+# --- constraints.txt ------------------------------------------------------------------------------------------
+
+def _constraint_lines() -> list[tuple[Requirement, str]]:
+    """Every pin of constraints.txt as a requirement, with its line."""
+    lines = [line.strip() for line in CONSTRAINTS.read_text().splitlines()]
+    return [(Requirement(line), line) for line in lines if line and not line.startswith("#")]
+
+
+def test_constraints_pin_exact_versions_and_leave_torch_to_its_pin():
+    text = CONSTRAINTS.read_text()
+    assert "#    make constraints" in text, "constraints.txt should say which command refreshes it"
+    pins = _constraint_lines()
+    assert len(pins) > 100, "constraints.txt should pin the whole environment, not only the direct dependencies"
+    for requirement, line in pins:
+        specifiers = list(requirement.specifier)
+        assert len(specifiers) == 1 and specifiers[0].operator == "==", f"not an exact pin: {line}"
+        assert requirement.name != "torch", "torch is installed first at the Makefile's TORCH_PIN"
+
+
+@pytest.mark.parametrize("python", ["3.10", "3.11", "3.12"])
+def test_constraints_satisfy_every_bound_of_pyproject(python: str):
+    """Each dependency pyproject.toml names (runtime and every extra) is pinned, for this Python, to a version
+    its bounds admit: a bound raised without `make constraints` fails here."""
+    environment = {"python_version": python, "python_full_version": f"{python}.0", "sys_platform": "linux",
+                   "platform_machine": "x86_64"}
+    pinned: dict[str, Version] = {}
+    for requirement, _ in _constraint_lines():
+        if requirement.marker is None or requirement.marker.evaluate(environment):
+            pinned[canonicalize_name(requirement.name)] = Version(next(iter(requirement.specifier)).version)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    declared = [*project["dependencies"], *(item for extra in project["optional-dependencies"].values()
+                                            for item in extra)]
+    checked = 0
+    for text in declared:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        if name in ("torch", "swiftserve") or not (requirement.marker is None
+                                                   or requirement.marker.evaluate(environment)):
+            continue
+        assert name in pinned, f"{name} is declared in pyproject.toml but constraints.txt does not pin it"
+        assert requirement.specifier.contains(pinned[name], prereleases=True), (
+            f"constraints.txt pins {name}=={pinned[name]}, outside pyproject's {requirement}: run `make constraints`")
+        checked += 1
+    assert checked > 30
 
 
 def test_dockerfile_base_image_ports_and_command():
@@ -338,7 +392,7 @@ def test_dockerignore_keeps_local_environments_out():
     ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert {".git", ".venv"} <= ignored
-    assert not ignored & {"serving", "disagg", "autoconfig", "deploy", "pyproject.toml", "README.md"}
+    assert not ignored & {"serving", "disagg", "autoconfig", "deploy", "pyproject.toml", "constraints.txt", "README.md"}
 
 
 def test_the_default_config_serves_both_base_models_each_with_its_own_named_deployments():
