@@ -5,8 +5,8 @@ Unmerged when rows differ. A ``Linear`` whose rows use two or more LoRAs stacks 
 batch stays the same) and runs two batched matmuls per slot (a gather-BMM in the manner of Punica's BGMV, without
 custom kernels), so the number of kernels does not grow with the number of LoRAs; ``Conv2d`` targets, and a single
 LoRA on some rows, gather, run two small matmuls and scatter-add per LoRA. When every row has the same LoRAs, after
-``merge_after`` forwards, a merged copy of each touched weight comes from a byte-bounded LRU (dLoRA's switch between
-merged and unmerged inference). Base weights are never modified.
+``merge_after`` forwards, a merged copy of each touched weight comes from a byte-bounded cache (dLoRA's switch between
+merged and unmerged inference) that keeps the most used combinations. Base weights are never modified.
 """
 
 from __future__ import annotations
@@ -108,8 +108,13 @@ def _delta(module: nn.Module, layer: LoRALayer, x: torch.Tensor) -> torch.Tensor
 
 
 class _MergedWeights:
-    """Byte-bounded LRU of merged weight copies (``W + sum(scale * layer.scale * up @ down)``), per uniform LoRA
-    combination, built module by module once the combination has run ``merge_after`` forwards unmerged."""
+    """Byte-bounded cache of merged weight copies (``W + sum(scale * layer.scale * up @ down)``), per uniform LoRA
+    combination, built module by module once the combination has run ``merge_after`` forwards unmerged. Room is
+    taken from the least recently used combination only by one that ran more forwards lately (counts halve every
+    ``RECENT_WINDOW`` forwards: TinyLFU's admission), so a rare combination runs unmerged rather than evict a
+    frequent one, which would then be merged again."""
+
+    RECENT_WINDOW = 256
 
     def __init__(self, budget_bytes: int, merge_after: int) -> None:
         self.budget_bytes = budget_bytes
@@ -117,6 +122,8 @@ class _MergedWeights:
         self._entries: OrderedDict[tuple, tuple[LoRAPairs, dict[str, torch.Tensor]]] = OrderedDict()
         self._bytes = 0
         self._uses: OrderedDict[tuple, int] = OrderedDict()  # forwards run per combination (bounded)
+        self._recent: dict[tuple, float] = {}  # forwards run per combination lately
+        self._forwards = 0
 
     def count_use(self, pairs: LoRAPairs) -> None:
         key = _signature(pairs)
@@ -124,6 +131,10 @@ class _MergedWeights:
         self._uses.move_to_end(key)
         while len(self._uses) > 1024:
             self._uses.popitem(last=False)
+        self._recent[key] = self._recent.get(key, 0.0) + 1.0
+        self._forwards += 1
+        if self._forwards % self.RECENT_WINDOW == 0:
+            self._recent = {key: uses / 2 for key, uses in self._recent.items() if uses >= 2}
 
     def weight(self, pairs: LoRAPairs, name: str, module: nn.Module) -> torch.Tensor | None:
         """The merged weight of ``module`` under ``pairs``; ``None``: not worth it yet, not touched, or no room."""
@@ -146,6 +157,8 @@ class _MergedWeights:
             oldest_key, (_, oldest) = next(iter(self._entries.items()))
             if oldest_key == key:
                 return None  # the combination in use already fills the budget: leave this module unmerged
+            if self._recent.get(oldest_key, 0.0) >= self._recent.get(key, 0.0):
+                return None  # a combination used as much or more keeps its room
             self._entries.popitem(last=False)
             self._bytes -= sum(t.numel() * t.element_size() for t in oldest.values())
         merged = module.weight + sum(scale * layer.scale * delta_weight(module, layer) for layer, scale in touching)

@@ -89,6 +89,37 @@ def test_merged_copies_respect_the_byte_budget():
     assert len(hooks._merged._entries) == 1 and hooks._merged._bytes == 16 * 2**10
 
 
+def test_a_rarer_combination_runs_unmerged_rather_than_evict_a_frequent_one():
+    """Room for one combination (``auto`` on a LoRA's modules): a warm LoRA used often keeps its merged copy (the
+    same tensor, not merged again) while a two-LoRA combination used less, past ``merge_after``, runs unmerged and
+    exact; once the two-LoRA one has run more forwards lately, it takes the room."""
+    module = nn.Linear(64, 64)  # 16 KiB of fp32 weight
+    hooks = LoRAHooks(nn.ModuleDict({"m": module}), merged_cache_bytes="auto", merge_after=2,
+                      max_merged_bytes=2**30)
+    hooks.ensure_hooks(["m"])
+    warm, other = {"m": _layer(module, 4, 0, 1.0)}, {"m": _layer(module, 4, 1, 1.0)}
+    single, double = [[(warm, 1.0)]] * 2, [[(warm, 1.0), (other, 0.5)]] * 2
+    x = torch.randn(2, 64)
+
+    def run(rows: list, times: int) -> None:
+        for _ in range(times):
+            with torch.inference_mode(), hooks.active(plan_lora_rows(rows, torch.device("cpu"))):
+                torch.testing.assert_close(module(x), _expected(module, x, rows), rtol=1e-4, atol=1e-4)
+
+    def merged() -> list[tuple[int, torch.Tensor]]:  # (LoRAs, merged weight) per cached combination
+        return [(len(pairs), weights["m"]) for pairs, weights in hooks._merged._entries.values()]
+
+    run(single, 8)
+    ((loras, copy),) = merged()
+    assert loras == 1
+    run(double, 4)  # past merge_after, fewer forwards than the warm LoRA's 8
+    assert [loras for loras, _ in merged()] == [1] and merged()[0][1] is copy
+    run(single, 1)
+    assert merged()[0][1] is copy
+    run(double, 6)  # 10 forwards lately against 9
+    assert [loras for loras, _ in merged()] == [2]
+
+
 def test_auto_budget_grows_with_the_targeted_weights_within_its_cap(caplog):
     net = nn.ModuleDict({"a": nn.Linear(64, 64), "b": nn.Linear(64, 32), "c": nn.Linear(32, 32)})  # 16, 8, 4 KiB
     hooks = LoRAHooks(net, merged_cache_bytes="auto", merge_after=0, max_merged_bytes=20 * 2**10)
