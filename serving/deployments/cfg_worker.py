@@ -33,7 +33,7 @@ from serving.config import DiffusionAppConfig
 from serving.controlnet.client import MeasuredControlNets
 from serving.controlnet.runner import gather_context
 from serving.deployments.batching import forward_by_shape
-from serving.deployments.controlnet import ServeControlNets
+from serving.deployments.controlnet import SendsControlNetCalls, ServeControlNets
 from serving.deployments.pinning import pin_replica
 from serving.deployments.transport import ResolvedTensors, SharedTensors
 from serving.deployments.wire import PendingReply, WireNoise, WireRows
@@ -213,7 +213,7 @@ def _loaded(load: Future[LoRAWeights]) -> bool:
 
 
 @serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
-class CFGWorkerDeployment:
+class CFGWorkerDeployment(SendsControlNetCalls):
     """A second copy of the model, on its own device, predicting the unconditional rows of every model replica's
     steps (``CFGWorkerCore``), their calls batched as ``engine.cfg_worker`` says."""
 
@@ -221,8 +221,9 @@ class CFGWorkerDeployment:
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
         pin_replica(config.device_map.cfg_worker if config.device_map else [], "CFGWorker")
         metrics = Metrics.for_replica()
-        client = (MeasuredControlNets(ServeControlNets(controlnets, config.engine.remote_timeout_s, metrics), metrics)
-                  if controlnets else None)
+        self._controlnet_client = (ServeControlNets(controlnets, config.engine.remote_timeout_s, metrics)
+                                   if controlnets else None)
+        client = MeasuredControlNets(self._controlnet_client, metrics) if self._controlnet_client is not None else None
         engine = DiffusionEngine.from_config(config.model, config.lora, client)
         self._core = CFGWorkerCore(engine, LocalBackend.lora_cache_for(engine, config, metrics), ResolvedTensors())
         self._timeout_s = config.engine.remote_timeout_s

@@ -6,6 +6,8 @@ object store once and referenced by every step's call; each service replica keep
 
 from __future__ import annotations
 
+import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,7 +43,8 @@ logger = get_logger("deployments.controlnet")
 
 class ServeControlNets(ControlNetClient):
     """The engine's ControlNets as ControlNet deployments (one handle per ControlNet); the bytes each step's calls
-    move are recorded (``Metrics.remote_bytes``, path ``controlnet``)."""
+    move are recorded (``Metrics.remote_bytes``, path ``controlnet``), the calls sent counted per ControlNet
+    (``calls_sent``)."""
 
     def __init__(self, handles: dict[str, DeploymentHandle], timeout_s: float, metrics: Metrics = NO_METRICS, *,
                  put: Callable[[np.ndarray], Any] = ray.put) -> None:
@@ -49,6 +52,7 @@ class ServeControlNets(ControlNetClient):
         self._timeout_s = timeout_s
         self._metrics = metrics
         self._shared = SharedTensors(put, sent=lambda nbytes: metrics.remote_bytes("controlnet", "sent", nbytes))
+        self.calls_sent: Counter[str] = Counter()
 
     def names(self) -> list[str]:
         return sorted(self._handles)
@@ -67,6 +71,7 @@ class ServeControlNets(ControlNetClient):
             latent_shift=call.latent_shift,
         )
         self._metrics.remote_bytes("controlnet", "sent", wire.nbytes)
+        self.calls_sent[name] += 1
         return PendingReply(self._handles[name].residuals.remote(wire), self._timeout_s, self._residuals)
 
     def _residuals(self, wire: WireResiduals) -> ControlNetResiduals:
@@ -74,6 +79,17 @@ class ServeControlNets(ControlNetClient):
         return ControlNetResiduals([from_numpy(block) for block in wire.down],
                                    from_numpy(wire.mid) if wire.mid is not None else None,
                                    [from_numpy(block) for block in wire.single])
+
+
+class SendsControlNetCalls:
+    """Deployment mixin: ``controlnet_calls()`` answers the replica's pid and the calls its ``ServeControlNets``
+    (``self._controlnet_client``, ``None`` without ControlNets) sent so far, per ControlNet."""
+
+    _controlnet_client: ServeControlNets | None
+
+    async def controlnet_calls(self) -> tuple[int, dict[str, int]]:
+        client = self._controlnet_client
+        return os.getpid(), dict(client.calls_sent) if client is not None else {}
 
 
 class ControlNetCore:
@@ -103,7 +119,7 @@ class ControlNetCore:
 @serve.deployment(ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)
 class ControlNetService(MemoryReport):
     """One ControlNet; calls from every base replica and step are batched into shared forwards. ``cores``: its
-    replicas' ``DeviceMap.controlnets`` entries (none: not pinned)."""
+    replicas' ``DeviceMap.controlnets`` entries (none: not pinned). ``calls_served()``: the calls it answered."""
 
     @enforces_replica_share
     def __init__(self, config: ControlNetConfig, cores: Sequence[Sequence[int]] = ()) -> None:
@@ -115,11 +131,17 @@ class ControlNetService(MemoryReport):
         self._core = ControlNetCore(ControlNetRunner(model, device, DTYPES[config.dtype]), ResolvedTensors())
         self._batched.set_max_batch_size(config.max_batch_size)
         self._batched.set_batch_wait_timeout_s(config.batch_wait_timeout_s)
+        self._served = 0
         logger.info("ControlNet %r serving (%s, device=%s) on %s", config.name,
                     f"preset={config.preset}" if config.preset else f"path={config.path}", device, placement())
 
     async def residuals(self, call: WireCall) -> WireResiduals:
-        return await self._batched(call)
+        residuals = await self._batched(call)
+        self._served += 1
+        return residuals
+
+    async def calls_served(self) -> int:
+        return self._served
 
     @serve.batch
     async def _batched(self, calls: list[WireCall]) -> list[WireResiduals]:

@@ -18,7 +18,7 @@ from serving.common.metrics import Metrics
 from serving.config import DiffusionAppConfig, EngineTuning
 from serving.controlnet.client import MeasuredControlNets
 from serving.deployments.cfg_worker import ServeCFGWorker
-from serving.deployments.controlnet import ServeControlNets
+from serving.deployments.controlnet import SendsControlNetCalls, ServeControlNets
 from serving.deployments.pinning import pin_replica
 from serving.engine import GenerationEvent, GenerationParams, GenerationResult, LocalBackend, ModelInfo
 
@@ -27,7 +27,7 @@ logger = get_logger("deployments.model")
 
 @serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=8,
                   backpressure_config=OVERLOADED)
-class DiffusionModel(MemoryReport):
+class DiffusionModel(MemoryReport, SendsControlNetCalls):
     """One diffusion engine and its LoRA cache; the engine refuses requests that would wait too long for their
     first step (``engine.admission_wait_fraction``), Serve's queue bounds the rest."""
 
@@ -37,8 +37,8 @@ class DiffusionModel(MemoryReport):
         pin_replica(config.device_map.model if config.device_map else [], "DiffusionModel")
         timeout_s = config.engine.remote_timeout_s
         metrics = Metrics.for_replica()
-        client = (MeasuredControlNets(ServeControlNets(controlnets, timeout_s, metrics), metrics)
-                  if controlnets else None)
+        self._controlnet_client = ServeControlNets(controlnets, timeout_s, metrics) if controlnets else None
+        client = MeasuredControlNets(self._controlnet_client, metrics) if self._controlnet_client is not None else None
         worker = ServeCFGWorker(cfg_worker, timeout_s, metrics) if cfg_worker is not None else None
         self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker, metrics=metrics)
 

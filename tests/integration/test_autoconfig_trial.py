@@ -1,7 +1,6 @@
 """Real autoconfig trials on the session's Ray cluster: the tiny DLRM deployed beside the session's apps, measured
 over HTTP and deleted again; failing trials are recorded, not raised, and leave nothing behind."""
 
-import time
 
 import httpx
 import pytest
@@ -146,7 +145,7 @@ def test_a_kept_trial_app_is_updated_in_place_and_restarted_only_for_resources(t
     _assert_trial_app_gone(base_url)
 
 
-def test_a_trial_whose_replica_is_killed_mid_measurement_ends_in_bounded_time_and_the_next_trial_works(
+def test_a_trial_whose_replica_is_killed_mid_measurement_still_returns_a_record_and_the_next_trial_works(
         template, base_url):
     """The replica under measurement dies as the rate search starts: the trial still returns a record (the dead
     replica's failures count against the rate, nothing hangs); Serve's replacement serves the next trial."""
@@ -158,12 +157,10 @@ def test_a_trial_whose_replica_is_killed_mid_measurement_ends_in_bounded_time_an
             kill_replica(replica)
             killed.append(replica["name"])
 
-    started = time.monotonic()
     record = _trial(template, CONFIGURATION, on_event=kill_on_search_start)
     assert killed, "the search never started"
     assert record.status in ("ok", "slo_violated"), record.error
     assert record.search is not None and record.search.probes
-    assert time.monotonic() - started < 180
     _assert_trial_app_gone(base_url)
 
     again = _trial(template, CONFIGURATION)

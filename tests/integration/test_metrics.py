@@ -11,12 +11,12 @@ flowing while the test polls, as on a live server, until every metric was seen n
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
+from ray import serve
 
 from disagg.api.codec import encode_infer_request
 from disagg.spec import preset_spec
@@ -45,12 +45,20 @@ from serving.common.metrics import (
 from tests.helpers.images import encode_b64, square
 from tests.helpers.lora_files import write_lora
 from tests.helpers.prometheus import metric_value, scrape
-from tests.helpers.replicas import kill_replica, named_replicas
+from tests.helpers.replicas import (
+    kill_replica,
+    named_replicas,
+    ongoing_requests,
+    running_replicas,
+)
+from tests.helpers.waiting import wait_for
 from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
 
 DEADLINE_S = 120.0  # two report intervals at Ray's default, plus traffic on a slow machine
+POLL = {"timeout_s": DEADLINE_S, "period_s": 1.0}
+DENSE = "DisaggregatedDLRM"
 PROBE_LORA = "metrics-probe"  # used by no other test: its first request is a cache miss whatever ran before
 
 #: (metric, labels a non-zero sample must carry): what the traffic below must make every replica record.
@@ -117,53 +125,68 @@ def test_every_swiftserve_metric_is_exported_non_zero_after_traffic(http, probe_
     assert {metric for metric, _ in EXPECTED} == set(ALL_METRICS) - {
         EMBEDDING_FAILOVERS, CFG_LOCAL_FALLBACKS, CFG_LORA_LOCAL_ROWS, CANCELLED_REQUESTS}
     missing = list(EXPECTED)
-    deadline = time.monotonic() + DEADLINE_S
-    seed = 0
-    while missing:
-        _send_traffic(http, probe_lora, seed)  # the first is a LoRA miss, the next ones hits
-        seed += 1
+    seeds = iter(range(1_000_000))
+    samples: dict = {}
+
+    def all_exported() -> bool:
+        nonlocal missing, samples
+        _send_traffic(http, probe_lora, next(seeds))  # the first is a LoRA miss, the next ones hits
         samples = scrape()
         missing = [(metric, labels) for metric, labels in missing if metric_value(samples, metric, labels) <= 0]
-        if missing and time.monotonic() > deadline:
-            found = {name: [(s.labels, s.value) for s in group] for name, group in samples.items()}
-            pytest.fail(f"not exported non-zero within {DEADLINE_S:.0f} s: "
-                        f"{[(m.name, labels) for m, labels in missing]}; swiftserve samples: {found}")
-        time.sleep(1.0)
+        return not missing
+
+    def failure() -> str:
+        found = {name: [(s.labels, s.value) for s in group] for name, group in samples.items()}
+        return (f"not exported non-zero within {DEADLINE_S:.0f} s: {[(m.name, labels) for m, labels in missing]}; "
+                f"swiftserve samples: {found}")
+
+    wait_for(all_exported, failure, **POLL)
+
+
+class _Traffic:
+    """Requests sent on threads of their own until stopped; their statuses kept."""
+
+    def __init__(self, send, threads: int) -> None:
+        self.statuses: list[int] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(send, first, threads)) for first in range(threads)]
+
+    def _run(self, send, seed: int, step: int) -> None:
+        while not self._stop.is_set():
+            self.statuses.append(send(seed))
+            seed += step
+
+    def __enter__(self) -> _Traffic:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *_) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=120)
 
 
 def test_a_killed_shard_replica_is_counted_as_embedding_failovers(http):
     shard = {"application": "dlrm", "shard": "0"}
-    deadline = time.monotonic() + DEADLINE_S
-    while len(named_replicas("dlrm", "EmbeddingShard_0")) < 2:  # replaced replicas of earlier tests are up
-        assert time.monotonic() < deadline, "shard 0 has not two replicas"
-        time.sleep(1.0)
-    time.sleep(3.0)  # the dense replica has both addresses (announced every discovery period)
+    wait_for(lambda: len(running_replicas("dlrm", "EmbeddingShard_0")) == 2,  # replacements of earlier tests are up
+             "shard 0 has not two running replicas", **POLL)
+
+    assert len(running_replicas("dlrm", DENSE)) == 1  # the session's config: what the handle reaches is all of them
+    dense = serve.get_deployment_handle(DENSE, app_name="dlrm")
+    wait_for(lambda: len(dense.shard_addresses.remote().result(timeout_s=60)[0]) == 2,  # announced every period
+             "the dense replica does not know both replicas of shard 0", **POLL)
     before = metric_value(scrape(), EMBEDDING_FAILOVERS, shard)
 
-    statuses: list[int] = []
-    stop = threading.Event()
+    def send(seed: int) -> int:
+        return http.post("/v2/models/dlrm/infer", json=_dlrm_body(seed)).status_code
 
-    def stream() -> None:
-        seed = 0
-        while not stop.is_set():
-            statuses.append(http.post("/v2/models/dlrm/infer", json=_dlrm_body(seed)).status_code)
-            seed += 1
-
-    thread = threading.Thread(target=stream)
-    thread.start()
-    try:
-        time.sleep(1.0)
+    with _Traffic(send, threads=1) as traffic:
+        wait_for(lambda: traffic.statuses, "no request was answered", **POLL)
         kill_replica(named_replicas("dlrm", "EmbeddingShard_0")[0])
-        time.sleep(3.0)  # lookups keep reaching the dead replica's address until the directory drops it
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert statuses, "no request was sent"
-
-    deadline = time.monotonic() + DEADLINE_S
-    while (after := metric_value(scrape(), EMBEDDING_FAILOVERS, shard)) <= before:
-        assert time.monotonic() < deadline, f"failovers stayed at {after} (statuses {sorted(set(statuses))})"
-        time.sleep(1.0)
+        # lookups keep reaching the dead replica's address until the directory drops it: counted as failovers
+        wait_for(lambda: metric_value(scrape(), EMBEDDING_FAILOVERS, shard) > before,
+                 lambda: f"failovers stayed at {before} (statuses {sorted(set(traffic.statuses))})", **POLL)
 
 
 def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
@@ -172,30 +195,15 @@ def test_a_killed_cfg_worker_leaves_its_rows_to_the_model_replicas(http):
     app = {"application": "diffusion-cfg"}
     before = metric_value(scrape(), CFG_LOCAL_FALLBACKS, app)
     body = {"prompt": "a red circle", "size": "64x64", "num_inference_steps": 6, "guidance_scale": 5.0}
-    statuses: list[int] = []
-    stop = threading.Event()
+    (worker,) = running_replicas("diffusion-cfg", f"CFGWorker_{DEFAULT_MODEL}")
 
-    def stream(first_seed: int) -> None:
-        seed = first_seed
-        while not stop.is_set():
-            statuses.append(http.post("/cfg/v1/images/generations", json=body | {"seed": seed}).status_code)
-            seed += 2
+    def send(seed: int) -> int:
+        return http.post("/cfg/v1/images/generations", json=body | {"seed": seed}).status_code
 
-    threads = [threading.Thread(target=stream, args=(first,)) for first in range(2)]
-    for thread in threads:
-        thread.start()
-    try:
-        time.sleep(2.0)  # both base replicas are stepping guided requests with the worker
-        kill_replica(named_replicas("diffusion-cfg", f"CFGWorker_{DEFAULT_MODEL}")[0])
-        time.sleep(3.0)
-    finally:
-        stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
-    assert statuses and set(statuses) == {200}, sorted(set(statuses))
-
-    deadline = time.monotonic() + DEADLINE_S
-    while (after := metric_value(scrape(), CFG_LOCAL_FALLBACKS, app)) <= before:
-        assert time.monotonic() < deadline, f"CFG fallbacks stayed at {after}"
-        time.sleep(1.0)
-
+    with _Traffic(send, threads=2) as traffic:
+        wait_for(lambda: ongoing_requests(worker) > 0, "no guided step reached the CFG worker",
+                 timeout_s=DEADLINE_S, period_s=0.05)
+        kill_replica(worker)
+        wait_for(lambda: metric_value(scrape(), CFG_LOCAL_FALLBACKS, app) > before,
+                 f"CFG fallbacks stayed at {before}", **POLL)
+    assert traffic.statuses and set(traffic.statuses) == {200}, sorted(set(traffic.statuses))

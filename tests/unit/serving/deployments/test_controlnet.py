@@ -33,8 +33,8 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     runner = ControlNetRunner(build_controlnet_preset(preset, seed=1), CPU)
     core = ControlNetCore(runner, ResolvedTensors(get=store.get))
     handle = FakeHandle(residuals=lambda wire: core.forward([wire])[0])
-    remote = DiffusionEngine(preset, build_preset(preset), CPU,
-                             controlnets=ServeControlNets({"edges": handle}, 30.0, Metrics(sink), put=store.put))
+    client = ServeControlNets({"edges": handle}, 30.0, Metrics(sink), put=store.put)
+    remote = DiffusionEngine(preset, build_preset(preset), CPU, controlnets=client)
     local = DiffusionEngine(preset, build_preset(preset), CPU, controlnets=LocalControlNets({"edges": runner}))
     flux = {"true_cfg": True, "true_cfg_scale": 4.0, "negative_prompt": "blue"} if preset == "flux-tiny" else {}
     params = GenerationParams("a red square", 64, 64, 3, 6.0, 7, n=2,
@@ -50,6 +50,7 @@ def test_a_requests_image_and_embeddings_travel_once_and_give_the_in_process_ima
     assert puts[:3] == [2, 2, 2]  # the conditioning image and the text embeddings, at the first step only
     assert np.abs(images[0] - images[1]).max() <= TOLERANCE
     wires = [wire for (wire,) in handle.residuals.calls]
+    assert client.calls_sent == {"edges": len(wires)} and len(wires) == 3  # one call a step
     assert [row for _, row in wires[0].context] == [0, 1, 2, 3]  # both images, unconditional and conditional
     added = {"tiny": {}, "sdxl-tiny": {"text_embeds": (4, 48), "time_ids": (4, 6)},
              "sd3-tiny": {"pooled_projections": (4, 64)},
