@@ -39,7 +39,7 @@ def template(base_url: str) -> ServeDeploySchema:
 def _trial(template: ServeDeploySchema, configuration: dict, events: list | None = None, on_event=None, **kwargs):
     return run_trial(
         template, "dlrm", configuration, dlrm_workload(), SLO_MS, warmup_s=1.0,
-        search=SearchSettings(start_rps=5, probe_s=1.0, min_requests=10, max_probes=4, rel_tolerance=0.5),
+        search=SearchSettings(start_rps=5, probe_s=1.0, min_requests=10, max_probes=8, rel_tolerance=0.5),
         client=ClientSettings(timeout_s=5.0, max_in_flight=32),
         trial_app_name=TRIAL_APP, route_prefix=TRIAL_PREFIX,
         on_event=on_event or (events.append if events is not None else None), **kwargs,
