@@ -47,7 +47,12 @@ $(INSTALLED): pyproject.toml constraints.txt
 	echo "$(TORCH_PIN)" > $(VENV)/torch-pin.txt
 	touch $(INSTALLED)
 
-constraints: install
+# Needs only uv (the version pyproject.toml pins), not the install, which refuses a pyproject.toml and a
+# constraints.txt that disagree: what this target is for.
+constraints:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -x $(BIN)/uv || $(BIN)/python -m pip install --quiet "$$(grep -o 'uv==[0-9.]*' pyproject.toml)"
+	echo "$(TORCH_PIN)" > $(VENV)/torch-pin.txt
 	$(COMPILE) --all-extras --universal --python-version 3.10 --custom-compile-command "make constraints" -o constraints.txt
 
 lower-bounds: install
