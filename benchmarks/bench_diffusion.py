@@ -329,8 +329,9 @@ class Swiftserve:
         self._files.write(self._cold)
 
     def settle_warm_loras(self) -> None:
-        """After the warm-up round (each warm-LoRA case once), runs each warm combination until the engine would
-        build its merged copy (after ``merge_after_forwards`` forwards), so the timed runs see the steady state."""
+        """After the warm-up round (each warm-LoRA case once), runs each warm combination past
+        ``merge_after_forwards`` forwards, so the timed runs see the steady state: the warm LoRA merged, and the
+        two-LoRA combination merged only where the merged cache admits it beside the more used warm LoRA."""
         for loras, forwards in (((WARM,), 2 * self._params.num_inference_steps),
                                 ((WARM, WARM_2), self._params.num_inference_steps)):
             while forwards <= self._merge_after:
