@@ -231,13 +231,16 @@ def dlrm_workload(
 
 def diffusion_workload(
     *, model: str | None = None, size: str | None = "32x32", steps: int = 4, n: int = 1, pool_size: int = 16,
-    controlnets: str | None = None,
+    controlnets: str | None = None, loras: str | None = None,
 ) -> Workload:
     """OpenAI ``/v1/images/generations`` requests: small images, few steps, a distinct seed and prompt each;
     ``controlnets`` (names joined by ``+``) conditions each request on those ControlNets with a white square on
-    black."""
+    black; ``loras`` lists LoRA combinations (names joined by ``+``) separated by ``|``, request ``i`` of the pool
+    taking combination ``i`` modulo their count (an empty combination: no LoRA), each LoRA at scale 1."""
     if steps < 1 or n < 1 or pool_size < 1:
         raise ValueError("steps, n and pool_size must be >= 1")
+    combinations = [[{"name": name, "scale": 1.0} for name in combination.split("+") if name]
+                    for combination in str(loras or "").split("|")]
     base: dict[str, Any] = {"num_inference_steps": steps, "n": n}
     if model is not None:
         base["model"] = model
@@ -250,7 +253,8 @@ def diffusion_workload(
         square[16:48, 16:48] = 255
         image = encode_image(square)
         base["controlnets"] = [{"name": name, "image": image} for name in str(controlnets).split("+")]
-    pool = [json.dumps({**base, "prompt": f"a small red cube, view {i}", "seed": i}).encode() for i in range(pool_size)]
+    pool = [json.dumps({**base, "prompt": f"a small red cube, view {i}", "seed": i,
+                        "loras": combinations[i % len(combinations)]}).encode() for i in range(pool_size)]
     return Workload("POST", "/v1/images/generations", _cycling(pool))
 
 

@@ -373,6 +373,10 @@ def test_workload_options_change_the_requests_and_unknown_ones_are_named():
     assert [control.name for control in controls] == ["edges", "depth"]
     square = decode_image(controls[0].image, max_bytes=2**20, max_pixels=2**20)
     assert square.shape == (64, 64, 3) and square[32, 32].tolist() == [255] * 3 and square[0, 0].tolist() == [0] * 3
+    assert request.loras == []
+    mixed = workload_for_app("serving.app:build_app", {}, parse_workload_options("loras=outlined|outlined+dark|"))
+    assert [[lora.name for lora in ImageGenerationRequest.model_validate_json(mixed.body(i)).loras] for i in range(4)] \
+        == [["outlined"], ["outlined", "dark"], [], ["outlined"]]
     with pytest.raises(ValueError, match=r"workload option 'steps' is not one of dlrm_workload's: .*rows_per_request"):
         workload_for_app("disagg.app:build_app", args, {"rows_per_request": 2, "steps": 4})
     with pytest.raises(ValueError, match="workload option 'rows_per_request' is not one of diffusion_workload's"):
