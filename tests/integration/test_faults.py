@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 from tests.helpers.controlnet_calls import call_controlnet, preset_controlnet_call
 from tests.helpers.images import encode_b64, square
 from tests.helpers.replicas import kill_replica, named_replicas, ongoing_requests, running_replicas
-from tests.helpers.waiting import wait_for
+from tests.helpers.waiting import first_answer, wait_for
 from tests.integration.conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.integration
@@ -60,11 +60,8 @@ def test_killed_controlnet_replica_fails_its_in_flight_request_with_503_then_rec
 
 def _answered_after_503s(http, body: dict):
     """The first 200 answer to ``body`` while a replacement replica starts (503s until then, nothing else)."""
-    def answered():
-        response = http.post("/v1/images/generations", json=body)
-        assert response.status_code in (200, 503), response.text
-        return response if response.status_code == 200 else None
-    return wait_for(answered, "no replacement replica answered", **RECOVERY)
+    return first_answer(lambda: http.post("/v1/images/generations", json=body), "no replacement replica answered",
+                        **RECOVERY)
 
 
 def test_killed_base_model_replica_fails_its_requests_with_503_then_recovers(http):
