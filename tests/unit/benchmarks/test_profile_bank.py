@@ -2,9 +2,9 @@
 space whose knobs it reads."""
 
 import pytest
-import yaml
 
 from autoconfig.serve_config import load_serve_config
+from autoconfig.space import SearchSpace
 from autoconfig.workloads import parse_workload_options, workload_for_app
 from benchmarks.profile_bank import MODELS, TEMPLATES
 
@@ -16,12 +16,9 @@ APPS = {app.name: app for app in load_serve_config(TEMPLATES / "serve_config.yam
 def test_each_bank_model_names_a_template_app_its_workload_and_a_space_of_its_family(model):
     app = APPS[model.app]
     workload = workload_for_app(app.import_path, app.args, parse_workload_options(model.workload))
-    body = workload.body(0)
-    assert body
-    knobs = yaml.safe_load((TEMPLATES / f"{model.space}_space.yaml").read_text())["knobs"]
+    knobs = SearchSpace.from_yaml(TEMPLATES / f"{model.space}_space.yaml").knob_names
     diffusion = app.import_path.startswith("serving.")
     assert workload.path == ("/v1/images/generations" if diffusion else "/models/dlrm/infer")
     # the diffusion engine batches at step boundaries (no batching timer to search); its spaces search torch threads
     searched = ("batch_wait_timeout_s" in knobs, "torch_threads" in knobs)
     assert searched == ((False, True) if diffusion else (True, False))
-
