@@ -234,13 +234,14 @@ class Devices:
                 cores[names.get(int(task), f"{NATIVE}{task}")] = sorted(os.sched_getaffinity(int(task)))
         return cores
 
-    def check(self, snapshot: dict[str, list[int]]) -> None:
-        """Aborts the run when a thread that does device work is missing or off its device, or any thread may run
-        on both cores (a native thread inherits the core of the thread that started it)."""
+    def check(self, snapshot: dict[str, list[int]],
+              required: tuple[str, ...] = (*DEVICE_1_THREADS, ENGINE_LOOP_THREAD)) -> None:
+        """Aborts the run when a thread that does device work (names starting with ``required``, those every row
+        starts by default) is missing or off its device, or any thread may run on both cores (a native thread
+        inherits the core of the thread that started it)."""
         if not self.pinned:
             return
-        missing = [prefix for prefix in (*DEVICE_1_THREADS, ENGINE_LOOP_THREAD)
-                   if not any(name.startswith(prefix) for name in snapshot)]
+        missing = [prefix for prefix in required if not any(name.startswith(prefix) for name in snapshot)]
         misplaced = [f"{name} on cores {cores}" for name, cores in snapshot.items()
                      if len(cores) != 1 or (not name.startswith(NATIVE) and cores != [self.core(name)])]
         if missing or misplaced:
@@ -492,38 +493,67 @@ def _lora_config(args: argparse.Namespace) -> LoRAConfig:
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
 
 
-def _under_allocator_env() -> None:
-    """Run this command again under ``ALLOCATOR_ENV`` unless it already is (glibc reads it at process start)."""
+def under_allocator_env(module: str) -> None:
+    """Run ``python -m module`` with this command's arguments again under ``ALLOCATOR_ENV`` unless it already is
+    (glibc reads it at process start)."""
     if any(os.environ.get(name) != value for name, value in ALLOCATOR_ENV.items()):
-        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_diffusion", *sys.argv[1:]],
-                  {**os.environ, **ALLOCATOR_ENV})
+        os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], {**os.environ, **ALLOCATOR_ENV})
+
+
+def command_line(doc: str, repeats: int, options: Callable[[argparse.ArgumentParser], object] | None = None,
+                 ) -> tuple[argparse.Namespace, GenerationParams]:
+    """This benchmark's command line (``options`` adds more) and the request of every row (Flux's guidance)."""
+    def all_options(parser: argparse.ArgumentParser) -> None:
+        _options(parser)
+        if options is not None:
+            options(parser)
+
+    args, params = diffusion_arguments(doc, steps=4, repeats=repeats, options=all_options)
+    if PRESET_FAMILIES[args.preset] == "flux":
+        params = replace(params, **FLUX_REQUEST)
+    diffusers_logging.set_verbosity_error()  # not a warning per LoRA load that the file has no text-encoder part
+    return args, params
+
+
+@dataclass
+class Systems:
+    """Both systems over one build of the model (``build_systems``)."""
+
+    ours: Swiftserve
+    vanilla: Diffusers
+    lora_file_bytes: int
+    controlnet_encoder_shared_bytes: int
+
+
+def build_systems(args: argparse.Namespace, params: GenerationParams, device: torch.device, dtype: torch.dtype,
+                  directory: Path) -> Systems:
+    """The model built once, one ControlNet (a UNet ControlNet's encoder over the UNet's storage), the LoRA files
+    written into ``directory``, and both systems over them (diffusers' modules sharing the weights)."""
+    image = conditioning_image(args.size, 0)
+    model = build_preset(args.preset)
+    # One ControlNet, used by each system on its own device; a UNet's encoder copy shares the UNet's storage.
+    controlnet = build_controlnet_preset(args.preset, denoiser=model.denoiser)
+    shared_bytes = share_encoder_with_unet(controlnet, model.denoiser) if isinstance(controlnet, ControlNetModel) else 0
+    files = LoRAFiles(directory, LoRATargets.from_modules(model.denoiser, model.text_encoder, model.text_encoder_2),
+                      args.rank, args.lora_store_mb_per_s * 2**20)
+    lora_bytes = files.write(WARM)
+    for name in (WARM_2, COLD, REMOTE):
+        files.write(name)
+    vanilla = Diffusers(sharing_weights(model), device, dtype, controlnet, files, params, image)
+    ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image, _lora_config(args))
+    return Systems(ours, vanilla, lora_bytes, shared_bytes)
 
 
 def main() -> None:
-    _under_allocator_env()
-    args, params = diffusion_arguments(__doc__, steps=4, repeats=5, options=_options)
-    if PRESET_FAMILIES[args.preset] == "flux":
-        params = replace(params, **FLUX_REQUEST)
+    under_allocator_env("benchmarks.bench_diffusion")
+    args, params = command_line(__doc__, repeats=5)
     label = LABELS.get(args.preset, args.preset.replace("-", "_"))
-    diffusers_logging.set_verbosity_error()  # not a warning per LoRA load that the file has no text-encoder part
     device = resolve_device("auto")
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     devices = Devices(device, dtype)
-    image = conditioning_image(args.size, 0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_preset(args.preset)
-        # One ControlNet, used by each system on its own device; a UNet's encoder copy shares the UNet's storage.
-        controlnet = build_controlnet_preset(args.preset, denoiser=model.denoiser)
-        shared_bytes = (share_encoder_with_unet(controlnet, model.denoiser)
-                        if isinstance(controlnet, ControlNetModel) else 0)
-        files = LoRAFiles(Path(tmp), LoRATargets.from_modules(model.denoiser, model.text_encoder, model.text_encoder_2),
-                          args.rank, args.lora_store_mb_per_s * 2**20)
-        lora_bytes = files.write(WARM)
-        files.write(WARM_2)
-        files.write(COLD)
-        files.write(REMOTE)
-        vanilla = Diffusers(sharing_weights(model), device, dtype, controlnet, files, params, image)
-        ours = Swiftserve(args.preset, model, device, dtype, controlnet, files, params, image, _lora_config(args))
+        built = build_systems(args, params, device, dtype, Path(tmp))
+        ours, vanilla, lora_bytes = built.ours, built.vanilla, built.lora_file_bytes
         systems = {OURS: ours.cases, THEIRS: vanilla.cases}
         cases = {(system, row): systems[system][row] for system, row in ROUND}
         print(f"{args.preset}, {args.size}x{args.size}, {args.steps} steps, CFG {params.cfg_scale}, rank-"
@@ -582,7 +612,7 @@ def main() -> None:
                     "steps": args.steps, "guidance_scale": params.guidance_scale, "cfg_scale": params.cfg_scale,
                     "seed": params.seed, "lora_scale": SCALE},
         "lora_file_bytes": lora_bytes,
-        "controlnet_encoder_shared_bytes": shared_bytes,
+        "controlnet_encoder_shared_bytes": built.controlnet_encoder_shared_bytes,
         "allocator_env": ALLOCATOR_ENV,
         "peak_host_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,  # ru_maxrss: KiB
         "errors": 0,  # a failed request aborts the run

@@ -13,8 +13,6 @@ processes (``--rate`` Hz; idle threads left out, so samples are CPU time). Per p
 from __future__ import annotations
 
 import argparse
-import collections
-import re
 import shutil
 import subprocess
 import sys
@@ -27,44 +25,15 @@ import torch
 from ray import serve
 
 from benchmarks import bench_dlrm
-from benchmarks.records import REPO, RESULTS, provenance
+from benchmarks.flames import frame_totals
+from benchmarks.records import RESULTS, provenance
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
 from serving.common.net import free_port
 from serving.common.tensors import register_ray_serializer
 
 PROFILES = RESULTS / "profiles"
-#: What a frame's path is cut after: site-packages, the standard library, this repository.
-_PREFIX = re.compile(r"^.*(site-packages/|lib/python3\.\d+/|" + re.escape(str(REPO)) + "/)")
 SYSTEMS = bench_dlrm.SAME_CORES
-
-
-def frame_totals(collapsed: str) -> tuple[int, collections.Counter[str], collections.Counter[str]]:
-    """Samples in all, per frame inclusive (counted once per stack) and per frame self (leaf), from py-spy's raw
-    (collapsed) output: ``frame;frame;... count`` per line."""
-    inclusive: collections.Counter[str] = collections.Counter()
-    leaf: collections.Counter[str] = collections.Counter()
-    total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = [_short(frame) for frame in stack.split(";")]
-        samples = int(count)
-        total += samples
-        for frame in set(frames[1:]):  # the first is the thread
-            inclusive[frame] += samples
-        leaf[frames[-1]] += samples
-    return total, inclusive, leaf
-
-
-def _short(frame: str) -> str:
-    """``function (path/to/file.py:line)`` with the path cut to its package-relative tail and no line."""
-    name, _, where = frame.partition(" (")
-    where = _PREFIX.sub("", where.rstrip(")").rsplit(":", 1)[0])
-    return f"{name} ({where})" if where else name
-
-
 def summary(label: str, measured: dict[str, Any], top: int, gil: bool) -> str:
     sampled = ("the thread holding the GIL (py-spy `--gil`): Python's own CPU time; native work without the GIL "
                "(torch kernels, gRPC's core) is not in them" if gil else

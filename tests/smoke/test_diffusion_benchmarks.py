@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from benchmarks.records import REPO
 
 
@@ -36,6 +38,24 @@ def test_bench_diffusion_runs_the_katz_rows_on_flux_with_true_cfg(run_benchmark)
     assert payload["errors"] == 0
     assert (payload["request"]["guidance_scale"], payload["request"]["cfg_scale"]) == (3.5, 4.0)
     assert {"flux_tiny_ratio_cfg_parallel", "flux_tiny_ratio_3c2l_to_0c0l"} <= set(payload["summary"])
+
+
+def test_profile_diffusion_profiles_every_thread_of_both_systems_and_the_denoisers_scaling(run_benchmark):
+    payload = run_benchmark("profile_diffusion", "--preset", "tiny", "--size", "64", "--steps", "2", "--rank", "4",
+                            "--top", "5", result="profiles/diffusion_tiny")
+    cases = payload["cases"]
+    assert set(cases) == {"swiftserve 0c-0l", "diffusers 0c-0l", "swiftserve 0c-0l parallel CFG"}
+    assert all(len(case["top_frames"]) == 5 and case["samples"] > 0 for case in cases.values())
+    assert set(cases["swiftserve 0c-0l"]["timings"]) >= {"denoise_s", "decode_s"}
+    # the engine loop and the CFG worker each ran on a thread of their own, and py-spy sampled both
+    assert len(cases["swiftserve 0c-0l parallel CFG"]["samples_per_thread"]) >= 2
+    scaling = payload["denoiser_scaling"]
+    assert scaling["best_parallel_cfg_denoise_ratio"] == pytest.approx(
+        scaling["one_branch_each_core_at_once_s"] / scaling["cfg_batch_one_core_s"])
+    blocks = scaling["blocks_s"]["one_branch_one_core"]
+    assert {"conv_in", "down_blocks.0", "mid_block", "up_blocks.0", "conv_out"} <= set(blocks)
+    assert all(seconds > 0 for seconds in blocks.values())
+    assert set(payload["core_scaling"]) == {"compute_at_once_over_alone", "memory_at_once_over_alone"}
 
 
 def test_bench_lora_records_each_lora_cases_cost_over_its_systems_no_lora_run(run_benchmark):
