@@ -187,7 +187,9 @@ def _trial_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FILE.jsonl of request templates (any app; format: docs/AUTOCONFIG.md), or, for the "
                              "built-in apps, request options KEY=VALUE[,...]: dlrm rows_per_request, pool_size, seed, "
                              "variable_size (a DLRM app's own model, preset or factory, shapes the requests); "
-                             "diffusion steps, size, n (default: one small request of the app's model)")
+                             "diffusion steps, size, n, pool_size, controlnets (names joined by +), loras "
+                             "(combinations separated by |, names joined by +, an empty one no LoRA) (default: one "
+                             "small request of the app's model)")
     parser.add_argument("--max-interference", type=float, default=None, metavar="FRACTION",
                         help="measure a trial (or repeat run) again when its rate search lost this share of the "
                              "node's CPUs or more to the hypervisor or to other processes, e.g. 0.1 (default: "

@@ -25,6 +25,7 @@ from disagg.spec import preset_spec
 from serving.api.protocol import ImageGenerationRequest
 from serving.controlnet.conditioning import decode_image
 from tests.helpers.oip_fakes import dlrm_id_ranges
+from tests.helpers.virtual_time import run_in_virtual_time
 
 WORKLOAD = Workload("POST", "/models/m/infer", lambda index: f'{{"i": {index}}}'.encode())
 
@@ -81,12 +82,15 @@ def _client(server, **settings) -> StressClient:
     return StressClient("http://fake", WORKLOAD, ClientSettings(**settings), transport=httpx.MockTransport(server))
 
 
-def _search(server, slo_p99_ms: float, search: SearchSettings, on_probe=None, **settings):
+def _search(server, slo_p99_ms: float, search: SearchSettings, on_probe=None, virtual_time=False, **settings):
+    """The search against ``server``; ``virtual_time`` runs it on a loop whose clock skips idle waits (for servers
+    timed by the loop's clock; the search's own ``max_total_s`` still counts real time)."""
+
     async def run():
         async with _client(server, **settings) as client:
             return await client.find_sustainable_rate(slo_p99_ms, search, on_probe=on_probe)
 
-    return asyncio.run(run())
+    return run_in_virtual_time(run()) if virtual_time else asyncio.run(run())
 
 
 def _measure(server, rate: float, duration_s: float, slo_p99_ms: float | None = None, **settings):
@@ -104,7 +108,7 @@ def test_search_finds_the_rate_where_a_queueing_server_saturates():
     expected = 1 / (1 / capacity - (slo_ms - service_ms) / 1000 / (0.99 * requests))
     search = SearchSettings(start_rps=50, probe_s=0.2, min_requests=requests)  # bisects to 2.5%
     seen = []
-    result = _search(QueueServer(capacity), slo_p99_ms=slo_ms, search=search, on_probe=seen.append)
+    result = _search(QueueServer(capacity), slo_p99_ms=slo_ms, search=search, on_probe=seen.append, virtual_time=True)
     assert 0.95 * expected <= result.sustainable_rps <= 1.02 * expected
     assert result.stop_reason == "converged"
     assert seen == result.probes
@@ -176,7 +180,7 @@ class ColdStartServer:
 
 def test_a_broken_scout_is_decided_again_and_the_doubling_resumes_when_the_rate_holds():
     search = SearchSettings(start_rps=10, probe_s=0.2, min_requests=20, max_rps=40)
-    result = _search(ColdStartServer(cold=2, cold_s=0.3), slo_p99_ms=100.0, search=search)
+    result = _search(ColdStartServer(cold=2, cold_s=0.3), slo_p99_ms=100.0, search=search, virtual_time=True)
     probes = [(probe.result.rate, probe.deciding, probe.sustainable) for probe in result.probes]
     assert probes == [(10, False, False), (10, True, True), (20, False, True), (40, False, True), (40, True, True)]
     assert result.stop_reason == "max_rps" and result.sustainable_rps == 40
