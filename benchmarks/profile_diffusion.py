@@ -115,6 +115,14 @@ def _branch(value: object) -> object:
     return value
 
 
+def _to_core_1() -> None:
+    """Moves the calling thread to core 1 with the process's torch thread count: OpenMP sizes a new thread's team
+    from its own default (every core), not from ``torch.set_num_threads`` in the main thread, and MKL's products
+    read it (a team of two on one pinned core cut their rate to 0.6)."""
+    os.sched_setaffinity(0, {1})  # this thread only
+    torch.set_num_threads(torch.get_num_threads())
+
+
 class BlockTimes:
     """Seconds of each top-level block of a UNet (``conv_in``, ``down_blocks.<i>``, ``mid_block``, ``up_blocks.<i>``,
     the rest) in the forwards run while installed, summed over those forwards."""
@@ -164,7 +172,7 @@ def denoiser_scaling(denoiser: torch.nn.Module, twin: torch.nn.Module, args: tup
     on_core_1: list[float] = []
 
     def twin_on_core_1() -> None:
-        os.sched_setaffinity(0, {1})  # this thread only
+        _to_core_1()
         on_core_1.append(_forward_s(twin, branch_args, branch_kwargs))
 
     def side_by_side() -> float:
@@ -198,7 +206,7 @@ def _on_both_cores(work: Callable[[], float]) -> tuple[float, float]:
     other: list[float] = []
 
     def on_core_1() -> None:
-        os.sched_setaffinity(0, {1})  # this thread only
+        _to_core_1()
         other.append(work())
 
     thread = threading.Thread(target=on_core_1, name="scaling-core-1")
@@ -218,8 +226,9 @@ def _rate(op: Callable[[], object], seconds: float = 1.0) -> float:
 
 
 def _product_rate() -> float:
-    small = torch.randn(256, 256)  # its operands fit a core's L2
-    return _rate(lambda: small @ small)
+    # Compute-bound (blocked), and long enough (tens of ms) that waiting for the GIL between products is noise.
+    square = torch.randn(1024, 1024)
+    return _rate(lambda: square @ square)
 
 
 def _copy_rate() -> float:
@@ -228,7 +237,7 @@ def _copy_rate() -> float:
 
 
 def machine_scaling() -> dict[str, float]:
-    """What running on both cores at once leaves each core, as a fraction of its rate alone: a 256 x 256 matrix
+    """What running on both cores at once leaves each core, as a fraction of its rate alone: a 1024 x 1024 matrix
     product (compute) and a 256 MiB copy (memory bandwidth), each thread on operands of its own."""
     compute, memory = _on_both_cores(_product_rate), _on_both_cores(_copy_rate)
     return {"compute_at_once_over_alone": compute[1] / compute[0], "memory_at_once_over_alone": memory[1] / memory[0]}
@@ -297,7 +306,7 @@ def _table(args: argparse.Namespace, payload: dict) -> str:
         f"one branch on each core at once {scaling['one_branch_each_core_at_once_s']:.2f} s: parallel CFG can at best "
         f"take {scaling['best_parallel_cfg_denoise_ratio']:.3f} of the batched denoising's time on this machine. "
         f"Both cores busy at once leave each {cores['compute_at_once_over_alone']:.2f} of its rate alone on a "
-        f"cache-resident matrix product and {cores['memory_at_once_over_alone']:.2f} on a 256 MiB copy.",
+        f"1024 x 1024 matrix product and {cores['memory_at_once_over_alone']:.2f} on a 256 MiB copy.",
         "",
         "| block (core 0) | CFG batch, one core (s) | one branch, one core (s) | one branch, each core at once (s) | "
         "at once / alone |",
