@@ -23,6 +23,10 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ray.serve.schema import ServeApplicationSchema
 
 HERE = Path(__file__).parent
 TEMPLATES = HERE / "autoconfig_bank"
@@ -59,6 +63,15 @@ MODELS = (
     BankModel("dlrm-tiny-disagg-rows8-slo120", "dlrm-tiny-disagg-shards", "rows_per_request=8", 120, 4),
     BankModel("dlrm-small-int8-disagg-rows128-slo200", "dlrm-small-int8-disagg-shards", "rows_per_request=128",
               200, 4),
+    # Diffusion: SLOs about five times each workload's unloaded latency (``--unloaded``; measured in the bank's README).
+    BankModel("diffusion-tiny-32px-2steps-slo150", "diffusion-tiny", "size=32x32,steps=2", 150, 8, space="diffusion"),
+    BankModel("diffusion-tiny-64px-4steps-slo400", "diffusion-tiny", "size=64x64,steps=4", 400, 4, space="diffusion"),
+    BankModel("diffusion-sdxl-tiny-32px-4steps-slo400", "diffusion-sdxl-tiny", "size=32x32,steps=4", 400, 4,
+              space="diffusion"),
+    BankModel("diffusion-sd3-tiny-32px-4steps-slo200", "diffusion-sd3-tiny", "size=32x32,steps=4", 200, 8,
+              space="diffusion"),
+    BankModel("diffusion-tiny-loras-32px-4steps-slo300", "diffusion-tiny-loras",
+              "size=32x32,steps=4,loras=outlined|dark|outlined+dark|", 300, 4, space="diffusion"),
 )
 
 
@@ -72,6 +85,56 @@ def profile_command(model: BankModel, storage: str, bank: Path) -> list[str]:
         "--warmup-s", str(model.warmup_s), "--repeat-best", "3", "--repeats", "3", "--repeat-limit", "8",
         "--storage", storage, "--study", model.name, "--bank", str(bank), "--model-name", model.name,
     ]
+
+
+def template_app(name: str) -> ServeApplicationSchema:
+    """The application ``name`` of the bank's templates, its args validated by its builder's model."""
+    from autoconfig.serve_config import load_serve_config
+
+    apps = {app.name: app for app in load_serve_config(TEMPLATES / "serve_config.yaml").applications}
+    return apps[name]
+
+
+def unloaded_latency_ms(model: BankModel, requests: int = 20, warmup: int = 2) -> float:
+    """The median latency of ``requests`` sequential requests of a diffusion ``model``'s workload through the images
+    API on an in-process backend of its template app, torch on one thread (a replica of one CPU), without Ray or
+    HTTP; the first ``warmup`` requests are not counted. A diffusion model's SLO is about five times it."""
+    import statistics
+
+    import torch
+    from fastapi.testclient import TestClient
+
+    from autoconfig.workloads import parse_workload_options, workload_for_app
+    from serving.api.models import ServedModel, ServedModels
+    from serving.api.server import create_images_api
+    from serving.config import DiffusionAppConfig
+    from serving.engine import LocalBackend
+
+    app = template_app(model.app)
+    if app.import_path != "serving.app:build_app":
+        raise ValueError(f"{model.name}: unloaded latency is measured for diffusion apps only")
+    workload = workload_for_app(app.import_path, app.args, parse_workload_options(model.workload))
+    config = DiffusionAppConfig.model_validate(app.args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    backend = LocalBackend.from_config(config)
+    latencies = []
+    try:
+        with TestClient(create_images_api(ServedModels([ServedModel(backend, config)]))) as client:
+            for index in range(warmup + requests):
+                started = time.perf_counter()
+                response = client.request(workload.method, workload.path, content=workload.body(index),
+                                          headers={"content-type": "application/json"})
+                elapsed_ms = 1000 * (time.perf_counter() - started)
+                if response.status_code != 200:
+                    raise RuntimeError(f"{model.name}: request {index} answered {response.status_code}: "
+                                       f"{response.text[:200]}")
+                if index >= warmup:
+                    latencies.append(elapsed_ms)
+    finally:
+        backend.close()
+        torch.set_num_threads(threads)
+    return statistics.median(latencies)
 
 
 def seed_study(storage: str, source: Path) -> None:
@@ -94,11 +157,21 @@ def main() -> int:
     parser.add_argument("--bank", type=Path, default=BANK)
     parser.add_argument("--top-up", type=Path, metavar="DIR", help="a bank whose entries' grids are kept and whose "
                         "missing repeats are measured")
+    parser.add_argument("--unloaded", action="store_true", help="print each diffusion model's unloaded latency "
+                        "(median of 20 sequential requests on an in-process backend of one thread) and its SLO's "
+                        "multiple of it, and profile nothing")
     args = parser.parse_args()
     known = {model.name for model in MODELS}
     unknown = set(args.only or []) - known
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; known: {', '.join(sorted(known))}")
+    if args.unloaded:
+        for model in MODELS:
+            if model.space == "diffusion" and (not args.only or model.name in args.only):
+                latency = unloaded_latency_ms(model)
+                print(f"{model.name}: unloaded {latency:.1f} ms, SLO {model.slo_p99_ms:g} ms = "
+                      f"{model.slo_p99_ms / latency:.1f}x", flush=True)
+        return 0
     Path("out").mkdir(exist_ok=True)
     for model in MODELS:
         if args.only and model.name not in args.only:

@@ -6,7 +6,7 @@ import pytest
 from autoconfig.serve_config import load_serve_config
 from autoconfig.space import SearchSpace
 from autoconfig.workloads import parse_workload_options, workload_for_app
-from benchmarks.profile_bank import MODELS, TEMPLATES
+from benchmarks.profile_bank import MODELS, TEMPLATES, unloaded_latency_ms
 
 #: Parsed and validated, every application's args by its builder's model (``lora.directory: bundled`` included).
 APPS = {app.name: app for app in load_serve_config(TEMPLATES / "serve_config.yaml").applications}
@@ -22,3 +22,23 @@ def test_each_bank_model_names_a_template_app_its_workload_and_a_space_of_its_fa
     # the diffusion engine batches at step boundaries (no batching timer to search); its spaces search torch threads
     searched = ("batch_wait_timeout_s" in knobs, "torch_threads" in knobs)
     assert searched == ((False, True) if diffusion else (True, False))
+
+
+DIFFUSION = [model for model in MODELS if model.space == "diffusion"]
+
+
+def test_the_bank_holds_both_families_five_diffusion_models_among_them():
+    assert len(DIFFUSION) >= 5 and len(MODELS) - len(DIFFUSION) >= 12
+    assert len({model.app for model in DIFFUSION}) >= 4  # tiny, its LoRA-heavy twin, sdxl-tiny, sd3-tiny
+
+
+@pytest.mark.parametrize("model", DIFFUSION, ids=lambda model: model.name)
+def test_each_diffusion_models_requests_are_served_by_its_template_unloaded(model):
+    """The latency its SLO was set from, measured as ``--unloaded`` does: every request answered 200."""
+    assert unloaded_latency_ms(model, requests=2, warmup=0) > 0
+
+
+def test_unloaded_latency_refuses_a_dlrm_model_naming_it():
+    dlrm = next(model for model in MODELS if model.space == "bank")
+    with pytest.raises(ValueError, match=dlrm.name):
+        unloaded_latency_ms(dlrm)
