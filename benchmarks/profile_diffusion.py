@@ -72,10 +72,12 @@ def sampled(case: Case, py_spy: str, rate: int, stacks: Path, top: int) -> dict:
     recorder = subprocess.Popen(
         [py_spy, "record", "--pid", str(os.getpid()), "--rate", str(rate), "--threads", "--nonblocking",
          "--format", "raw", "--output", str(stacks)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(PY_SPY_ATTACH_S)
-    under = run_case(case)
-    recorder.send_signal(signal.SIGINT)  # py-spy writes its stacks and exits
-    _, error = recorder.communicate(timeout=120)
+    try:
+        time.sleep(PY_SPY_ATTACH_S)
+        under = run_case(case)
+    finally:
+        recorder.send_signal(signal.SIGINT)  # py-spy writes its stacks and exits
+        _, error = recorder.communicate(timeout=120)
     if not stacks.exists():
         raise RuntimeError(f"py-spy wrote no stacks: {error.decode()[-500:]}")
     collapsed = stacks.read_text()
@@ -118,7 +120,7 @@ def _branch(value: object) -> object:
 def _to_core_1() -> None:
     """Moves the calling thread to core 1 with the process's torch thread count: OpenMP sizes a new thread's team
     from its own default (every core), not from ``torch.set_num_threads`` in the main thread, and MKL's products
-    read it (a team of two on one pinned core cut their rate to 0.6)."""
+    read it (a team of two on one pinned core slows them)."""
     os.sched_setaffinity(0, {1})  # this thread only
     torch.set_num_threads(torch.get_num_threads())
 
