@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import re
+from collections.abc import Iterator
 
 from benchmarks.records import REPO
 
@@ -11,18 +12,22 @@ from benchmarks.records import REPO
 _PREFIX = re.compile(r"^.*(site-packages/|lib/python3\.\d+/|" + re.escape(str(REPO)) + "/)")
 
 
+def _samples(collapsed: str) -> Iterator[tuple[list[str], int]]:
+    """Each sample line of py-spy's raw (collapsed) output, ``frame;frame;... count``, as its frames and count."""
+    for line in collapsed.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            yield stack.split(";"), int(count)
+
+
 def frame_totals(collapsed: str) -> tuple[int, collections.Counter[str], collections.Counter[str]]:
     """Samples in all, per frame inclusive (counted once per stack) and per frame self (leaf), from py-spy's raw
-    (collapsed) output: ``frame;frame;... count`` per line."""
+    (collapsed) output."""
     inclusive: collections.Counter[str] = collections.Counter()
     leaf: collections.Counter[str] = collections.Counter()
     total = 0
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack or not count.isdigit():
-            continue
-        frames = [short_frame(frame) for frame in stack.split(";")]
-        samples = int(count)
+    for stack, samples in _samples(collapsed):
+        frames = [short_frame(frame) for frame in stack]
         total += samples
         for frame in set(frames[1:]):  # the first is the thread
             inclusive[frame] += samples
@@ -40,8 +45,6 @@ def short_frame(frame: str) -> str:
 def thread_samples(collapsed: str) -> collections.Counter[str]:
     """Samples per thread (the first frame of each stack of ``py-spy record --threads``)."""
     threads: collections.Counter[str] = collections.Counter()
-    for line in collapsed.splitlines():
-        stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
-            threads[stack.split(";")[0]] += int(count)
+    for stack, samples in _samples(collapsed):
+        threads[stack[0]] += samples
     return threads

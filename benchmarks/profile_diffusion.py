@@ -171,22 +171,11 @@ def denoiser_scaling(denoiser: torch.nn.Module, twin: torch.nn.Module, args: tup
     on core 0, and one branch on each core at once (``twin``, a module over the same weights, on core 1; the block
     times are core 0's); medians of ``SCALING_REPEATS``."""
     branch_args, branch_kwargs = _branch(args), _branch(kwargs)
-    on_core_1: list[float] = []
-
-    def twin_on_core_1() -> None:
-        _to_core_1()
-        on_core_1.append(_forward_s(twin, branch_args, branch_kwargs))
-
-    def side_by_side() -> float:
-        thread = threading.Thread(target=twin_on_core_1, name="scaling-core-1")
-        thread.start()
-        mine = _forward_s(denoiser, branch_args, branch_kwargs)
-        thread.join()
-        return max(mine, on_core_1[-1])
-
     runs = {"cfg_batch_one_core": lambda: _forward_s(denoiser, args, kwargs),
             "one_branch_one_core": lambda: _forward_s(denoiser, branch_args, branch_kwargs),
-            "one_branch_each_core_at_once": side_by_side}
+            "one_branch_each_core_at_once": lambda: max(_on_each_core(
+                lambda: _forward_s(denoiser, branch_args, branch_kwargs),
+                lambda: _forward_s(twin, branch_args, branch_kwargs)))}
     seconds: dict[str, list[float]] = defaultdict(list)
     blocks: dict[str, list[dict[str, float]]] = defaultdict(list)
     for _ in range(SCALING_REPEATS):
@@ -202,20 +191,25 @@ def denoiser_scaling(denoiser: torch.nn.Module, twin: torch.nn.Module, args: tup
     return result
 
 
-def _on_both_cores(work: Callable[[], float]) -> tuple[float, float]:
-    """``work``'s rate on core 0 alone, then the lower of its rates on core 0 and core 1 at once."""
-    alone = work()
+def _on_each_core(on_core_0: Callable[[], float], on_core_1: Callable[[], float]) -> tuple[float, float]:
+    """``on_core_0`` on this thread (core 0) and ``on_core_1`` on a thread of its own on core 1, at once: their
+    results."""
     other: list[float] = []
 
-    def on_core_1() -> None:
+    def run_on_core_1() -> None:
         _to_core_1()
-        other.append(work())
+        other.append(on_core_1())
 
-    thread = threading.Thread(target=on_core_1, name="scaling-core-1")
+    thread = threading.Thread(target=run_on_core_1, name="scaling-core-1")
     thread.start()
-    together = work()
+    mine = on_core_0()
     thread.join()
-    return alone, min(together, other[0])
+    return mine, other[0]
+
+
+def _on_both_cores(work: Callable[[], float]) -> tuple[float, float]:
+    """``work``'s rate on core 0 alone, then the lower of its rates on core 0 and core 1 at once."""
+    return work(), min(_on_each_core(work, work))
 
 
 def _rate(op: Callable[[], object], seconds: float = 1.0) -> float:

@@ -34,6 +34,8 @@ from serving.common.tensors import register_ray_serializer
 
 PROFILES = RESULTS / "profiles"
 SYSTEMS = bench_dlrm.SAME_CORES
+
+
 def summary(label: str, measured: dict[str, Any], top: int, gil: bool) -> str:
     sampled = ("the thread holding the GIL (py-spy `--gil`): Python's own CPU time; native work without the GIL "
                "(torch kernels, gRPC's core) is not in them" if gil else
