@@ -55,9 +55,9 @@ compute, not memory of its own. A UNet ControlNet's encoder is built as an exact
 start) and runs over the UNet's storage (``share_encoder_with_unet``): the same compute, the encoder's size less
 host memory (``controlnet_encoder_shared_bytes`` in the results), without which ``sdxl-shape`` did not fit a 24 GiB
 host. diffusers' ``fuse_lora`` writes show in that encoder too while a fused case runs (values, not time: every
-fused case unfuses after it). The command runs itself again under ``ALLOCATOR_ENV`` (a fixed glibc mmap threshold,
-``allocator_env`` in the results), so that weight-sized blocks freed on one thread go back to the system rather than
-piling up in its arena.
+fused case unfuses after it). The command runs itself again under ``ALLOCATOR_ENV`` (one glibc malloc arena,
+``allocator_env`` in the results), so that weight-sized blocks freed on one thread are reused by the others rather
+than piling up in its own arena, while the two devices' threads share no lock a second device would not share.
 """
 
 from __future__ import annotations
@@ -488,9 +488,11 @@ def _lora_config(args: argparse.Namespace) -> LoRAConfig:
 
 #: glibc's malloc keeps a freed block below its mmap threshold (which grows to 32 MiB as large blocks are freed) in
 #: the arena of the thread that made it: merged LoRA copies and diffusers' fused deltas, weight-sized, made and
-#: freed on different threads, piled up until ``sdxl-shape`` outgrew a 24 GiB host. A fixed threshold of 4 MiB hands
-#: every block that large back to the system when it is freed; smaller activations stay in the arenas.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)}
+#: freed on different threads, piled up until ``sdxl-shape`` outgrew a 24 GiB host. One arena lets every thread reuse
+#: them. (A fixed 4 MiB mmap threshold, used before, made every larger tensor a fresh mapping: one page fault per
+#: page touched, and the two devices' threads, in one process, took turns on its memory map's lock, which two real
+#: devices never share; ``benchmarks/results/profiles/README.md`` has the figures.)
+ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 
 def under_allocator_env(module: str) -> None:
