@@ -148,3 +148,21 @@ def test_bench_trace_replays_a_short_trace_through_every_system_in_process(run_b
     assert {"goodput_ratio_vs_production", "goodput_ratio_vs_strongest", "slo_attainment", "p50_s_ours",
             "p99_s_production"} <= set(payload["summary"])
     assert payload["commit"] and "in one process" in (tmp_path / "bench_trace.md").read_text()
+
+
+def test_bench_allocator_measures_the_band_decode_and_freed_memory_under_each_malloc_setting(run_benchmark):
+    payload = run_benchmark("bench_allocator", "--preset", "tiny", "--size", "64", "--repeats", "1",
+                            "--probe-mib", "64", "--rounds", "2")
+    settings = payload["settings"]
+    assert set(settings) == {"default", "one_arena", "mmap_4mib"}
+    assert settings["one_arena"]["env"] == {"MALLOC_ARENA_MAX": "1"}
+    for result in settings.values():
+        decode = result["band_decode"]
+        assert decode["banded_over_whole"] == pytest.approx(decode["banded_s"] / decode["whole_s"])
+        assert decode["whole_faults"] >= 0 and decode["banded_faults"] >= 0
+        assert len(result["resident_gib"]["after_rounds"]) == 2
+    # 6.5 MB blocks over a fixed 4 MiB threshold are unmapped when freed; glibc's default keeps the second round's
+    probe_gib = 64 / 1024
+    assert settings["default"]["resident_gib"]["growth"] > probe_gib / 2
+    assert settings["mmap_4mib"]["resident_gib"]["growth"] < probe_gib / 4
+    assert {"band_over_whole_one_arena", "resident_growth_gib_default"} <= set(payload["summary"])

@@ -6,6 +6,7 @@ import pytest
 from autoconfig.space import SearchSpace
 from autoconfig.workloads import parse_workload_options, workload_for_app
 from benchmarks.profile_bank import MODELS, TEMPLATES, template_app, unloaded_latency_ms
+from serving.config import DiffusionAppConfig
 
 
 @pytest.mark.parametrize("model", MODELS, ids=lambda model: model.name)
@@ -32,6 +33,14 @@ def test_the_bank_holds_both_families_five_diffusion_models_among_them():
 def test_each_diffusion_models_requests_are_served_by_its_template_unloaded(model):
     """The latency its SLO was set from, measured as ``--unloaded`` does: every request answered 200."""
     assert unloaded_latency_ms(model, requests=2, warmup=0) > 0
+
+
+@pytest.mark.parametrize("model", DIFFUSION, ids=lambda model: model.name)
+def test_each_diffusion_template_admits_every_request_leaving_the_slo_to_the_rate_search(model):
+    """The engine's default admission refuses a 2- or 4-step request behind one or two steps of wait, far inside
+    the bank's SLOs: a profile would measure the refusals, not where the SLO breaks."""
+    engine = DiffusionAppConfig.model_validate(template_app(model.app).args).engine
+    assert (engine.admission_wait_fraction, engine.admission_max_slowdown) == (None, None)
 
 
 def test_unloaded_latency_refuses_a_dlrm_model_naming_it():
