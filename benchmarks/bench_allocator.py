@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from diffusers import UNet2DConditionModel
 
 from benchmarks.bench_diffusion import ALLOCATOR_ENV
 from benchmarks.records import REPO, RESULTS, machine, provenance, write_results
@@ -85,11 +86,9 @@ def _on_core_1() -> None:
 
 @torch.inference_mode()
 def band_decode(preset: str, size: int, repeats: int) -> dict[str, float]:
-    from serving.common.device import pin_process
     from serving.engine.band_decode import BOTTOM, GeneratorBandPeer, decode_band, decode_with_peer
     from serving.presets import build_preset
 
-    pin_process([0])
     vae = build_preset(preset).vae.eval()
     latents = torch.randn(1, vae.config.latent_channels, size // 8, size // 8,
                           generator=torch.Generator().manual_seed(0))
@@ -106,6 +105,36 @@ def band_decode(preset: str, size: int, repeats: int) -> dict[str, float]:
         banded_s, banded_faults = _fastest(banded, repeats)
     return {"whole_s": whole_s, "banded_s": banded_s, "banded_over_whole": banded_s / whole_s,
             "whole_faults": whole_faults, "banded_faults": banded_faults}
+
+
+@torch.inference_mode()
+def denoiser_split(preset: str, size: int, repeats: int) -> dict[str, float]:
+    """The preset's UNet forward of a CFG batch (two rows) on core 0, then one row on each core at once (parallel
+    CFG's split): the fastest of ``repeats`` of each, the split's slower core."""
+    from serving.presets import build_preset
+
+    unet = build_preset(preset).denoiser.eval()
+    if not isinstance(unet, UNet2DConditionModel) or unet.config.addition_embed_type is not None:
+        raise SystemExit(f"bench_allocator: {preset}'s denoiser is not a UNet without added inputs (SD 1.x shape)")
+    generator = torch.Generator().manual_seed(0)
+    sample = torch.randn(2, unet.config.in_channels, size // 8, size // 8, generator=generator)
+    context = torch.randn(2, 77, unet.config.cross_attention_dim, generator=generator)
+    timestep = torch.tensor([500, 500])
+
+    def rows(index: slice) -> Callable[[], object]:
+        return lambda: unet(sample[index], timestep[index], encoder_hidden_states=context[index], return_dict=False)
+
+    with ThreadPoolExecutor(max_workers=1, initializer=_on_core_1, thread_name_prefix="core-1") as core_1:
+        def split() -> None:
+            other = core_1.submit(rows(slice(1, 2)))
+            rows(slice(0, 1))()
+            other.result()
+
+        split(), rows(slice(0, 2))()  # warm-up
+        batch_s, batch_faults = _fastest(rows(slice(0, 2)), repeats)
+        split_s, split_faults = _fastest(split, repeats)
+    return {"cfg_batch_s": batch_s, "split_s": split_s, "split_over_batch": split_s / batch_s,
+            "batch_faults": batch_faults, "split_faults": split_faults}
 
 
 def freed_elsewhere(probe_mib: int, rounds: int) -> dict[str, float | list[float]]:
@@ -128,8 +157,11 @@ def freed_elsewhere(probe_mib: int, rounds: int) -> dict[str, float | list[float
 
 
 def _child(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
+    from serving.common.device import pin_process
+
+    pin_process([0])  # this thread and those started later, one torch thread
     result = {"band_decode": band_decode(args.preset, args.size, args.repeats),
+              "denoiser_split": denoiser_split(args.preset, args.size, args.repeats),
               "resident_gib": freed_elsewhere(args.probe_mib, args.rounds)}
     print(json.dumps(result))
 
@@ -153,6 +185,8 @@ def main() -> None:
     settings = {name: {"env": env, **_run_setting(name)} for name, env in SETTINGS.items()}
     summary = {f"band_over_whole_{name}": result["band_decode"]["banded_over_whole"]
                for name, result in settings.items()}
+    summary |= {f"denoiser_split_over_batch_{name}": result["denoiser_split"]["split_over_batch"]
+                for name, result in settings.items()}
     summary |= {f"resident_growth_gib_{name}": result["resident_gib"]["growth"] for name, result in settings.items()}
     payload = {**provenance(), "machine": machine(), "args": vars(args), "settings": settings, "summary": summary}
     table = _table(args, payload)
@@ -161,22 +195,32 @@ def main() -> None:
 
 
 def _table(args: argparse.Namespace, payload: dict) -> str:
-    lines = [f"# glibc malloc settings: {args.preset} band decode at {args.size} px, and blocks freed on another "
+    settings = payload["settings"]
+    lines = [f"# glibc malloc settings: {args.preset} at {args.size} px on two cores, and blocks freed on another "
              "thread", "",
              f"Commit {payload['commit']}, {payload['date']}: `{payload['command']}`. One core = one device; each "
-             "setting in a process of its own.", "",
-             "| setting | env | whole decode, core 0 (s) | banded, both cores (s) | banded / whole | page faults "
-             "whole | page faults banded | resident GiB before, then after each round | growth (GiB) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, result in payload["settings"].items():
-        decode = result["band_decode"]
-        env = " ".join(f"{key}={value}" for key, value in result["env"].items()) or "-"
-        resident = result["resident_gib"]
+             f"setting in a process of its own; fastest of {args.repeats} (page faults: per run, mean).", "",
+             "| setting | env | CFG batch, core 0 (s) | a row on each core (s) | split / batch | page faults batch "
+             "| page faults split |",
+             "|---|---|---|---|---|---|---|"]
+    for name, result in settings.items():
+        split = result["denoiser_split"]
+        lines.append(f"| {name} | {_env_text(result['env'])} | {split['cfg_batch_s']:.3f} | {split['split_s']:.3f} | "
+                     f"{split['split_over_batch']:.3f} | {split['batch_faults']:.0f} | {split['split_faults']:.0f} |")
+    lines += ["", "| setting | whole VAE decode, core 0 (s) | two bands, both cores (s) | bands / whole | page faults "
+              "whole | page faults bands | resident GiB before, then after each round | growth (GiB) |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, result in settings.items():
+        decode, resident = result["band_decode"], result["resident_gib"]
         rounds = ", ".join(f"{gib:.2f}" for gib in [resident["before"], *resident["after_rounds"]])
-        lines.append(f"| {name} | {env} | {decode['whole_s']:.3f} | {decode['banded_s']:.3f} | "
+        lines.append(f"| {name} | {decode['whole_s']:.3f} | {decode['banded_s']:.3f} | "
                      f"{decode['banded_over_whole']:.3f} | {decode['whole_faults']:.0f} | "
                      f"{decode['banded_faults']:.0f} | {rounds} | {resident['growth']:.2f} |")
     return "\n".join(lines)
+
+
+def _env_text(env: dict[str, str]) -> str:
+    return " ".join(f"{key}={value}" for key, value in env.items()) or "-"
 
 
 if __name__ == "__main__":

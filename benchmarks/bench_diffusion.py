@@ -36,7 +36,9 @@ unpinned. The same prompt and seed in every row, guidance 7.5 (CFG on), rank-``-
 
 Every case runs once to warm up, then ``--repeats`` rounds run them interleaved (round robin). Per case: median,
 min and max; per row: diffusers / swiftserve and whether the two ranges overlap (a tie). A failed request aborts
-the run. ``summary`` holds the ratios issue 19 names. Results: ``<--out>/bench_diffusion.{json,md}``.
+the run. ``summary`` holds the ratios issue 19 names (of the two rows' medians); ``summary_paired`` the same ratio
+in each round (its two runs minutes apart), so that drift of the machine's speed across rounds can be told apart.
+Results: ``<--out>/bench_diffusion.{json,md}``.
 
     .venv/bin/python -m benchmarks.bench_diffusion [--preset sd15-shape] [--steps 4] [--size 256] [--repeats 5]
         [--rank 64] [--lora-store-mb-per-s 20] [--merged-cache-mib N] [--lora-cache-mib N] [--out benchmarks/results]
@@ -90,6 +92,7 @@ from benchmarks.common import (
     module_sharing_weights,
     share_encoder_with_unet,
     sharing_weights,
+    spread,
     write_attention_lora,
 )
 from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
@@ -592,10 +595,13 @@ def main() -> None:
         flags.append(f"swiftserve 0c-1l cold remote: not asynchronous in every run (applied at steps "
                      f"{applied_cold['0c-1l cold remote']}, cache hits {[run['lora']['cache_hits'] for run in cold]})")
     figures: dict[tuple[str, str], dict] = {}  # (system, row of COMPARISONS): its case's statistics
+    seconds: dict[tuple[str, str], list[float]] = {}  # (system, row of COMPARISONS): its case's runs, round by round
     comparisons = []
     for row, mine, theirs in COMPARISONS:
         best = min(theirs, key=lambda case: stats[(THEIRS, case)]["median_s"])
         figures[(OURS, row)], figures[(THEIRS, row)] = stats[(OURS, mine)], stats[(THEIRS, best)]
+        seconds[(OURS, row)], seconds[(THEIRS, row)] = ([run["seconds"] for run in runs[key]]
+                                                        for key in ((OURS, mine), (THEIRS, best)))
         comparisons.append({
             "row": row, "swiftserve_case": mine, "diffusers_case": best,
             "diffusers_over_swiftserve": stats[(THEIRS, best)]["median_s"] / stats[(OURS, mine)]["median_s"],
@@ -604,6 +610,9 @@ def main() -> None:
         })
     ratios = {key: figures[top]["median_s"] / figures[bottom]["median_s"] for key, (top, bottom) in SUMMARY.items()}
     ties = {key: overlap(figures[top], figures[bottom]) for key, (top, bottom) in SUMMARY.items()}
+    # each round's ratio of its two runs, minutes apart: what drift of the machine's speed over the rounds leaves out
+    paired = {key: spread([a / b for a, b in zip(seconds[top], seconds[bottom], strict=True)])
+              for key, (top, bottom) in SUMMARY.items()}
 
     payload = {
         **provenance(),
@@ -626,6 +635,7 @@ def main() -> None:
         "comparisons": comparisons,
         "summary": _prefixed(label, ratios),
         "summary_ranges_overlap": _prefixed(label, ties),
+        "summary_paired": _prefixed(label, paired),
         "goals": _prefixed(label, {key: f"<= {goal}" for key, goal in GOALS.items()}),
     }
     table = _table(args, device, payload, stats, applied_cold)
@@ -674,10 +684,13 @@ def _table(args: argparse.Namespace, device: torch.device, payload: dict, stats:
             f"{_range(stats[(THEIRS, row['diffusers_case'])])} | {row['diffusers_case']} | "
             f"{row['diffusers_over_swiftserve']:.2f}x | {'tie' if row['ranges_overlap'] else 'no'} | "
             f"{row['swiftserve_over_its_0c0l']:.2f}x |")
-    lines += ["", "| summary (goals: issues 19 and 46) | value | goal | tie (ranges overlap) |", "|---|---|---|---|"]
+    lines += ["", "| summary (goals: issues 19 and 46) | value | goal | tie (ranges overlap) | paired: each round's "
+              "ratio, median (min-max) |", "|---|---|---|---|---|"]
     for key, value in payload["summary"].items():
+        paired = payload["summary_paired"][key]
         lines.append(f"| `{key}` | {value:.3f} | {payload['goals'].get(key, '')} | "
-                     f"{'tie' if payload['summary_ranges_overlap'][key] else 'no'} |")
+                     f"{'tie' if payload['summary_ranges_overlap'][key] else 'no'} | "
+                     f"{paired['median']:.3f} ({paired['min']:.3f}-{paired['max']:.3f}) |")
     lines += ["", "| system | case | median (s) | min (s) | max (s) | runs |", "|---|---|---|---|---|---|"]
     for system, case in ROUND:
         s = stats[(system, case)]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from serving.engine import DiffusionEngine
 from serving.engine.request import RequestState
 from serving.lora.format import load_lora_file
 from serving.lora.weights import LoRAWeights
+from tests.helpers.waiting import wait_for
 
 TIMEOUT_S = 60  # every wait is bounded, so a bug fails instead of hanging
 
@@ -26,18 +26,18 @@ def held_loader(engine: DiffusionEngine, release: threading.Event) -> Callable[[
 
 
 def release_once_blocked(state: RequestState, release: threading.Event) -> None:
-    """Sets ``release`` only after the engine loop marked ``state`` as standing still for its LoRAs."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while state.blocked_since is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    release.set()
+    """Sets ``release`` once the engine loop marked ``state`` as standing still for its LoRAs (or, failing, after
+    ``TIMEOUT_S``: the test then fails on what it checks)."""
+    try:
+        wait_for(lambda: state.blocked_since is not None, "the request never stood still for its LoRAs",
+                 timeout_s=TIMEOUT_S, period_s=0.002)
+    finally:
+        release.set()
 
 
 def prepared(state: RequestState) -> None:
     """Waits (called from a step hook, after the release) until the request's LoRAs are loaded and prepared on the
     stage thread, so the engine loop applies them before the request's next step."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while state.lora_activation is None and time.monotonic() < deadline:
-        time.sleep(0.002)
-    assert state.lora_activation is not None, "the LoRAs were never handed to the stage thread"
-    state.lora_activation.result(timeout=TIMEOUT_S)
+    activation = wait_for(lambda: state.lora_activation, "the LoRAs were never handed to the stage thread",
+                          timeout_s=TIMEOUT_S, period_s=0.002)
+    activation.result(timeout=TIMEOUT_S)

@@ -7,11 +7,11 @@ with requests of both kinds and no failure; a run with an impossible p95 gate mu
 import csv
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.waiting import wait_for
 from tests.integration.conftest import REPO
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -23,13 +23,14 @@ INFER = "/v2/models/dlrm/infer"
 
 def _wait_until_ready(http, timeout_s: float = 120.0) -> None:
     """Earlier tests kill replicas and shards; start once both applications answer their health probes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        codes = [http.get(path).status_code for path in ("/health", "/v2/health/ready")]
-        if codes == [200, 200] or time.monotonic() > deadline:
-            assert codes == [200, 200], f"applications not ready: /health, /v2/health/ready -> {codes}"
-            return
-        time.sleep(1.0)
+    seen: list[int] = []
+
+    def ready() -> bool:
+        seen[:] = [http.get(path).status_code for path in ("/health", "/v2/health/ready")]
+        return seen == [200, 200]
+
+    wait_for(ready, lambda: f"applications not ready: /health, /v2/health/ready -> {seen}", timeout_s=timeout_s,
+             period_s=1.0)
 
 
 def _locust(base_url: str, csv_prefix: Path, run_time: str, *options: str) -> subprocess.CompletedProcess:

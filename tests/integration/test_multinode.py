@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from autoconfig.serve_config import load_serve_config
 from tests.helpers import REPO
 from tests.helpers.replicas import answers_from_replicas
 from tests.helpers.serve_apps import deployed_beside
+from tests.helpers.waiting import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -31,14 +31,12 @@ def _start_node(address: str, env: dict[str, str]) -> subprocess.Popen:
 
 
 def _joined_node_id(node: subprocess.Popen) -> str:
-    deadline = time.monotonic() + 120
-    while True:
-        joined = [n["NodeID"] for n in ray.nodes() if n["Alive"] and POOL in n["Resources"]]
-        if joined:
-            return joined[0]
-        assert node.poll() is None, f"the node exited: {node.stdout.read()}"
-        assert time.monotonic() < deadline, "the node did not join"
-        time.sleep(0.5)
+    def joined() -> str | None:
+        ids = [n["NodeID"] for n in ray.nodes() if n["Alive"] and POOL in n["Resources"]]
+        assert ids or node.poll() is None, f"the node exited: {node.stdout.read()}"
+        return ids[0] if ids else None
+
+    return wait_for(joined, "the node did not join", timeout_s=120, period_s=0.5)
 
 
 def _app() -> dict:

@@ -26,6 +26,10 @@ def test_bench_diffusion_times_every_katz_row_and_measures_how_far_a_cold_lora_i
     assert {"tiny_ratio_1c1l_to_0c0l", "tiny_ratio_3c2l_to_0c0l", "tiny_ratio_0c0l", "tiny_ratio_warm_lora"} <= set(
         payload["summary"])
     assert payload["goals"]["tiny_ratio_0c0l"] == "<= 1.05"
+    # one round: each round's paired ratio is the ratio of the two rows' single runs
+    assert set(payload["summary_paired"]) == set(payload["summary"])
+    for key, value in payload["summary"].items():
+        assert payload["summary_paired"][key]["repeats"] == [pytest.approx(value)]
     table = (tmp_path / "bench_diffusion_tiny.md").read_text()
     assert "differs from the exact one" in table
     assert "LoRA memory set by the command (merged copies: 1 MiB, LoRA cache: 64 MiB)" in table
