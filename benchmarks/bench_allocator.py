@@ -4,6 +4,8 @@
 - **band decode**: the preset's VAE decode at ``--size``, whole on core 0, then in two bands on core 0 and core 1 at
   once (``serving.engine.band_decode``: parallel CFG's decode, two devices' threads in one process); the fastest of
   ``--repeats`` and the minor page faults per decode.
+- **denoiser split**: the preset's UNet (SD 1.x shape) on a CFG batch of two rows on core 0, then one row on each
+  core at once (parallel CFG's split of the denoising); the fastest of ``--repeats`` and the page faults per run.
 - **freed elsewhere**: each of ``--rounds`` rounds a new thread makes ``--probe-mib`` MiB of weight-sized tensors
   (6.5 MB, an SDXL attention projection) and the main thread frees them, as merged LoRA copies and diffusers' fused
   deltas are made and freed on different threads; the resident memory after each round's free.
@@ -47,7 +49,7 @@ def _options() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="sd15-shape")
     parser.add_argument("--size", type=int, default=256, help="image side in pixels")
-    parser.add_argument("--repeats", type=int, default=3, help="decodes timed per case (the fastest is kept)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs timed per case (the fastest is kept)")
     parser.add_argument("--probe-mib", type=int, default=1900, help="MiB made and freed per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the results go")
