@@ -348,8 +348,8 @@ def run_trial(
 
 def search_fields(result: RateSearchResult, min_requests: int) -> dict[str, Any]:
     """A trial's fields from its rate search: ``ok`` with the best probe's measurements; ``slo_violated`` when no
-    rate held, with the latencies of the lowest rate probed; ``failed`` when the caps stopped the search before any
-    deciding probe (``min_requests``) held."""
+    rate held, with the measurements of the deciding probe at the lowest rate (of a scout only when none decided);
+    ``failed`` when the caps stopped the search before any deciding probe (``min_requests``) held."""
     fields: dict[str, Any] = {"search": result, "sustainable_rps": result.sustainable_rps}
     best = result.best
     if best is not None:
@@ -358,9 +358,12 @@ def search_fields(result: RateSearchResult, min_requests: int) -> dict[str, Any]
     if result.stop_reason in ("max_probes", "max_time"):
         return fields | {"status": "failed", "error": f"the rate search reached its {result.stop_reason} cap "
                          f"before a deciding probe ({min_requests} requests) held: raise max_probes or max_total_s"}
-    lowest = min((probe.result for probe in result.probes), key=lambda load: load.rate, default=None)
-    if lowest is not None:  # how far from the SLO the lowest rate probed was
-        fields |= {"p50_ms": lowest.p50_ms, "p99_ms": lowest.p99_ms, "achieved_rps": lowest.achieved_rps}
+    # how far from the SLO the lowest rate was: a deciding probe's verdict, not a one-second scout's few requests
+    probes = [probe for probe in result.probes if probe.deciding] or result.probes
+    lowest = min((probe.result for probe in probes), key=lambda load: load.rate, default=None)
+    if lowest is not None:
+        fields |= {"p50_ms": lowest.p50_ms, "p99_ms": lowest.p99_ms, "achieved_rps": lowest.achieved_rps,
+                   "error_rate": lowest.error_rate}
     return fields | {"status": "slo_violated"}
 
 

@@ -30,6 +30,16 @@ def test_no_rate_holding_is_an_slo_violation_with_the_latency_of_the_lowest_rate
     assert (fields["p99_ms"], fields["p50_ms"], fields["achieved_rps"]) == (300, 150, pytest.approx(2.45))
 
 
+def test_an_slo_violation_reports_the_deciding_probe_that_broke_not_the_scout_at_the_same_rate():
+    scout = Probe(result=_load(8, 8, 40), sustainable=True, deciding=False)
+    deciding = LoadResult(rate=8, duration_s=25, planned=200, completed=190, errors=10, p50_ms=90, p99_ms=220,
+                          achieved_rps=7.6)
+    fields = search_fields(_search(None, "unsustainable", [scout, Probe(result=deciding, sustainable=False)]),
+                           min_requests=200)
+    assert fields["status"] == "slo_violated"
+    assert (fields["p99_ms"], fields["achieved_rps"], fields["error_rate"]) == (220, 7.6, pytest.approx(0.05))
+
+
 @pytest.mark.parametrize("cap", ["max_probes", "max_time"])
 def test_caps_reached_before_any_deciding_probe_held_fail_the_trial_and_say_why(cap):
     scouts = [Probe(result=_load(rate, 5, 10), sustainable=True, deciding=False) for rate in (5, 10)]
