@@ -25,16 +25,17 @@ import resource
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import torch
 from diffusers import UNet2DConditionModel
 
 from benchmarks.bench_diffusion import ALLOCATOR_ENV
-from benchmarks.records import REPO, RESULTS, machine, provenance, write_results
+from benchmarks.common import to_core_1
+from benchmarks.records import REPO, RESULTS, machine, provenance, timed, write_results
 
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
@@ -67,23 +68,14 @@ def _minor_faults() -> int:
 
 
 def _resident_gib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return psutil.Process().memory_info().rss / 2**30
 
 
 def _fastest(run: Callable[[], object], repeats: int) -> tuple[float, float]:
     """The fastest of ``repeats`` calls of ``run`` in seconds, and the minor page faults per call."""
-    seconds, faults = [], _minor_faults()
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        seconds.append(time.perf_counter() - started)
+    faults = _minor_faults()
+    seconds = timed(run, repeats)
     return min(seconds), (_minor_faults() - faults) / repeats
-
-
-def _on_core_1() -> None:
-    os.sched_setaffinity(0, {1})  # this thread only
-    torch.set_num_threads(1)  # a new thread's OpenMP team is not the main thread's
 
 
 @torch.inference_mode()
@@ -94,7 +86,7 @@ def band_decode(preset: str, size: int, repeats: int) -> dict[str, float]:
     vae = build_preset(preset).vae.eval()
     latents = torch.randn(1, vae.config.latent_channels, size // 8, size // 8,
                           generator=torch.Generator().manual_seed(0))
-    with ThreadPoolExecutor(max_workers=1, initializer=_on_core_1, thread_name_prefix="core-1") as core_1:
+    with ThreadPoolExecutor(max_workers=1, initializer=to_core_1, thread_name_prefix="core-1") as core_1:
         def banded() -> torch.Tensor:
             peer = GeneratorBandPeer(decode_band(vae, latents, BOTTOM), core_1, latents.device)
             return decode_with_peer(vae, latents, peer)
@@ -126,7 +118,7 @@ def denoiser_split(preset: str, size: int, repeats: int) -> dict[str, float]:
     def rows(index: slice) -> Callable[[], object]:
         return lambda: unet(sample[index], timestep[index], encoder_hidden_states=context[index], return_dict=False)
 
-    with ThreadPoolExecutor(max_workers=1, initializer=_on_core_1, thread_name_prefix="core-1") as core_1:
+    with ThreadPoolExecutor(max_workers=1, initializer=to_core_1, thread_name_prefix="core-1") as core_1:
         def split() -> None:
             other = core_1.submit(rows(slice(1, 2)))
             rows(slice(0, 1))()

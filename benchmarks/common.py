@@ -318,3 +318,11 @@ async def open_loop(base_url: str, workload: RequestSource, offsets: Sequence[fl
             tasks.append(asyncio.create_task(_send(session, base_url, workload, index, start + offset, out, expect)))
         await asyncio.gather(*tasks)
     return out
+
+
+def to_core_1() -> None:
+    """Moves the calling thread to core 1 with the process's torch thread count: OpenMP sizes a new thread's team
+    from its own default (every core), not from ``torch.set_num_threads`` in the main thread, and MKL's products
+    read it (a team of two on one pinned core slows them)."""
+    os.sched_setaffinity(0, {1})  # this thread only
+    torch.set_num_threads(torch.get_num_threads())

@@ -47,7 +47,7 @@ from benchmarks.bench_diffusion import (
     run_case,
     under_allocator_env,
 )
-from benchmarks.common import module_sharing_weights
+from benchmarks.common import module_sharing_weights, to_core_1
 from benchmarks.flames import frame_totals, thread_samples
 from benchmarks.records import machine, provenance, write_results
 from serving.common.device import resolve_device
@@ -115,14 +115,6 @@ def _branch(value: object) -> object:
     if isinstance(value, tuple):
         return tuple(_branch(item) for item in value)
     return value
-
-
-def _to_core_1() -> None:
-    """Moves the calling thread to core 1 with the process's torch thread count: OpenMP sizes a new thread's team
-    from its own default (every core), not from ``torch.set_num_threads`` in the main thread, and MKL's products
-    read it (a team of two on one pinned core slows them)."""
-    os.sched_setaffinity(0, {1})  # this thread only
-    torch.set_num_threads(torch.get_num_threads())
 
 
 class BlockTimes:
@@ -197,7 +189,7 @@ def _on_each_core(on_core_0: Callable[[], float], on_core_1: Callable[[], float]
     other: list[float] = []
 
     def run_on_core_1() -> None:
-        _to_core_1()
+        to_core_1()
         other.append(on_core_1())
 
     thread = threading.Thread(target=run_on_core_1, name="scaling-core-1")
