@@ -1,9 +1,10 @@
 """Where one diffusion request's time goes, swiftserve's engine against diffusers' pipeline, set up as
 ``bench_diffusion`` sets them up (one core = one device, every thread pinned, one torch thread each):
 
-- each case (ours plain and with parallel CFG, diffusers plain) runs once to warm up, once timed, and once sampled by
-  ``py-spy record --threads`` (every thread): its wall time, its stages as the engine reports them, samples per
-  thread and the frames with the most samples (``benchmarks/flames.py``);
+- each case (ours plain and with parallel CFG, diffusers plain) runs once to warm up, once timed, and then sampled by
+  ``py-spy record --threads`` (every thread) over as many runs as fill ``--min-sampled-seconds``: its wall time, its
+  stages as the engine reports them, samples per thread and the frames with the most samples
+  (``benchmarks/flames.py``);
 - the denoiser's scaling over the two devices, from the inputs diffusers' pipeline gave it: one forward of the CFG
   batch (both branches) on device 0, one of a single branch, and one branch on each device at once, whole and per
   top-level block. A single branch on each device at once over both branches on one device is the most parallel
@@ -11,7 +12,7 @@
 - the machine's own scaling: what both cores busy at once leave each of its rate alone, on compute and on memory.
 
     .venv/bin/python -m benchmarks.profile_diffusion [--preset sd15-shape] [--size 256] [--steps 4] [--top 25]
-        [--rate 100]
+        [--rate 100] [--min-sampled-seconds 2]
 
 Results: ``<--out>/profiles/diffusion_<preset>.{json,md}`` and the collapsed stacks beside them
 (``benchmarks/results/profiles/`` by default). Sampling slows a request a little; the timed runs and
@@ -62,19 +63,24 @@ PY_SPY_ATTACH_S = 1.0  # py-spy's start before the sampled request
 def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top", type=int, default=25, help="frames listed per case")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
+    parser.add_argument("--min-sampled-seconds", type=float, default=2.0,
+                        help="the sampled case repeats until it has run this long, so a short case still gets samples")
     parser.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"))
 
 
-def sampled(case: Case, py_spy: str, rate: int, stacks: Path, top: int) -> dict:
-    """``case`` timed once, then once under ``py-spy record --threads`` (every thread of this process, idle ones
-    left out): wall times, samples per thread and the frames with the most samples; the stacks go to ``stacks``."""
+def sampled(case: Case, py_spy: str, rate: int, min_seconds: float, stacks: Path, top: int) -> dict:
+    """``case`` timed once, then run under ``py-spy record --threads`` (every thread of this process, idle ones left
+    out) until ``min_seconds`` have passed: wall times, samples per thread and the frames with the most samples; the
+    stacks go to ``stacks``."""
     timed = run_case(case)
     recorder = subprocess.Popen(
         [py_spy, "record", "--pid", str(os.getpid()), "--rate", str(rate), "--threads", "--nonblocking",
          "--format", "raw", "--output", str(stacks)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         time.sleep(PY_SPY_ATTACH_S)
-        under = run_case(case)
+        under = [run_case(case)]
+        while sum(run["seconds"] for run in under) < min_seconds:
+            under.append(run_case(case))
     finally:
         recorder.send_signal(signal.SIGINT)  # py-spy writes its stacks and exits
         _, error = recorder.communicate(timeout=120)
@@ -85,7 +91,8 @@ def sampled(case: Case, py_spy: str, rate: int, stacks: Path, top: int) -> dict:
     return {
         "seconds": timed["seconds"],
         "timings": timed.get("timings"),
-        "seconds_sampled": under["seconds"],
+        "seconds_sampled": statistics.median(run["seconds"] for run in under),
+        "runs_sampled": len(under),
         "samples": total,
         "samples_per_thread": dict(thread_samples(collapsed).most_common()),
         "top_frames": [{"frame": frame, "inclusive": count / total, "self": leaf[frame] / total}
@@ -251,6 +258,7 @@ def main() -> None:
             out = args.out / "profiles"
             out.mkdir(parents=True, exist_ok=True)
             cases = {f"{system} {case}": sampled(systems[system][case], args.py_spy, args.rate,
+                                                 args.min_sampled_seconds,
                                                  out / f"diffusion_{args.preset}-{system}-{case.replace(' ', '_')}.txt",
                                                  args.top)
                      for system, case in CASES}
@@ -275,18 +283,18 @@ def _table(args: argparse.Namespace, payload: dict) -> str:
         f"(one core = one device)",
         "",
         f"Commit {payload['commit']}, {payload['date']}: `{payload['command']}`. Each case timed once, then sampled "
-        f"once by py-spy ({args.rate} Hz, every thread, idle ones left out; a frame's share counts the native work it "
-        "called); the timed figures here and `bench_diffusion`'s are the ones to quote. Collapsed stacks beside "
-        "this file.",
+        f"by py-spy ({args.rate} Hz, every thread, idle ones left out; a frame's share counts the native work it "
+        f"called) over as many runs as fill {args.min_sampled_seconds:g} s; the timed figures here and "
+        "`bench_diffusion`'s are the ones to quote. Collapsed stacks beside this file.",
         "",
-        "| case | seconds | stages (s) | seconds sampled | samples per thread |",
-        "|---|---|---|---|---|",
+        "| case | seconds | stages (s) | seconds sampled (median) | runs sampled | samples per thread |",
+        "|---|---|---|---|---|---|",
     ]
     for name, case in payload["cases"].items():
         stages = ", ".join(f"{key.removesuffix('_s')} {value:.2f}" for key, value in (case["timings"] or {}).items())
         threads = ", ".join(f"{count}" for count in list(case["samples_per_thread"].values())[:3])
         lines.append(f"| {name} | {case['seconds']:.2f} | {stages or '-'} | {case['seconds_sampled']:.2f} | "
-                     f"{threads} |")
+                     f"{case['runs_sampled']} | {threads} |")
     lines += [
         "",
         "Denoiser scaling (one forward, median of 3): the CFG batch on one core "

@@ -51,6 +51,8 @@ def test_profile_diffusion_profiles_every_thread_of_both_systems_and_the_denoise
     assert set(cases) == {"swiftserve 0c-0l", "diffusers 0c-0l", "swiftserve 0c-0l parallel CFG"}
     assert all(len(case["top_frames"]) == 5 and case["samples"] > 0 for case in cases.values())
     assert set(cases["swiftserve 0c-0l"]["timings"]) >= {"denoise_s", "decode_s"}
+    # a tiny request is far shorter than the default 2 s of sampling, so each case ran again and again under py-spy
+    assert all(case["runs_sampled"] > 1 for case in cases.values())
     # the engine loop and the CFG worker each ran on a thread of their own, and py-spy sampled both
     assert len(cases["swiftserve 0c-0l parallel CFG"]["samples_per_thread"]) >= 2
     scaling = payload["denoiser_scaling"]
