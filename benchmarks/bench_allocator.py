@@ -10,8 +10,9 @@
   (6.5 MB, an SDXL attention projection) and the main thread frees them, as merged LoRA copies and diffusers' fused
   deltas are made and freed on different threads; the resident memory after each round's free.
 
-Settings: glibc's ``default``; ``one_arena`` (``bench_diffusion.ALLOCATOR_ENV``); ``mmap_4mib``, the fixed 4 MiB mmap
-threshold ``bench_diffusion`` ran under before.
+Settings: glibc's ``default``; ``one_arena``, the one arena ``bench_diffusion`` ran under before; ``mmap_4mib``, the
+fixed 4 MiB mmap threshold before that; ``tuned``, the settings every swiftserve replica (and ``bench_diffusion``)
+starts with (``serving.common.allocator.TUNED_MALLOC_ENV``).
 
     python -m benchmarks.bench_allocator [--preset sd15-shape] [--size 256] [--probe-mib 1900]
 """
@@ -33,14 +34,15 @@ import psutil
 import torch
 from diffusers import UNet2DConditionModel
 
-from benchmarks.bench_diffusion import ALLOCATOR_ENV
 from benchmarks.common import to_core_1
 from benchmarks.records import REPO, RESULTS, machine, provenance, timed, write_results
+from serving.common.allocator import TUNED_MALLOC_ENV
 
 SETTINGS: dict[str, dict[str, str]] = {
     "default": {},
-    "one_arena": ALLOCATOR_ENV,
+    "one_arena": {"MALLOC_ARENA_MAX": "1"},
     "mmap_4mib": {"MALLOC_MMAP_THRESHOLD_": str(4 * 2**20)},
+    "tuned": TUNED_MALLOC_ENV,
 }
 _MALLOC_PREFIX = "MALLOC_"
 _PROBE_TENSOR_FLOATS = 1280 * 1280  # 6.5 MB of float32

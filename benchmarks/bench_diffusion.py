@@ -57,9 +57,8 @@ compute, not memory of its own. A UNet ControlNet's encoder is built as an exact
 start) and runs over the UNet's storage (``share_encoder_with_unet``): the same compute, the encoder's size less
 host memory (``controlnet_encoder_shared_bytes`` in the results), without which ``sdxl-shape`` did not fit a 24 GiB
 host. diffusers' ``fuse_lora`` writes show in that encoder too while a fused case runs (values, not time: every
-fused case unfuses after it). The command runs itself again under ``ALLOCATOR_ENV`` (one glibc malloc arena,
-``allocator_env`` in the results), so that weight-sized blocks freed on one thread are reused by the others rather
-than piling up in its own arena, while the two devices' threads share no lock a second device would not share.
+fused case unfuses after it). The command runs itself again under ``ALLOCATOR_ENV`` (the glibc malloc settings of
+every swiftserve replica, ``allocator_env`` in the results), for both systems.
 """
 
 from __future__ import annotations
@@ -96,6 +95,7 @@ from benchmarks.common import (
     write_attention_lora,
 )
 from benchmarks.records import RESULTS, machine, provenance, summary, timed, write_results
+from serving.common.allocator import TUNED_MALLOC_ENV
 from serving.common.device import pin_process, resolve_device
 from serving.config import EngineConfig, LoRAConfig
 from serving.controlnet.client import LocalControlNets
@@ -489,13 +489,13 @@ def _lora_config(args: argparse.Namespace) -> LoRAConfig:
     return LoRAConfig(load_workers=1, **{key: value for key, value in budgets.items() if value is not None})
 
 
-#: glibc's malloc keeps a freed block below its mmap threshold (which grows to 32 MiB as large blocks are freed) in
-#: the arena of the thread that made it: merged LoRA copies and diffusers' fused deltas, weight-sized, made and
-#: freed on different threads, piled up until ``sdxl-shape`` outgrew a 24 GiB host. One arena lets every thread reuse
-#: them. (A fixed 4 MiB mmap threshold, used before, made every larger tensor a fresh mapping: one page fault per
-#: page touched, and the two devices' threads, in one process, took turns on its memory map's lock, which two real
-#: devices never share; ``benchmarks/results/profiles/README.md`` has the figures.)
-ALLOCATOR_ENV = {"MALLOC_ARENA_MAX": "1"}
+#: The malloc settings every swiftserve replica starts with (``serving.common.allocator``), for both systems: one
+#: arena, so that weight-sized blocks made and freed on different threads (merged LoRA copies, diffusers' fused
+#: deltas) are reused by every thread rather than piling up per thread, and no mmap or trimming, so that a request's
+#: activations reuse the last one's pages instead of faulting them in again. (A fixed 4 MiB mmap threshold, used
+#: before, made every larger tensor a fresh mapping, and the two devices' threads took turns on the memory map's
+#: lock; ``benchmarks/results/profiles/README.md`` and ``bench_diffusion_more/page-faults/`` have the figures.)
+ALLOCATOR_ENV = TUNED_MALLOC_ENV
 
 
 def under_allocator_env(module: str) -> None:

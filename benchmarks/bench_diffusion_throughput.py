@@ -69,6 +69,7 @@ from benchmarks.common import (
 from benchmarks.records import RESULTS, machine, provenance, write_results
 from benchmarks.vanilla import vanilla_app
 from serving.app import build_app
+from serving.common.allocator import REPLICA_RUNTIME_ENV
 from serving.common.device import DTYPES
 from serving.common.net import free_port
 from serving.config import (
@@ -299,7 +300,8 @@ def main() -> None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         rate, offsets = args.rate, None
-        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30)
+        ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30,
+                 runtime_env=REPLICA_RUNTIME_ENV)  # every system's replicas start as ours do
         try:
             serve.start(http_options={"host": "127.0.0.1", "port": port})
             for repeat, system in itertools.product(range(args.repeats), contenders):

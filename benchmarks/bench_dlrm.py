@@ -51,6 +51,7 @@ from benchmarks.records import RESULTS, machine, provenance, write_results
 from disagg.model_source import PresetSource
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
+from serving.common.allocator import REPLICA_RUNTIME_ENV
 from serving.common.memory import serve_processes
 from serving.common.net import free_port
 from serving.common.tensors import register_ray_serializer
@@ -594,7 +595,8 @@ def main() -> None:
     torch.set_num_threads(1)  # the benchmark process only sends requests
     results: dict[str, Any] = {}
     ray.init(num_cpus=psutil.cpu_count(), include_dashboard=False,
-             object_store_memory=int(args.object_store_gib * GiB))
+             object_store_memory=int(args.object_store_gib * GiB),
+             runtime_env=REPLICA_RUNTIME_ENV)  # every system's replicas start as ours do
     register_ray_serializer()  # requests travel as numpy arrays, as the replicas' answers do
     try:
         port = free_port()

@@ -77,6 +77,7 @@ from benchmarks.records import RESULTS, machine, provenance, write_results
 from serving.api.edits import EDITS_PATH
 from serving.api.models import ServedModel, ServedModels
 from serving.api.server import create_images_api
+from serving.common.allocator import TUNED_MALLOC_ENV
 from serving.common.device import DTYPES
 from serving.common.net import free_port
 from serving.config import (
@@ -292,6 +293,7 @@ def lora_storage_installed(storage: EmulatedStorage, directory: Path, args: argp
         lora_storage.install()
         yield
         return
+    environment["env_vars"] = environment["env_vars"] | TUNED_MALLOC_ENV  # every system's replicas, as ours' have it
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30, runtime_env=environment)
     try:
         yield

@@ -29,6 +29,7 @@ from benchmarks.flames import frame_totals
 from benchmarks.records import RESULTS, provenance
 from disagg.spec import preset_spec
 from disagg.synthetic import SyntheticRequests
+from serving.common.allocator import REPLICA_RUNTIME_ENV
 from serving.common.net import free_port
 from serving.common.tensors import register_ray_serializer
 
@@ -131,7 +132,8 @@ def main() -> None:
     batches = [dict(zip(("dense", "sparse"), generator.batch(args.batch), strict=True)) for _ in range(args.requests)]
     torch.set_num_threads(1)
     ray.init(num_cpus=psutil.cpu_count(), include_dashboard=False,
-             object_store_memory=int(args.object_store_gib * bench_dlrm.GiB))
+             object_store_memory=int(args.object_store_gib * bench_dlrm.GiB),
+             runtime_env=REPLICA_RUNTIME_ENV)  # every system's replicas start as ours do
     register_ray_serializer()  # requests travel as numpy arrays, as the replicas' answers do
     measured: dict[str, Any] = {**provenance(), "systems": {}}
     try:

@@ -30,6 +30,7 @@ from disagg.partition import EmbeddingLookups, build_dense_part, dense_stages, e
 from disagg.rpc.client import EmbeddingClient, ShardClient, ShardStats
 from disagg.rpc.tls import channel_credentials
 from disagg.tables import shard_version
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
@@ -39,7 +40,7 @@ from serving.common.tensors import register_ray_serializer
 
 logger = get_logger("disagg.deployments.disaggregated")
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5})
+@serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": REPLICA_RUNTIME_ENV})
 @serve.ingress()
 class DisaggregatedDLRM(BatchedDLRM):
     """Dense replica: holds only the MLPs (no table) and asks the embedding shards for pooled embeddings.
@@ -48,6 +49,7 @@ class DisaggregatedDLRM(BatchedDLRM):
     the directory knows no address for is asked for one directly.
     """
 
+    @checks_allocator
     @enforces_replica_share
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], directory: DeploymentHandle,
                        shards: list[DeploymentHandle]) -> None:

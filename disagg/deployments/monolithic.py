@@ -20,6 +20,7 @@ from disagg.id_ranges import id_ranges
 from disagg.id_space import stack_tables
 from disagg.model_source import model_source
 from disagg.partition import embedding_lookups, partition_embeddings
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
@@ -29,11 +30,12 @@ from serving.common.tensors import register_ray_serializer
 logger = get_logger("disagg.deployments.monolithic")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.5})
+@serve.deployment(ray_actor_options={"num_cpus": 0.5, "runtime_env": REPLICA_RUNTIME_ENV})
 @serve.ingress()
 class MonolithicDLRM(BatchedDLRM):
     """One replica holds the whole model (every table and the dense layers); requests are batched across callers."""
 
+    @checks_allocator
     @enforces_replica_share
     def __init__(self, config: DLRMAppConfig | dict[str, Any]) -> None:
         self.config = DLRMAppConfig.model_validate(config)

@@ -19,6 +19,7 @@ from disagg.model_source import model_source
 from disagg.rpc.server import EmbeddingServer, exposure_problem, host_port
 from disagg.rpc.tls import server_tls
 from disagg.tables import build_embedding_shard
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.constants import EMBEDDING_TOKEN
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.logging import get_logger
@@ -56,11 +57,12 @@ class ShardDirectory:
         return {index: sorted(replicas) for index, replicas in self._expiry.items()}
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.25})
+@serve.deployment(ray_actor_options={"num_cpus": 0.25, "runtime_env": REPLICA_RUNTIME_ENV})
 class EmbeddingShardServer:
     """One replica of one shard: builds only its own table slices (``embedding.layout()``) and serves them over
     gRPC."""
 
+    @checks_allocator
     @enforces_replica_share
     async def __init__(self, config: DLRMAppConfig | dict[str, Any], shard_index: int,
                        directory: DeploymentHandle) -> None:

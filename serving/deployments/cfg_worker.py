@@ -24,6 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from ray.util.queue import Queue
 
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import placement
 from serving.common.logging import get_logger
@@ -212,11 +213,13 @@ def _loaded(load: Future[LoRAWeights]) -> bool:
     return load.done() and load.exception() is None
 
 
-@serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64)
+@serve.deployment(name="CFGWorker", ray_actor_options={"num_cpus": 1, "runtime_env": REPLICA_RUNTIME_ENV},
+                  max_ongoing_requests=64)
 class CFGWorkerDeployment(SendsControlNetCalls):
     """A second copy of the model, on its own device, predicting the unconditional rows of every model replica's
     steps (``CFGWorkerCore``), their calls batched as ``engine.cfg_worker`` says."""
 
+    @checks_allocator
     @enforces_replica_share
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle]) -> None:
         pin_replica(config.device_map.cfg_worker if config.device_map else [], "CFGWorker")

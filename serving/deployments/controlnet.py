@@ -16,6 +16,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.device import DTYPES, placement, resolve_device, set_torch_threads
 from serving.common.logging import get_logger
@@ -116,11 +117,12 @@ class ControlNetCore:
                               {name: from_numpy(value) for name, value in call.added.items()}, call.latent_shift)
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.2}, max_ongoing_requests=64)
+@serve.deployment(ray_actor_options={"num_cpus": 0.2, "runtime_env": REPLICA_RUNTIME_ENV}, max_ongoing_requests=64)
 class ControlNetService(MemoryReport):
     """One ControlNet; calls from every base replica and step are batched into shared forwards. ``cores``: its
     replicas' ``DeviceMap.controlnets`` entries (none: not pinned). ``calls_served()``: the calls it answered."""
 
+    @checks_allocator
     @enforces_replica_share
     def __init__(self, config: ControlNetConfig, cores: Sequence[Sequence[int]] = ()) -> None:
         pin_replica(cores, f"ControlNet {config.name!r}")

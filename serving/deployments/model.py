@@ -9,6 +9,7 @@ from typing import Any
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from serving.common.allocator import REPLICA_RUNTIME_ENV, checks_allocator
 from serving.common.backpressure import OVERLOADED
 from serving.common.cpu_share import enforces_replica_share
 from serving.common.errors import APIError
@@ -25,12 +26,13 @@ from serving.engine import GenerationEvent, GenerationParams, GenerationResult, 
 logger = get_logger("deployments.model")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32, max_queued_requests=8,
-                  backpressure_config=OVERLOADED)
+@serve.deployment(ray_actor_options={"num_cpus": 1, "runtime_env": REPLICA_RUNTIME_ENV}, max_ongoing_requests=32,
+                  max_queued_requests=8, backpressure_config=OVERLOADED)
 class DiffusionModel(MemoryReport, SendsControlNetCalls):
     """One diffusion engine and its LoRA cache; the engine refuses requests that would wait too long for their
     first step (``engine.admission_wait_fraction``), Serve's queue bounds the rest."""
 
+    @checks_allocator
     @enforces_replica_share
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:

@@ -160,14 +160,15 @@ def _with_dlrm_pools_and_monolithic_variant(config: ServeDeploySchema) -> ServeD
 def _with_secured_dlrm_variant(config: ServeDeploySchema, pki: PKI) -> ServeDeploySchema:
     """Adds `dlrm-secure` at /secure/v2: the `dlrm` app with one replica per shard bound to 0.0.0.0 (an exposed
     address: the shards refuse it without TLS or a token), serving mutual TLS with a certificate naming only
-    `embedding.internal` and demanding `SECURE_TOKEN`, which only this app's processes get, by its runtime_env,
-    and with a hot-embedding cache in its dense replica. No pool resources: each deployment takes a sliver of the
-    head's CPUs."""
+    `embedding.internal` and demanding `SECURE_TOKEN`, which only this app's processes get, by its runtime_env
+    (beside the malloc settings), and with a hot-embedding cache in its dense replica. No pool resources: each
+    deployment takes a sliver of the head's CPUs."""
     raw = config.model_dump(exclude_unset=True)
     dlrm = next(app for app in raw["applications"] if app["name"] == "dlrm")
     secure = copy.deepcopy(dlrm)
+    token = {"SWIFTSERVE_EMBEDDING_TOKEN": SECURE_TOKEN}
     secure.update(name="dlrm-secure", route_prefix="/secure/v2",
-                  runtime_env={"env_vars": {"SWIFTSERVE_EMBEDDING_TOKEN": SECURE_TOKEN}})
+                  runtime_env={"env_vars": dlrm["runtime_env"]["env_vars"] | token})
     secure["args"].setdefault("embedding", {}).update(
         replicas_per_shard=1, bind_host="0.0.0.0", tls_cert_file=str(pki.named_cert),
         tls_key_file=str(pki.named_key), tls_ca_file=str(pki.ca), tls_server_name=SERVER_NAME, tls_client_auth=True,

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from benchmarks.records import REPO
+from serving.common.allocator import TUNED_MALLOC_ENV
 
 
 def test_bench_diffusion_times_every_katz_row_and_measures_how_far_a_cold_lora_image_is_from_the_exact_one(
@@ -160,8 +161,9 @@ def test_bench_allocator_measures_the_band_decode_and_freed_memory_under_each_ma
     payload = run_benchmark("bench_allocator", "--preset", "tiny", "--size", "64", "--repeats", "1",
                             "--probe-mib", "64", "--rounds", "2")
     settings = payload["settings"]
-    assert set(settings) == {"default", "one_arena", "mmap_4mib"}
+    assert set(settings) == {"default", "one_arena", "mmap_4mib", "tuned"}
     assert settings["one_arena"]["env"] == {"MALLOC_ARENA_MAX": "1"}
+    assert settings["tuned"]["env"] == TUNED_MALLOC_ENV
     for result in settings.values():
         decode = result["band_decode"]
         assert decode["banded_over_whole"] == pytest.approx(decode["banded_s"] / decode["whole_s"])

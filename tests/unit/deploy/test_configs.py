@@ -35,6 +35,7 @@ from autoconfig.serve_config import (
     load_serve_config,
     parse_serve_config,
 )
+from serving.common.allocator import TUNED_MALLOC_ENV
 from tests.helpers import REPO
 
 DEPLOY = REPO / "deploy"
@@ -186,6 +187,27 @@ def test_serve_config_is_valid_and_names_only_real_deployments(path: Path):
         built = serve_build_app(import_builder(app.import_path)(app.args), name=app.name)
         unknown = {deployment.name for deployment in app.deployments} - {d.name for d in built.deployments}
         assert not unknown, f"{path.name}: {app.name} has no deployment(s) {sorted(unknown)}"
+
+
+_EVERY_APP_CONFIG = [*SERVE_CONFIGS, *sorted((DEPLOY / "examples").glob("*.yaml")),
+                     REPO / "benchmarks" / "autoconfig_bank" / "serve_config.yaml"]
+
+
+@pytest.mark.parametrize("path", _EVERY_APP_CONFIG, ids=lambda path: path.name)
+def test_every_application_starts_its_replicas_with_the_tuned_malloc_settings(path: Path):
+    # at the application's level, since a deployment's ray_actor_options in the config replace the code's
+    config = load_serve_config(path)
+    assert all((app.runtime_env or {}).get("env_vars", {}) | TUNED_MALLOC_ENV == app.runtime_env["env_vars"]
+               for app in config.applications), path.name
+
+
+def test_every_replica_deployment_asks_for_the_tuned_malloc_settings_in_code():
+    from disagg.deployments import disaggregated, monolithic, shards
+    from serving.deployments import cfg_worker, controlnet, model
+
+    replicas = [model.DiffusionModel, cfg_worker.CFGWorkerDeployment, controlnet.ControlNetService,
+                monolithic.MonolithicDLRM, shards.EmbeddingShardServer, disaggregated.DisaggregatedDLRM]
+    assert all(replica.ray_actor_options["runtime_env"]["env_vars"] == TUNED_MALLOC_ENV for replica in replicas)
 
 
 def test_gpu_example_loads_local_weights_and_places_by_resources():

@@ -4,6 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from disagg.config import BatchingConfig, DLRMAppConfig
+from serving.common.allocator import REPLICA_RUNTIME_ENV
 
 
 def test_defaults() -> None:
@@ -49,7 +50,7 @@ def test_build_app_validates_plain_dict_args_and_sizes_the_monolithic_deployment
     app = build_app({"model_name": "ctr", "serving": "monolithic", "batching": {"max_batch_size": 8}})
     deployment = app._bound_deployment  # Ray has no public accessor for an Application's deployment
     assert deployment.name == "MonolithicDLRM"
-    assert deployment.ray_actor_options == {"num_cpus": 0.5}
+    assert deployment.ray_actor_options == {"num_cpus": 0.5, "runtime_env": REPLICA_RUNTIME_ENV}
     assert deployment.max_ongoing_requests == 16  # one batch running, the next one filling
     assert deployment._deployment_config.max_queued_requests == 8  # one more batch waits in the proxy
     assert deployment._deployment_config.request_router_config.max_backoff_s == 0.05  # a freed slot is seen soon
