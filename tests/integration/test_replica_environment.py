@@ -12,9 +12,10 @@ _REPLICAS = ("DiffusionModel", "CFGWorker", "ControlNet", "MonolithicDLRM", "Dis
 
 
 def test_every_model_replica_process_started_with_the_tuned_malloc_settings(base_url):
-    replicas = {name: process for name, process in serve_processes().items()
-                if name.startswith("ServeReplica:") and name.split("#")[0].split(":")[-1].startswith(_REPLICAS)}
-    kinds = {name.split("#")[0].split(":")[-1].split("_")[0] for name in replicas}
+    processes = serve_processes()
+    deployments = {name: name.split("#")[0].split(":")[-1] for name in processes if name.startswith("ServeReplica:")}
+    replicas = {name: processes[name] for name, deployment in deployments.items() if deployment.startswith(_REPLICAS)}
+    kinds = {deployments[name].split("_")[0] for name in replicas}
     assert kinds >= {"DiffusionModel", "CFGWorker", "ControlNet", "DisaggregatedDLRM", "EmbeddingShard"}, kinds
     untuned = {name: untuned_settings(start_environment(Path(f"/proc/{process.pid}/environ")) or {})
                for name, process in replicas.items()}
