@@ -99,8 +99,11 @@ APP_KNOBS: Mapping[str, AppKnobs] = {
     ),
     "serving.app:build_app": _images_knobs(lambda args: "DiffusionModel", ("model", "torch_threads")),
     # Several models: the shortcuts tune the first (the default) model's deployment; the others keep the template's.
-    "serving.app:build_multi_app": _images_knobs(lambda args: f"DiffusionModel_{default_model_name(args)}",
-                                                 ("models", 0, "model", "torch_threads")),
+    # With shared_replicas, the one deployment of every model.
+    "serving.app:build_multi_app": _images_knobs(
+        lambda args: ("DiffusionModelGroup" if args.get("shared_replicas")
+                      else f"DiffusionModel_{default_model_name(args)}"),
+        ("models", 0, "model", "torch_threads")),
 }
 
 

@@ -68,7 +68,7 @@ def parse_serve_config(config: str | Mapping[str, Any], *, source: str = "<serve
 _USER_CONFIGS = {
     "disagg.app:build_app": ("*DLRM", "disagg.config:BatchingConfig"),
     "serving.app:build_app": ("DiffusionModel", "serving.config:EngineTuning"),
-    "serving.app:build_multi_app": ("DiffusionModel_*", "serving.config:EngineTuning"),
+    "serving.app:build_multi_app": ("DiffusionModel*", "serving.config:EngineTuning"),  # _<name>, or Group
 }
 
 

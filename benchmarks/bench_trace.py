@@ -9,17 +9,20 @@ for inpainting), ``num_images_per_prompt`` as ``n``, steps times ``--step-scale`
 remote storage (``benchmarks.lora_storage``): each fetch waits a load latency drawn from the trace's LoRA load
 times, divided by the same compression. The served models are ``--preset`` with seeded weights, one seed each.
 
-Three systems, each a Serve app on a 2-CPU Ray cluster behind the same ``ImagesIngress``, each with one replica
-per served model per core (cores 0 and 1, one torch thread each), deployed one at a time:
+Three systems, each a Serve app on a 2-CPU Ray cluster behind the same ``ImagesIngress``, on cores 0 and 1 (one
+torch thread each), deployed one at a time:
 
-- ``production``: diffusers as the traced service ran it (``benchmarks.vanilla``): a pipeline per replica, one
-  request at a time, each request's LoRAs fetched, loaded and fused before it, unfused and unloaded after it;
+- ``production``: diffusers as the traced service ran it (``benchmarks.vanilla``): a replica per served model per
+  core, a pipeline per replica, one request at a time, each request's LoRAs fetched, loaded and fused before it,
+  unfused and unloaded after it;
 - ``strongest``: the same with every LoRA kept loaded as a PEFT adapter from its first use and picked per request
   with ``set_adapters``, and each model's queue bounded (Serve's ``max_queued_requests``: ``--strongest-queue``
   requests wait for a replica of the model; past them a request is refused at once, as ours refuses what would
   wait too long);
 - ``ours``: ``serving.app:build_multi_app`` (step-level batching, host LoRA cache with asynchronous loads,
-  admission control), the model replicas pinned by ``device_map``.
+  admission control), pinned by ``device_map``: by default (``--ours-layout shared``) one ``DiffusionModelGroup``
+  replica per core serving every model, their engine loops taking turns at the core (``shared_replicas``); or a
+  replica per model per core as the baselines (``per-core``), or one per model dealt onto the cores (``by-load``).
 
 Per run, after deploying and warming every model: each request shape (kind, n, steps) present in the window sent
 alone ``--calibration-sends`` times (after one untimed send) to measure its unloaded latency on that system; then
@@ -89,6 +92,7 @@ from serving.config import (
     LoRAConfig,
 )
 from serving.engine import LocalBackend, load_components
+from serving.engine.shared_core import SharedCore
 from serving.lora.format import LoRATargets
 from serving.preset_catalog import PRESET_NAMES
 
@@ -191,8 +195,8 @@ def cores_by_load(replayed: list[gentd.ReplayedRequest], models: int) -> list[li
 def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gentd.ReplayedRequest],
                   ) -> list[DiffusionAppConfig]:
     """One config per served model: the preset with seed ``k``, its own LoRA directory, limits that admit every
-    replayed request, ours' replicas on cores 0 and 1 (``--ours-layout``: one per core, or one per model placed by
-    load)."""
+    replayed request, ours' replicas on cores 0 and 1 (``--ours-layout``: one per core, shared or per model, or one
+    per model placed by load)."""
     cores = (cores_by_load(replayed, args.models) if args.ours_layout == "by-load"
              else [CORES] * args.models)
     limits = ImageLimits(max_n=max(r.n for r in replayed), max_loras=max(len(r.loras) for r in replayed),
@@ -208,12 +212,18 @@ def model_configs(args: argparse.Namespace, lora_root: Path, replayed: list[gent
     ) for k in range(args.models)]
 
 
-def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: int = -1) -> dict[str, Any]:
+def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: int = -1,
+              shared: bool = False) -> dict[str, Any]:
     """The Serve config application of ``system``, at ``/``; every replica takes a hundredth of a Ray CPU (pinning,
     not Ray, decides where it runs). ``strongest_queue``: queued requests per model of ``strongest`` (-1: no
-    bound)."""
+    bound). ``shared``: ours' models in one ``DiffusionModelGroup`` (``shared_replicas``)."""
     models = [config.model_dump(mode="json", exclude_defaults=True) for config in configs]
     options = {"ray_actor_options": {"num_cpus": 0.01}}
+    if system == "ours" and shared:
+        return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app",
+                "args": {"models": models, "shared_replicas": True},
+                "deployments": [{"name": "DiffusionModelGroup", "num_replicas": len(configs[0].device_map.model),
+                                 **options}]}
     if system == "ours":
         return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app",
                 "args": {"models": models},
@@ -238,7 +248,7 @@ def deploy(app: dict[str, Any], port: int) -> None:
 
 @contextmanager
 def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strongest_queue: int = -1,
-               ) -> Iterator[None]:
+               shared: bool = False) -> Iterator[None]:
     """``system`` without Ray: the same Images API (``create_images_api``) on uvicorn in a thread of this process,
     over one engine loop per model (ours) or one serialised ``DiffusersBaseline`` per model (one request at a
     time, as a Serve replica of it), every model on the configs' device."""
@@ -247,7 +257,8 @@ def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strong
     from benchmarks.vanilla import DiffusersBaseline, SerialBackend
 
     if system == "ours":
-        backends = [LocalBackend.from_config(config) for config in configs]
+        core = SharedCore() if shared else None
+        backends = [LocalBackend.from_config(config, core=core) for config in configs]
     else:
         bound = queue_bound(system, strongest_queue)
         backends = [SerialBackend(DiffusersBaseline(config, [], adapters=system == "strongest"),
@@ -276,10 +287,10 @@ def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strong
 def serving(system: str, configs: list[DiffusionAppConfig], port: int, args: argparse.Namespace) -> Iterator[None]:
     """``system`` answering on ``port`` for the block: deployed on Serve, or in-process with ``--in-process``."""
     if args.in_process:
-        with in_process(system, configs, port, args.strongest_queue):
+        with in_process(system, configs, port, args.strongest_queue, args.ours_layout == "shared"):
             yield
     else:
-        deploy(serve_app(system, configs, args.strongest_queue), port)
+        deploy(serve_app(system, configs, args.strongest_queue, args.ours_layout == "shared"), port)
         yield
 
 
@@ -471,9 +482,10 @@ def _arguments(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--admission-max-slowdown", type=lambda text: None if text == "none" else float(text),
                         default=EngineConfig().admission_max_slowdown,
                         help="ours' engine.admission_max_slowdown ('none': off)")
-    parser.add_argument("--ours-layout", choices=("per-core", "by-load"), default="per-core",
-                        help="ours' model replicas: one per model on each core (as the baselines), or one per model, "
-                             "the models dealt onto the cores by their requests")
+    parser.add_argument("--ours-layout", choices=("shared", "per-core", "by-load"), default="shared",
+                        help="ours' model replicas: one per core serving every model (shared_replicas), one per "
+                             "model on each core (as the baselines), or one per model, the models dealt onto the "
+                             "cores by their requests")
     parser.add_argument("--max-batch-rows", type=int, default=EngineConfig().max_batch_rows,
                         help="ours' engine.max_batch_rows")
     parser.add_argument("--strongest-queue", type=int, default=2,
@@ -566,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "device_map": ("in one process (--in-process): one engine or pipeline per served model on the model device"
                        if args.in_process else
                        {"production, strongest": "one replica per served model on each of cores 0 and 1",
-                        "ours": {config.model.name: config.device_map.model for config in configs}}),
+                        "ours": ({"DiffusionModelGroup (every model)": configs[0].device_map.model}
+                                 if args.ours_layout == "shared" else
+                                 {config.model.name: config.device_map.model for config in configs})}),
         "max_queued_requests": {system: queue_bound(system, args.strongest_queue)
                                 for system in ("production", "strongest")},
         "workload": describe(args, trace, window_s, shapes),
@@ -627,7 +641,9 @@ def render(args: argparse.Namespace, payload: dict) -> str:
         f"{w['loras_per_request']}; {args.models} served models ({w['served_model_requests']}), "
         f"{args.loras_per_model} LoRAs each (rank {args.rank}, Zipf {args.zipf:g}). SLO: {args.slo_factor:g}x the "
         f"request shape's unloaded latency on the system that served it. {args.repeats} interleaved repeats. "
-        f"Queue bound per model (max_queued_requests; -1: none): {payload['max_queued_requests']}.",
+        f"Queue bound per model (max_queued_requests; -1: none): {payload['max_queued_requests']}. "
+        f"Ours' replicas: {args.ours_layout} (`--ours-layout`), admission_wait_fraction "
+        f"{args.admission_wait_fraction}, max_batch_rows {args.max_batch_rows}.",
         "",
         "| system | goodput req/min, median [min-max] | SLO attainment | p50 s | p99 s | ok | good | refused | "
         "errors | timed out |",

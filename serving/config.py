@@ -401,6 +401,12 @@ class ImagesAppConfig(_Config):
     (its ControlNets, LoRA directory, engine, defaults and limits)."""
 
     models: list[DiffusionAppConfig] = Field(..., min_length=1, description="The served base models, default first.")
+    shared_replicas: bool = Field(
+        False, description="One deployment, `DiffusionModelGroup`, whose every replica serves all the models: their "
+                           "engine loops take turns at the replica's cores a step at a time (earliest ideal finish "
+                           "first) and each model's admission counts the work of the others that goes first. Off: a "
+                           "`DiffusionModel_<name>` deployment per model. The models' `device_map.model` must be equal "
+                           "(the group's replicas are pinned by it).")
 
     @model_validator(mode="after")
     def _unique_model_names(self) -> ImagesAppConfig:
@@ -409,3 +415,19 @@ class ImagesAppConfig(_Config):
         if repeated:
             raise ValueError(f"models: each model.name must be unique; repeated: {', '.join(repeated)}")
         return self
+
+    @model_validator(mode="after")
+    def _shared_replicas_share_cores(self) -> ImagesAppConfig:
+        if self.shared_replicas:
+            cores = [entry.device_map.model if entry.device_map else [] for entry in self.models]
+            for entry, entry_cores in zip(self.models[1:], cores[1:], strict=True):
+                if entry_cores != cores[0]:
+                    raise ValueError(f"shared_replicas: every model's device_map.model must be equal; "
+                                     f"{entry.model.name!r} has {entry_cores}, {self.models[0].model.name!r} "
+                                     f"{cores[0]}")
+        return self
+
+    def group_cores(self) -> list[list[int]]:
+        """``device_map.model`` of the models (equal with ``shared_replicas``): the cores of the group's replicas."""
+        first = self.models[0].device_map
+        return [list(cores) for cores in first.model] if first else []

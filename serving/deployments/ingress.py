@@ -26,11 +26,13 @@ logger = get_logger("deployments.ingress")
 
 
 class DeploymentBackend(ImageGenerationBackend):
-    """The engine interface over a handle to ``DiffusionModel``. A full model queue and a replica dying under a call
-    are 503s with ``Retry-After``; a dead replica's call is not retried (the generation may be what killed it)."""
+    """The engine interface over a handle to ``DiffusionModel`` (or to ``DiffusionModelGroup``, each call naming
+    ``model``). A full model queue and a replica dying under a call are 503s with ``Retry-After``; a dead replica's
+    call is not retried (the generation may be what killed it)."""
 
-    def __init__(self, handle: DeploymentHandle) -> None:
+    def __init__(self, handle: DeploymentHandle, model: str | None = None) -> None:
         self._handle = handle
+        self._model = () if model is None else (model,)
         self._info: ModelInfo | None = None
 
     async def model_info(self) -> ModelInfo:
@@ -50,7 +52,7 @@ class DeploymentBackend(ImageGenerationBackend):
     async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent]:
         """The replica's ``generate_stream`` over a streaming handle call; leaving before its end (closed,
         cancelled) cancels the call, which cancels the request in the replica."""
-        stream = self._handle.options(stream=True).generate_stream.remote(params)
+        stream = self._handle.options(stream=True).generate_stream.remote(*self._model, params)
         finished = False
         try:
             with _mapped_errors("generate_stream"):
@@ -65,7 +67,7 @@ class DeploymentBackend(ImageGenerationBackend):
 
     async def _call(self, method: str, *args: Any) -> Any:
         with _mapped_errors(method):
-            result = await getattr(self._handle, method).remote(*args)
+            result = await getattr(self._handle, method).remote(*self._model, *args)
         if isinstance(result, APIError):  # the model's answer to a request it refused
             raise result
         return result
@@ -90,7 +92,12 @@ def _mapped_errors(method: str) -> Iterator[None]:
 
 
 def served_models(handles: list[DeploymentHandle], config: ImagesAppConfig) -> ServedModels:
-    """Each model's ``DiffusionModel`` handle as the API's backend for it (``handles`` in ``config.models``' order)."""
+    """Each model's ``DiffusionModel`` handle as the API's backend for it (``handles`` in ``config.models``' order),
+    or with ``shared_replicas`` the one ``DiffusionModelGroup`` handle, naming each model."""
+    if config.shared_replicas:
+        (group,) = handles
+        return ServedModels([ServedModel(DeploymentBackend(group, entry.model.name), entry)
+                             for entry in config.models])
     return ServedModels([ServedModel(DeploymentBackend(handle), entry)
                          for handle, entry in zip(handles, config.models, strict=True)])
 
@@ -100,7 +107,7 @@ def served_models(handles: list[DeploymentHandle], config: ImagesAppConfig) -> S
 @serve.ingress()
 class ImagesIngress:
     """The OpenAI Images HTTP API; forwards each generation to the ``DiffusionModel`` deployment of the model it
-    names (``models``: a handle per model, in ``config``'s order)."""
+    names (``models``: a handle per model, in ``config``'s order), or to ``DiffusionModelGroup`` (one handle)."""
 
     def __init__(self, models: list[DeploymentHandle], config: ImagesAppConfig) -> None:
         self._models = served_models(models, config)

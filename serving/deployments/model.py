@@ -21,9 +21,30 @@ from serving.controlnet.client import MeasuredControlNets
 from serving.deployments.cfg_worker import ServeCFGWorker
 from serving.deployments.controlnet import SendsControlNetCalls, ServeControlNets
 from serving.deployments.pinning import pin_replica
-from serving.engine import GenerationEvent, GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.engine import EngineLoop, GenerationEvent, GenerationParams, GenerationResult, LocalBackend, ModelInfo
+from serving.engine.shared_core import SharedCore
 
 logger = get_logger("deployments.model")
+
+
+def model_backend(config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
+                  cfg_worker: DeploymentHandle | None, metrics: Metrics, core: SharedCore | None = None,
+                  ) -> tuple[ServeControlNets | None, LocalBackend]:
+    """The engine of ``config``'s model in this replica, calling its ControlNet services and CFG worker over
+    Serve (on ``core``: taking turns with the replica's other models); with the ControlNet client it calls."""
+    timeout_s = config.engine.remote_timeout_s
+    controlnet_client = ServeControlNets(controlnets, timeout_s, metrics) if controlnets else None
+    client = MeasuredControlNets(controlnet_client, metrics) if controlnet_client is not None else None
+    worker = ServeCFGWorker(cfg_worker, timeout_s, metrics) if cfg_worker is not None else None
+    return controlnet_client, LocalBackend.from_config(config, controlnets=client, cfg_worker=worker,
+                                                       metrics=metrics, core=core)
+
+
+def tune(loop: EngineLoop, user_config: dict[str, Any]) -> None:
+    """Applies an ``EngineTuning`` (Serve ``user_config``) to ``loop`` without a restart."""
+    loop.config = EngineTuning.model_validate(user_config).apply(loop.config)
+    logger.info("engine of %r now %s", loop.engine.info.name,
+                loop.config.model_dump(include=set(EngineTuning.model_fields)))
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 1, "runtime_env": REPLICA_RUNTIME_ENV}, max_ongoing_requests=32,
@@ -37,18 +58,11 @@ class DiffusionModel(MemoryReport, SendsControlNetCalls):
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
         pin_replica(config.device_map.model if config.device_map else [], "DiffusionModel")
-        timeout_s = config.engine.remote_timeout_s
-        metrics = Metrics.for_replica()
-        self._controlnet_client = ServeControlNets(controlnets, timeout_s, metrics) if controlnets else None
-        client = MeasuredControlNets(self._controlnet_client, metrics) if self._controlnet_client is not None else None
-        worker = ServeCFGWorker(cfg_worker, timeout_s, metrics) if cfg_worker is not None else None
-        self._backend = LocalBackend.from_config(config, controlnets=client, cfg_worker=worker, metrics=metrics)
+        self._controlnet_client, self._backend = model_backend(config, controlnets, cfg_worker, Metrics.for_replica())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Applies an ``EngineTuning`` (Serve ``user_config``, e.g. ``{max_batch_rows: 8}``) without a restart."""
-        loop = self._backend.loop
-        loop.config = EngineTuning.model_validate(user_config).apply(loop.config)
-        logger.info("engine now %s", loop.config.model_dump(include=set(EngineTuning.model_fields)))
+        tune(self._backend.loop, user_config)
 
     async def model_info(self) -> ModelInfo:
         return await self._backend.model_info()
@@ -67,23 +81,36 @@ class DiffusionModel(MemoryReport, SendsControlNetCalls):
     async def generate(self, params: GenerationParams) -> GenerationResult | APIError:
         """The result, or the ``APIError`` to answer, as a value: Serve logs an exception a replica method raises
         as a failed request with its traceback, which a client's bad request or an overload refusal is not."""
-        try:
-            return await self._backend.generate(params)
-        except APIError as error:
-            return error
+        return await answer(self._backend, params)
 
     async def generate_stream(self, params: GenerationParams) -> AsyncIterator[GenerationEvent | APIError]:
         """Serve streaming (``handle.options(stream=True)``): the previews, then the result; a refusal or failure as
         an ``APIError`` event, the last, as ``generate`` returns it. Serve cancelling the call (the client went
         away) cancels the request."""
-        try:
-            async with aclosing(self._backend.generate_stream(params)) as events:
-                async for event in events:
-                    yield event
-        except APIError as error:
-            yield error
+        async with aclosing(answer_stream(self._backend, params)) as events:
+            async for event in events:
+                yield event
 
     def __del__(self) -> None:  # Serve calls this on graceful replica shutdown
         backend = getattr(self, "_backend", None)
         if backend is not None:
             backend.close()
+
+
+async def answer(backend: LocalBackend, params: GenerationParams) -> GenerationResult | APIError:
+    """``backend``'s result, or the ``APIError`` to answer, as a value (a replica method's answer)."""
+    try:
+        return await backend.generate(params)
+    except APIError as error:
+        return error
+
+
+async def answer_stream(backend: LocalBackend, params: GenerationParams,
+                        ) -> AsyncIterator[GenerationEvent | APIError]:
+    """``backend``'s previews, then its result; a refusal or failure as the last event, an ``APIError``."""
+    try:
+        async with aclosing(backend.generate_stream(params)) as events:
+            async for event in events:
+                yield event
+    except APIError as error:
+        yield error

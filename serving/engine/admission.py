@@ -65,6 +65,11 @@ def wait_steps(running: Sequence[Work], queued: Sequence[Work], new: Work, max_b
             + _replay(queued, new, max_batch_rows, max_skipped_steps))
 
 
+def steps_to_finish(works: Sequence[Work], max_batch_rows: int, max_skipped_steps: int = 8) -> int:
+    """Steps until every request of ``works`` (oldest first, joined at once) has finished."""
+    return _replay(works, None, max_batch_rows, max_skipped_steps)
+
+
 def _replay(ahead: Sequence[Work], new: Work | None, max_batch_rows: int, max_skipped_steps: int) -> int:
     """Steps until ``new`` is first in a batch (``None``: until every request of ``ahead`` has finished), jumping
     from one change of the batch to the next."""

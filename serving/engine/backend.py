@@ -19,6 +19,7 @@ from serving.controlnet.models import controlnet_family
 from serving.engine.cfg import CFGWorker, WorkerPatience
 from serving.engine.diffusion_engine import DiffusionEngine
 from serving.engine.loop import EngineLoop, StepCallback
+from serving.engine.shared_core import SharedCore
 from serving.engine.types import (
     GenerationEvent,
     GenerationParams,
@@ -41,12 +42,13 @@ class LocalBackend(ImageGenerationBackend):
     @classmethod
     def from_config(cls, config: DiffusionAppConfig, *, controlnets: ControlNetClient | None = None,
                     cfg_worker: CFGWorker | None = None, on_step: StepCallback | None = None,
-                    metrics: Metrics = NO_METRICS) -> LocalBackend:
+                    metrics: Metrics = NO_METRICS, core: SharedCore | None = None) -> LocalBackend:
+        """The model ``config`` names, served by an engine loop (on ``core``: taking turns with other models')."""
         worker = config.engine.cfg_worker
         patience = WorkerPatience(worker.patience, worker.min_wait_s, worker.retry_after_s, worker.max_retry_after_s)
         engine = DiffusionEngine.from_config(config.model, config.lora, controlnets, cfg_worker, patience, metrics)
         check_controlnet_families(config, engine.info.family)
-        return cls.for_engine(engine, config, on_step=on_step, metrics=metrics)
+        return cls.for_engine(engine, config, on_step=on_step, metrics=metrics, core=core)
 
     @staticmethod
     def lora_cache_for(engine: DiffusionEngine, config: DiffusionAppConfig,
@@ -62,11 +64,12 @@ class LocalBackend(ImageGenerationBackend):
 
     @classmethod
     def for_engine(cls, engine: DiffusionEngine, config: DiffusionAppConfig, *,
-                   on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS) -> LocalBackend:
+                   on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS,
+                   core: SharedCore | None = None) -> LocalBackend:
         """A backend over ``engine``; its loop, LoRA cache and requests record into ``metrics``."""
         cache = cls.lora_cache_for(engine, config, metrics)
         return cls(EngineLoop(engine, config.engine, cache, on_step=on_step, metrics=metrics,
-                              preview=config.engine.preview_decoder), metrics)
+                              preview=config.engine.preview_decoder, core=core), metrics)
 
     async def model_info(self) -> ModelInfo:
         return self.loop.engine.info

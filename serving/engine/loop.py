@@ -8,6 +8,8 @@ previews a request asks for (``partial_images``: the loop thread only copies the
 ``serving.engine.preview.preview_steps`` picks; the stage thread decodes them and calls the request's callback).
 A request whose LoRA is still loading denoises without it until its deadline step, then waits there.
 A request that would wait too long for its first step is refused at submission (``serving.engine.admission``).
+Loops of models in one replica share its device (``serving.engine.shared_core``): a step runs at its turn, and
+admission counts the other loops' work that goes first.
 A request whose future is cancelled is dropped where it is: still queued, its preparation is cancelled if not begun;
 denoising, its rows are freed at the next step boundary; denoised, its decode is skipped. Either way its LoRA loads
 that no other request waits for are dropped while still queued (``LoRACache.release``), and it is counted
@@ -16,11 +18,13 @@ that no other request waits for are dropped while still queued (``LoRACache.rele
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -30,11 +34,12 @@ from serving.common.logging import get_logger
 from serving.common.metrics import NO_METRICS, CancelStage, Metrics
 from serving.config import EngineConfig
 from serving.controlnet.client import ControlNetUnavailable
-from serving.engine.admission import EngineOverloaded, Work, wait_steps
+from serving.engine.admission import EngineOverloaded, Work, steps_to_finish, wait_steps
 from serving.engine.diffusion_engine import DiffusionEngine, encode_png
 from serving.engine.preview import PreviewDecoder, PreviewKind, preview_decoder, preview_steps
 from serving.engine.request import PendingLoRA, RequestState
 from serving.engine.scheduling import Slot, pick_batch, record_steps
+from serving.engine.shared_core import CoreMember, SharedCore
 from serving.engine.types import GenerationParams, GenerationResult, LoRAReport, PartialImage
 from serving.lora.cache import LoRACache
 from serving.lora.registry import LoRANotFound
@@ -61,6 +66,7 @@ class _Submission:
     future: Future[GenerationResult]
     prepared: Future[RequestState]  # the stage thread's ``engine.start``
     work: Work  # as the admission replay sees it before it starts
+    ideal_finish: float  # submission plus its steps at its fastest step time: its turn on a shared core
     on_preview: PreviewCallback | None = None
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -73,12 +79,13 @@ class _Active:
     previews: dict[int, int] = field(default_factory=dict)  # step after which to take a preview -> its index
 
 
-class EngineLoop:
-    """Runs ``engine`` in a background thread; ``submit`` is thread-safe and returns a future."""
+class EngineLoop(CoreMember):
+    """Runs ``engine`` in a background thread; ``submit`` is thread-safe and returns a future. With ``core``, its
+    steps take turns with the other loops on that device."""
 
     def __init__(self, engine: DiffusionEngine, config: EngineConfig, lora_cache: LoRACache | None = None,
                  *, on_step: StepCallback | None = None, metrics: Metrics = NO_METRICS,
-                 preview: PreviewKind = "approx") -> None:
+                 preview: PreviewKind = "approx", core: SharedCore | None = None) -> None:
         self.engine = engine
         self.config = config
         self.lora_cache = lora_cache
@@ -95,6 +102,9 @@ class EngineLoop:
         self.busy_s = 0.0
         self._wakeup = threading.Condition()
         self._stopping = False
+        self._core = core
+        if core is not None:
+            core.join(self)
         self._stage = ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-stage")
         self._thread = threading.Thread(target=self._run, name="diffusion-engine-loop", daemon=True)
         self._thread.start()
@@ -106,7 +116,9 @@ class EngineLoop:
         ``EngineOverloaded`` raise here, before any work starts."""
         self.engine.validate(params)
         work = Work(params.rows, self.engine.denoising_steps(params), (params.height, params.width))
-        self._check_admission(work)
+        submitted = time.perf_counter()
+        ideal_finish = submitted + work.steps_left * (self._alone_step_s(work.rows) or self._step_s or 0.0)
+        self._check_admission(work, ideal_finish)
         loras = [self._request_lora(spec.name, spec.scale) for spec in params.loras]
         if loras and self.engine.cfg_worker is not None:  # the worker loads them while this replica does
             self.engine.cfg_worker.prefetch([pending.name for pending in loras])
@@ -116,7 +128,7 @@ class EngineLoop:
             if self._stopping:
                 raise RuntimeError("engine loop is stopped")
             submission = _Submission(params, loras, Future(), self._stage.submit(self._start, params, loras), work,
-                                     on_preview if params.partial_images > 0 else None)
+                                     ideal_finish, on_preview if params.partial_images > 0 else None, submitted)
             submission.prepared.add_done_callback(lambda _: self._notify())
             self._queue.append(submission)
             self._wakeup.notify()
@@ -141,32 +153,48 @@ class EngineLoop:
                 self.lora_cache.release(pending.name, pending.load)
         self._metrics.request_cancelled(stage)
 
-    def _check_admission(self, work: Work) -> None:
+    def _check_admission(self, work: Work, ideal_finish: float) -> None:
         fraction, slowdown = self.config.admission_wait_fraction, self.config.admission_max_slowdown
         if fraction is None and slowdown is None:
             return
-        with self._wakeup:
-            queued = [s.work for s in self._queue]
-        running = [Work(active.state.rows, active.state.steps_left, active.state.batch_key, active.slot.skipped)
-                   for active in list(self._active)]
+        running, queued = self._work(before=math.inf)
         waited = wait_steps(running, queued, work, self.config.max_batch_rows,
                             self.config.continuous_batching, self.config.max_skipped_steps)
         step_s = self._step_s or 0.0
-        if fraction is not None and waited > fraction * work.steps_left:
-            raise EngineOverloaded.waiting(waited, fraction * work.steps_left, waited * step_s)
-        if slowdown is None or not (running or queued):
+        ahead_s = self._core.backlog_s(self, ideal_finish) if self._core is not None else 0.0
+        wait = waited + (ahead_s / step_s if step_s > 0 else 0.0)  # in this loop's steps
+        if fraction is not None and wait > fraction * work.steps_left:
+            raise EngineOverloaded.waiting(round(wait), fraction * work.steps_left, wait * step_s)
+        if slowdown is None or not (running or queued or ahead_s):
             return  # off, or idle: the moving average is stale
         alone = self._alone_step_s(work.rows)
         if alone is None:
             return  # no batch as large seen yet: nothing to compare with
-        predicted, limit = (waited + work.steps_left) * step_s, slowdown * work.steps_left * alone
+        predicted, limit = (wait + work.steps_left) * step_s, slowdown * work.steps_left * alone
         if predicted > limit:
-            raise EngineOverloaded.slowed(predicted, work.steps_left * alone, slowdown, waited, waited * step_s)
+            raise EngineOverloaded.slowed(predicted, work.steps_left * alone, slowdown, round(wait), wait * step_s)
+
+    def _work(self, before: float) -> tuple[list[Work], list[Work]]:
+        """The running and the queued requests whose ideal finish is earlier than ``before``, oldest first."""
+        with self._wakeup:
+            queued = [s.work for s in self._queue if s.ideal_finish < before]
+        running = [Work(active.state.rows, active.state.steps_left, active.state.batch_key, active.slot.skipped)
+                   for active in list(self._active) if active.submission.ideal_finish < before]
+        return running, queued
+
+    def backlog_s(self, before: float) -> float:
+        """Seconds of denoising left for this loop's requests whose ideal finish is earlier than ``before``, at its
+        current step time (any thread)."""
+        running, queued = self._work(before)
+        if not (queued or running):
+            return 0.0
+        steps = steps_to_finish([*running, *queued], self.config.max_batch_rows, self.config.max_skipped_steps)
+        return steps * (self._step_s or 0.0)
 
     def _alone_step_s(self, rows: int) -> float | None:
         """The fastest step seen with at least ``rows`` rows (a larger batch is no faster): a request's step time
         alone, or None before any."""
-        return min((seconds for seen, seconds in self._fastest_step_s.items() if seen >= rows), default=None)
+        return min((seconds for seen, seconds in list(self._fastest_step_s.items()) if seen >= rows), default=None)
 
     def stop(self) -> None:
         """Fails every request not finished denoising; those being decoded complete."""
@@ -175,6 +203,8 @@ class EngineLoop:
             self._wakeup.notify()
         self._thread.join()
         self._stage.shutdown()
+        if self._core is not None:
+            self._core.leave(self)
 
     # -- loop thread ------------------------------------------------------------------------------
 
@@ -205,7 +235,9 @@ class EngineLoop:
             self._apply_finished_loras()
             batch = self._next_batch()
             if batch:
-                self._step(batch)
+                ideal_finish = min(active.submission.ideal_finish for active in batch)
+                with self._core.turn(ideal_finish) if self._core is not None else nullcontext():
+                    self._step(batch)
         stopped = RuntimeError("engine loop stopped")
         for submission in [*self._queue, *(active.submission for active in self._active)]:
             _fail(submission.future, stopped)

@@ -9,7 +9,7 @@ from ray.serve.schema import ServeDeploySchema
 from autoconfig import trial
 from autoconfig.cli import main as autoconfig_main
 from autoconfig.knobs import apply_knobs, configure_serve_config, write_serve_config
-from autoconfig.serve_config import load_serve_config, validate_app_args
+from autoconfig.serve_config import load_serve_config, validate_app_args, validate_user_configs
 from disagg.config import BatchingConfig, DLRMAppConfig
 from serving.config import DiffusionAppConfig, EngineTuning, ImagesAppConfig
 from tests.helpers import REPO
@@ -110,6 +110,22 @@ def test_diffusion_on_cpu_sets_live_engine_rows_torch_threads_and_room_for_full_
     assert tiny.engine.max_batch_rows == first["engine"]["max_batch_rows"] == 16
     assert app["args"] == {"models": [first | {"model": first["model"] | {"torch_threads": 4}},
                                       *template_args["models"][1:]]}
+
+
+def test_diffusion_with_shared_replicas_tunes_the_one_group_deployment(template):
+    raw = template.model_dump(exclude_unset=True)
+    diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
+    diffusion["args"]["shared_replicas"] = True
+    configured = configure_serve_config(ServeDeploySchema.model_validate(raw), "diffusion",
+                                        DIFFUSION | {"torch_threads": 4})
+    group = _deployments(_app(configured, "diffusion"))["DiffusionModelGroup"]
+    assert (group["num_replicas"], group["user_config"], group["max_ongoing_requests"]) == (3, {"max_batch_rows": 32},
+                                                                                           64)
+    app = _app(configured, "diffusion")
+    _deployments(app)["DiffusionModelGroup"]["user_config"] = {"batch_wait_timeout_s": 0.1}
+    with pytest.raises(ValueError, match=r"user_config\.batch_wait_timeout_s: the deployment does not read it "
+                                         r"\(DiffusionModelGroup's"):
+        validate_user_configs(ServeDeploySchema.model_validate({"applications": [app]}).applications[0])
     assert _app(configured, "dlrm") == _app(template, "dlrm")
 
 

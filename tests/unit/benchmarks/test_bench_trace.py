@@ -11,6 +11,7 @@ from aiohttp import web
 from autoconfig.workloads import HttpRequest
 from benchmarks import bench_trace, gentd
 from benchmarks.common import Outcomes, open_loop, server_timings
+from serving.config import DiffusionAppConfig
 from serving.images import decode_image_bytes, decode_mask
 
 
@@ -157,6 +158,18 @@ def test_by_load_deals_the_busiest_models_first_onto_the_least_loaded_core():
     replayed = [gentd.ReplayedRequest(0.0, "generate", model, 1, 3, (), "p", None, i, i)
                 for i, model in enumerate(["m0"] * 5 + ["m1"] * 3 + ["m2"] * 2 + ["m3"] * 2)]
     assert bench_trace.cores_by_load(replayed, 4) == [[[0]], [[1]], [[1]], [[0]]]
+
+
+def test_ours_shared_is_one_group_deployment_with_a_replica_per_core_and_per_core_one_per_model():
+    configs = [DiffusionAppConfig(model={"name": f"m{k}", "preset": "tiny"}, device_map={"model": [[0], [1]]})
+               for k in range(3)]
+    shared = bench_trace.serve_app("ours", configs, shared=True)
+    assert shared["args"]["shared_replicas"] is True
+    assert [(d["name"], d["num_replicas"]) for d in shared["deployments"]] == [("DiffusionModelGroup", 2)]
+    per_model = bench_trace.serve_app("ours", configs)
+    assert "shared_replicas" not in per_model["args"]
+    assert [(d["name"], d["num_replicas"]) for d in per_model["deployments"]] == [
+        ("DiffusionModel_m0", 2), ("DiffusionModel_m1", 2), ("DiffusionModel_m2", 2)]
 
 
 def test_only_the_strongest_baseline_bounds_its_queue():

@@ -203,9 +203,10 @@ def test_every_application_starts_its_replicas_with_the_tuned_malloc_settings(pa
 
 def test_every_replica_deployment_asks_for_the_tuned_malloc_settings_in_code():
     from disagg.deployments import disaggregated, monolithic, shards
-    from serving.deployments import cfg_worker, controlnet, model
+    from serving.deployments import cfg_worker, controlnet, model, model_group
 
-    replicas = [model.DiffusionModel, cfg_worker.CFGWorkerDeployment, controlnet.ControlNetService,
+    replicas = [model.DiffusionModel, model_group.DiffusionModelGroup, cfg_worker.CFGWorkerDeployment,
+                controlnet.ControlNetService,
                 monolithic.MonolithicDLRM, shards.EmbeddingShardServer, disaggregated.DisaggregatedDLRM]
     assert all(replica.ray_actor_options["runtime_env"]["env_vars"] == TUNED_MALLOC_ENV for replica in replicas)
 

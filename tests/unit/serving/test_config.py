@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from serving.config import DeviceMap, DiffusionAppConfig, LoRAConfig
+from serving.config import DeviceMap, DiffusionAppConfig, ImagesAppConfig, LoRAConfig
 
 
 def _app(device_map: dict[str, Any], **fields: Any) -> DiffusionAppConfig:
@@ -84,3 +84,21 @@ def test_cfg_worker_runs_by_default_only_on_a_device_of_its_own(engine, device_m
     chosen, reason = config.cfg_worker_choice()
     assert chosen is parallel
     assert re.search(why, reason), reason
+
+
+def _models(*device_maps: dict[str, Any] | None, shared: bool = True) -> ImagesAppConfig:
+    return ImagesAppConfig.model_validate({"shared_replicas": shared, "models": [
+        {"model": {"name": f"m{k}", "preset": "tiny"}, "device_map": device_map}
+        for k, device_map in enumerate(device_maps)]})
+
+
+def test_shared_replicas_take_the_models_common_cores():
+    assert _models({"model": [[0], [1]]}, {"model": [[0], [1]]}).group_cores() == [[0], [1]]
+    assert _models(None, {"model": []}).group_cores() == []  # none pinned: equal
+    assert _models({"model": [[0]]}, {"model": [[1]]}, shared=False).models[1].device_map.model == [[1]]
+
+
+def test_shared_replicas_refuse_models_pinned_apart_naming_the_field_and_the_model():
+    with pytest.raises(ValidationError, match=re.escape(
+            "shared_replicas: every model's device_map.model must be equal; 'm1' has [[1]], 'm0' [[0]]")):
+        _models({"model": [[0]]}, {"model": [[1]]})

@@ -2,6 +2,7 @@
 which model's handle it calls; the streaming call: its events, errors and cancellation."""
 
 import asyncio
+import base64
 
 import pytest
 from fastapi.testclient import TestClient
@@ -263,3 +264,39 @@ def test_leaving_a_stream_early_cancels_the_replica_call():
 
     asyncio.run(cancel_while_waiting())
     assert waiting.stream.cancelled
+
+
+class _GroupMethod:
+    """A ``DiffusionModelGroup`` method: records the model each call names, answers ``answers[model]``."""
+
+    def __init__(self, answers: dict[str, object]) -> None:
+        self.answers = answers
+        self.models: list[str] = []
+
+    def remote(self, model: str, *args):
+        self.models.append(model)
+        return _ReturningMethod(self.answers[model]).remote()
+
+
+class _GroupHandle:
+    def __init__(self) -> None:
+        infos = {"tiny": ModelInfo("tiny", 64, 8, "sd"), "sdxl-tiny": ModelInfo("sdxl-tiny", 64, 8, "sdxl")}
+        self.model_info = _GroupMethod(infos)
+        self.list_loras = _GroupMethod({"tiny": ["a"], "sdxl-tiny": ["b"]})
+        self.list_controlnets = _GroupMethod({"tiny": [], "sdxl-tiny": []})
+        self.generate = _GroupMethod({name: GenerationResult(images=[name.encode()], seed=1) for name in infos})
+
+
+def test_with_shared_replicas_the_ingress_calls_the_one_group_handle_naming_the_model():
+    handle = _GroupHandle()
+    config = ImagesAppConfig(shared_replicas=True, models=[
+        DiffusionAppConfig(), DiffusionAppConfig(model={"name": "sdxl-tiny", "preset": "sdxl-tiny"})])
+    with TestClient(create_images_api(served_models([handle], config))) as client:
+        cards = client.get("/v1/models").json()["data"]
+        response = client.post("/v1/images/generations", json={
+            "prompt": "x", "model": "sdxl-tiny", "size": "32x32", "response_format": "b64_json"})
+    assert [(card["id"], card.get("model")) for card in cards] == [
+        ("tiny", None), ("sdxl-tiny", None), ("a", "tiny"), ("b", "sdxl-tiny")]  # each model's own LoRAs
+    assert response.status_code == 200, response.text
+    assert handle.generate.models == ["sdxl-tiny"]
+    assert base64.b64decode(response.json()["data"][0]["b64_json"]) == b"sdxl-tiny"  # that model's answer
