@@ -14,17 +14,13 @@ sets them at the application level. ``checks_allocator`` warns from a replica st
 
 from __future__ import annotations
 
-import functools
-import inspect
 import platform
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
 
 from serving.common.logging import get_logger
+from serving.common.replica_init import Init, around_init
 
 logger = get_logger("serving.common.allocator")
-Init = TypeVar("Init", bound=Callable[..., Any])
 
 TUNED_MALLOC_ENV: dict[str, str] = {
     "MALLOC_ARENA_MAX": "1",
@@ -57,20 +53,7 @@ def untuned_settings(environment: dict[str, str]) -> dict[str, str]:
 def checks_allocator(init: Init) -> Init:
     """Decorates a replica's ``__init__`` (plain or async) to warn, once it starts, when its process was started
     without ``TUNED_MALLOC_ENV`` (a glibc process whose start environment is readable)."""
-    if inspect.iscoroutinefunction(init):
-        @functools.wraps(init)
-        async def checked_async(self: Any, *args: Any, **kwargs: Any) -> None:
-            _warn_if_untuned(type(self).__name__)
-            await init(self, *args, **kwargs)
-
-        return checked_async  # type: ignore[return-value]
-
-    @functools.wraps(init)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
-        _warn_if_untuned(type(self).__name__)
-        init(self, *args, **kwargs)
-
-    return checked  # type: ignore[return-value]
+    return around_init(_warn_if_untuned)(init)
 
 
 def _warn_if_untuned(deployment: str) -> None:

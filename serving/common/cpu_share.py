@@ -16,22 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import functools
-import inspect
 import math
 import os
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
 
 from serving.common import constants
 from serving.common.device import pin_process
 from serving.common.logging import get_logger
+from serving.common.replica_init import Init, around_init
 
 logger = get_logger("serving.common.cpu_share")
-Init = TypeVar("Init", bound=Callable[..., Any])
 
 #: CFS period of the groups made here (the kernel's default).
 PERIOD_US = 100_000
@@ -183,24 +179,12 @@ def enforces_replica_share(init: Init) -> Init:
     unset): whole cores pinned before it runs, the quota set once it returns, and logged. A node that cannot
     enforce the share logs why, and the replica runs with the share only reserved (as on a cluster whose pods' CPU
     limits enforce it)."""
-    if inspect.iscoroutinefunction(init):
-        @functools.wraps(init)
-        async def start_async(self: Any, *args: Any, **kwargs: Any) -> None:
-            share = _ReplicaShare.pinned(type(self).__name__)
-            await init(self, *args, **kwargs)
-            if share is not None:
-                share.throttle()
+    return around_init(_ReplicaShare.pinned, _throttle)(init)
 
-        return start_async  # type: ignore[return-value]
 
-    @functools.wraps(init)
-    def start(self: Any, *args: Any, **kwargs: Any) -> None:
-        share = _ReplicaShare.pinned(type(self).__name__)
-        init(self, *args, **kwargs)
-        if share is not None:
-            share.throttle()
-
-    return start  # type: ignore[return-value]
+def _throttle(share: _ReplicaShare | None) -> None:
+    if share is not None:
+        share.throttle()
 
 
 @dataclass

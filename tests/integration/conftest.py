@@ -1,15 +1,15 @@
 """One Ray cluster per test session, with both applications of deploy/serve_config.yaml deployed.
 
-The config is the one `make serve` uses, deployed through the same Serve controller path as `serve run`; the HTTP
-and gRPC ports are swapped for free ones. Its processes authenticate with a token
-(``tests/integration/__init__.py``), as on a cluster started with `ray start --head`. The cluster is
-`ray.cluster_utils.Cluster`: the head (2 CPUs) plus two simulated nodes without CPUs, a "CPU pool" node offering the
-custom resource `embedding_pool` and a "GPU pool" node offering `dense_pool`; the DLRM app's embedding shards and
-dense replicas are placed on them by those resources, as on a real cluster. The diffusion app serves `tiny` (the
-default model, `DEFAULT_MODEL`, which most tests use) and `sdxl-tiny`, whose deployments take a sliver of CPU here
-so autoconfig trials fit beside the session's apps. Variants added for the tests: `diffusion-cfg` (/cfg),
-`dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure` (/secure/v2, the same DLRM with its
-shards on every interface behind mutual TLS and a shared token, and a hot-embedding cache).
+The config is the one `make serve` uses, deployed through the same Serve controller path as `serve run`; the HTTP and
+gRPC ports are swapped for free ones. Its processes authenticate with a token (``tests/integration/__init__.py``), as on
+a cluster started with `ray start --head`. The cluster is `ray.cluster_utils.Cluster`: the head (2 CPUs) plus two
+simulated nodes without CPUs, a "CPU pool" node offering the custom resource `embedding_pool` and a "GPU pool" node
+offering `dense_pool`; the DLRM app's embedding shards and dense replicas are placed on them by those resources, as on a
+real cluster. The diffusion app serves `tiny` (the default model, `DEFAULT_MODEL`, which most tests use) and
+`sdxl-tiny`, whose deployments take a sliver of CPU here so autoconfig trials fit beside the session's apps. Variants
+added for the tests: `diffusion-cfg` (/cfg), `diffusion-shared` (/shared: `tiny` and `sdxl-tiny` in one
+`DiffusionModelGroup`), `dlrm-mono` (/mono/v2, the same DLRM served monolithically) and `dlrm-secure` (/secure/v2, the
+same DLRM with its shards on every interface behind mutual TLS and a shared token, and a hot-embedding cache).
 """
 
 import copy
@@ -98,7 +98,8 @@ def base_url(cluster: Cluster, lora_dir: Path, embedding_pki: PKI, grpc_port: in
     models[DEFAULT_MODEL].setdefault("lora", {})["directory"] = str(lora_dir)
     for entry in models.values():
         entry.setdefault("engine", {})["remote_timeout_s"] = 10.0  # fault tests wait less
-    config = _with_dlrm_pools_and_monolithic_variant(_with_parallel_cfg_variant(_with_other_model_slivers(config)))
+    config = _with_shared_replicas_variant(_with_parallel_cfg_variant(_with_other_model_slivers(config)))
+    config = _with_dlrm_pools_and_monolithic_variant(config)
     config = _with_secured_dlrm_variant(config, embedding_pki)
     try:
         deploy_serve_config(config, timeout_s=600)
@@ -134,6 +135,24 @@ def _with_parallel_cfg_variant(config: ServeDeploySchema) -> ServeDeploySchema:
         for name, replicas in (("ImagesIngress", 1), (f"DiffusionModel_{DEFAULT_MODEL}", 2),
                                (f"CFGWorker_{DEFAULT_MODEL}", 1), (f"ControlNet_edges_{DEFAULT_MODEL}", 1))
     ]
+    raw["applications"].append(variant)
+    return ServeDeploySchema.model_validate(raw)
+
+
+def _with_shared_replicas_variant(config: ServeDeploySchema) -> ServeDeploySchema:
+    """Adds `diffusion-shared` at /shared: the diffusion app's `tiny` and `sdxl-tiny` with `shared_replicas`, one
+    `DiffusionModelGroup` replica holding both, each model with its own ControlNet deployment; slivers of CPU."""
+    raw = config.model_dump(exclude_unset=True)
+    diffusion = next(app for app in raw["applications"] if app["name"] == "diffusion")
+    variant = copy.deepcopy(diffusion)
+    variant.update(name="diffusion-shared", route_prefix="/shared")
+    variant["args"]["models"] = [entry for entry in variant["args"]["models"]
+                                 if entry["model"]["name"] in (DEFAULT_MODEL, SDXL_MODEL)]
+    variant["args"]["shared_replicas"] = True
+    controlnets = [f"ControlNet_{controlnet['name']}_{entry['model']['name']}" for entry in variant["args"]["models"]
+                   for controlnet in entry.get("controlnets", [])]
+    variant["deployments"] = [{"name": name, "num_replicas": 1, "ray_actor_options": {"num_cpus": 0.02}}
+                              for name in ("ImagesIngress", "DiffusionModelGroup", *controlnets)]
     raw["applications"].append(variant)
     return ServeDeploySchema.model_validate(raw)
 
