@@ -219,16 +219,15 @@ def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: i
     bound). ``shared``: ours' models in one ``DiffusionModelGroup`` (``shared_replicas``)."""
     models = [config.model_dump(mode="json", exclude_defaults=True) for config in configs]
     options = {"ray_actor_options": {"num_cpus": 0.01}}
-    if system == "ours" and shared:
-        return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app",
-                "args": {"models": models, "shared_replicas": True},
-                "deployments": [{"name": "DiffusionModelGroup", "num_replicas": len(configs[0].device_map.model),
-                                 **options}]}
     if system == "ours":
-        return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app",
-                "args": {"models": models},
-                "deployments": [{"name": f"DiffusionModel_{config.model.name}",
-                                 "num_replicas": len(config.device_map.model), **options} for config in configs]}
+        if shared:
+            args, deployments = ({"models": models, "shared_replicas": True},
+                                 [("DiffusionModelGroup", len(configs[0].device_map.model))])
+        else:
+            args, deployments = ({"models": models}, [(f"DiffusionModel_{config.model.name}",
+                                                       len(config.device_map.model)) for config in configs])
+        return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app", "args": args,
+                "deployments": [{"name": name, "num_replicas": replicas, **options} for name, replicas in deployments]}
     return {"name": system, "route_prefix": "/", "import_path": "benchmarks.vanilla:build_vanilla_app",
             "args": {"models": models, "cores": CORES, "adapters": system == "strongest",
                      "max_queued_requests": queue_bound(system, strongest_queue)}}

@@ -358,6 +358,10 @@ class DiffusionAppConfig(_Config):
                                  f"(device_map.controlnets.{controlnet.name})")
         return self
 
+    def model_cores(self) -> list[Cores]:
+        """``device_map.model``, or no entries without a device map (not pinned)."""
+        return self.device_map.model if self.device_map else []
+
     def cfg_worker_choice(self) -> tuple[bool, str]:
         """Whether this model gets a ``CFGWorker`` deployment (``engine.cfg_parallel``), and why."""
         choice = self.engine.cfg_parallel
@@ -419,15 +423,14 @@ class ImagesAppConfig(_Config):
     @model_validator(mode="after")
     def _shared_replicas_share_cores(self) -> ImagesAppConfig:
         if self.shared_replicas:
-            cores = [entry.device_map.model if entry.device_map else [] for entry in self.models]
-            for entry, entry_cores in zip(self.models[1:], cores[1:], strict=True):
-                if entry_cores != cores[0]:
+            first = self.group_cores()
+            for entry in self.models[1:]:
+                if entry.model_cores() != first:
                     raise ValueError(f"shared_replicas: every model's device_map.model must be equal; "
-                                     f"{entry.model.name!r} has {entry_cores}, {self.models[0].model.name!r} "
-                                     f"{cores[0]}")
+                                     f"{entry.model.name!r} has {entry.model_cores()}, "
+                                     f"{self.models[0].model.name!r} {first}")
         return self
 
-    def group_cores(self) -> list[list[int]]:
+    def group_cores(self) -> list[Cores]:
         """``device_map.model`` of the models (equal with ``shared_replicas``): the cores of the group's replicas."""
-        first = self.models[0].device_map
-        return [list(cores) for cores in first.model] if first else []
+        return self.models[0].model_cores()

@@ -57,7 +57,7 @@ class DiffusionModel(MemoryReport, SendsControlNetCalls):
     @enforces_replica_share
     def __init__(self, config: DiffusionAppConfig, controlnets: dict[str, DeploymentHandle],
                  cfg_worker: DeploymentHandle | None = None) -> None:
-        pin_replica(config.device_map.model if config.device_map else [], "DiffusionModel")
+        pin_replica(config.model_cores(), "DiffusionModel")
         self._controlnet_client, self._backend = model_backend(config, controlnets, cfg_worker, Metrics.for_replica())
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:

@@ -24,7 +24,6 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -234,9 +233,10 @@ class EngineLoop(CoreMember):
                 self._dropped(active.submission, "denoising")
             self._apply_finished_loras()
             batch = self._next_batch()
-            if batch:
-                ideal_finish = min(active.submission.ideal_finish for active in batch)
-                with self._core.turn(ideal_finish) if self._core is not None else nullcontext():
+            if batch and self._core is None:
+                self._step(batch)
+            elif batch:
+                with self._core.turn(min(active.submission.ideal_finish for active in batch)):
                     self._step(batch)
         stopped = RuntimeError("engine loop stopped")
         for submission in [*self._queue, *(active.submission for active in self._active)]:
