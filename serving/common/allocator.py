@@ -5,7 +5,9 @@ so each request's activations fault their pages in again (the page faults that s
 ``benchmarks/results/bench_diffusion_more/page-faults/``). ``TUNED_MALLOC_ENV`` keeps freed memory for the next
 request instead: one arena (so a block freed by one thread serves the others), no mmap for large blocks, no trimming,
 and heap growth padded to whole tensors. A replica's resident memory then stays at its peak rather than rising and
-falling with each request.
+falling with each request. What building the replica freed (a ControlNet copied from a whole seeded pipeline, a
+checkpoint's staging copies) would stay too, so once its ``__init__`` returns the replica hands every free page back
+to the OS (``malloc_trim``), once.
 
 glibc reads these once, at process start, so they reach a replica through Ray's ``runtime_env.env_vars``: each
 deployment's options carry ``REPLICA_RUNTIME_ENV``; a Serve config, whose ``ray_actor_options`` replace the code's,
@@ -14,6 +16,7 @@ sets them at the application level. ``checks_allocator`` warns from a replica st
 
 from __future__ import annotations
 
+import ctypes
 import platform
 from pathlib import Path
 
@@ -52,17 +55,36 @@ def untuned_settings(environment: dict[str, str]) -> dict[str, str]:
 
 def checks_allocator(init: Init) -> Init:
     """Decorates a replica's ``__init__`` (plain or async) to warn, once it starts, when its process was started
-    without ``TUNED_MALLOC_ENV`` (a glibc process whose start environment is readable)."""
-    return around_init(_warn_if_untuned)(init)
+    without ``TUNED_MALLOC_ENV`` (a glibc process whose start environment is readable), and to
+    ``release_freed_memory`` once it returns."""
+    return around_init(_warn_if_untuned, _release_after_init)(init)
 
 
-def _warn_if_untuned(deployment: str) -> None:
+def release_freed_memory(deployment: str | None = None) -> bool:
+    """Hands the heap's free pages back to the OS (glibc's ``malloc_trim(0)``, which the tuned settings otherwise
+    never do); the blocks stay allocatable, a later request faulting in only the pages it reuses. False where the
+    C library is not glibc."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if deployment is not None:
+        logger.debug("%s replica: freed memory handed back to the OS after start-up", deployment)
+    return True
+
+
+def _release_after_init(deployment: str) -> None:
+    release_freed_memory(deployment)
+
+
+def _warn_if_untuned(deployment: str) -> str:
+    """Warns as ``checks_allocator`` says; ``deployment``, for what runs after ``__init__``."""
     environment = start_environment()
     if environment is None or platform.libc_ver()[0] != "glibc":
-        return
+        return deployment
     missing = untuned_settings(environment)
     if missing:
         settings = " ".join(f"{name}={value}" for name, value in missing.items())
         logger.warning("%s replica started without swiftserve's malloc settings, so freed memory goes back to the OS "
                        "and each request faults it in again: set runtime_env.env_vars %s (the application's, in a "
                        "Serve config)", deployment, settings)
+    return deployment

@@ -7,6 +7,7 @@ import asyncio
 import json
 import logging
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,29 @@ def test_under_the_tuned_settings_a_freed_block_is_reused_without_faulting_its_p
     default, tuned = _faults_of_a_steady_allocation({}), _faults_of_a_steady_allocation(TUNED_MALLOC_ENV)
     assert default["faults"] > default["pages"] / 2, default  # glibc's defaults give the block back to the OS
     assert tuned["faults"] < tuned["pages"] / 100, tuned
+
+
+_FREE_THEN_RELEASE = """
+import json, os
+from serving.common.allocator import release_freed_memory
+def resident_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+blocks = [bytearray(2**20) for _ in range(256)]  # 256 MiB of heap blocks, touched (zeroed)
+kept = bytearray(2**20)  # allocated above them: the freed blocks are not the top of the heap
+del blocks
+freed = resident_mib()
+print(json.dumps({"freed": freed, "released": release_freed_memory(), "after": resident_mib()}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_under_the_tuned_settings_freed_blocks_stay_resident_until_released():
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("MALLOC_")}
+    done = subprocess.run([sys.executable, "-c", _FREE_THEN_RELEASE], env=environment | TUNED_MALLOC_ENV,
+                          capture_output=True, text=True, check=True, timeout=120)
+    resident = json.loads(done.stdout)
+    assert resident["released"] is True
+    assert resident["freed"] - resident["after"] > 200, resident  # of the 256 MiB freed, nearly all handed back
 
 
 def _environ_file(tmp_path: Path, entries: dict[str, str]) -> Path:
@@ -105,3 +129,19 @@ def test_a_replica_started_with_the_settings_says_nothing(replica_class, tmp_pat
     with caplog.at_level(logging.WARNING, logger="serving.common.allocator"):
         assert _start(replica_class, 4).value == 4
     assert caplog.records == []
+
+
+@pytest.mark.parametrize("replica_class", [_Replica, _AsyncReplica])
+def test_a_replica_hands_its_freed_memory_back_once_its_init_returns(replica_class, monkeypatch):
+    events = []
+
+    def release(deployment: str | None = None) -> bool:
+        events.append(("release", deployment, getattr(replica, "value", None)))
+        return True
+
+    monkeypatch.setattr(allocator, "release_freed_memory", release)
+    replica = replica_class.__new__(replica_class)
+    started = replica.__init__(5)
+    if asyncio.iscoroutine(started):
+        asyncio.run(started)
+    assert events == [("release", replica_class.__name__, 5)]  # after __init__ set the value, named, once
