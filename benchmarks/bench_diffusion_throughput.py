@@ -10,9 +10,11 @@ front end (``ImagesIngress``: the OpenAI Images API, request validation and PNG 
 - ``strongest_vanilla``: two such replicas, one per core (1 torch thread each), every LoRA loaded as a PEFT
   adapter at its first use (the warm-up uses each) and picked per request with ``set_adapters`` (nothing fused),
   the ControlNet pipelines prebuilt;
-- ``ours``: ``serving.app:build_app`` with its ``device_map``: the model replica on core 0 (its LoRA loads run in
-  its process, so on core 0 too), every ControlNet service on core 1; step-level batching and admission control
-  as configured by default;
+- ``ours``: ``serving.app:build_app`` with its ``device_map``: a model replica on each core (its LoRA loads run in
+  its process, so on its core too), the ControlNet services dealt over the cores (``cn0`` on core 0, ``cn1`` on
+  core 1, ...), each shared by both model replicas; step-level batching and admission control as configured by
+  default. (Until the layout changed, one model replica ran on core 0 and every ControlNet on core 1, which left
+  core 1 idle whenever no ControlNet ran: ``benchmarks/results/bench_diffusion_more/``.)
 - ``ours_cb_off``: the same with ``engine.continuous_batching: false``.
 
 Every system gets the same seeded trace: ``--requests`` requests, each with 0-2 ControlNets (Zipf over
@@ -26,10 +28,12 @@ are interleaved: ``for r in repeats: vanilla, strongest_vanilla, ours, ours_cb_o
 Per run: successes (200 with an image), refusals (429/503: the server was overloaded), errors and timeouts, each
 counted apart; throughput = successes / wall time (first scheduled send to last answer); p50 and p99 latency of
 the successes from their scheduled send (from fewer than 100 the p99 is the maximum, and labelled so).
-``engine_busy_fraction``: seconds the model replica of ``ours`` spent computing denoising steps during the run,
-time blocked on ControlNet services left out (its engine loop's ``busy_s``, read through
-``DiffusionModel.engine_busy_s`` before and after; Ray's step-latency histogram will not do: it rebuilds sums from
-bucket midpoints) over the run's wall time. Results:
+``engine_busy_fraction``: seconds the model replicas of ``ours`` spent computing denoising steps during the run,
+time blocked on ControlNet services left out (their engine loops' ``busy_s``, read from each replica through
+``DiffusionModel.engine_busy`` before and after; Ray's step-latency histogram will not do: it rebuilds sums from
+bucket midpoints), over the run's wall time times the replicas. Every system is deployed as one application of a
+Serve config, its replicas taking a hundredth of a Ray CPU each (pinning, not Ray, decides where they run), under
+the malloc settings of ``serving.common.allocator``. Results:
 ``<--out>/bench_diffusion_throughput.{json,md}``.
 
     .venv/bin/python -m benchmarks.bench_diffusion_throughput [--preset sd15-shape] [--size 128] [--steps 4]
@@ -45,19 +49,20 @@ import json
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import ray
 from ray import serve
-from ray.serve import Application
 
 from autoconfig.workloads import Workload
 from benchmarks.common import (
+    CORES,
     Outcomes,
     conditioning_image,
+    deploy_app,
     median_present,
     open_loop,
     poisson_offsets,
@@ -67,8 +72,6 @@ from benchmarks.common import (
     write_attention_lora,
 )
 from benchmarks.records import RESULTS, machine, provenance, write_results
-from benchmarks.vanilla import vanilla_app
-from serving.app import build_app
 from serving.common.allocator import REPLICA_RUNTIME_ENV
 from serving.common.device import DTYPES
 from serving.common.net import free_port
@@ -94,6 +97,8 @@ PROMPT = "a red circle on a white background"
 IMAGE = b'"b64_json"'
 #: Trace requests sent one at a time to ``vanilla`` to measure its capacity when no ``--rate`` is given.
 CALIBRATION_REQUESTS = 4
+#: Calls to read every model replica's busy seconds (Serve routes each call to one replica).
+BUSY_READS = 200
 
 
 # -- the trace ---------------------------------------------------------------------------------------------------
@@ -148,16 +153,17 @@ def _workload(bodies: list[bytes]) -> Workload:
 
 @dataclass(frozen=True)
 class System:
-    """One contender: how to build its app and where its replicas run (for the results)."""
+    """One contender: its Serve config application and where its replicas run (for the results)."""
 
     name: str
     description: str
     device_map: dict[str, list[list[int]]]
-    build: Callable[[], Application]
+    app: dict[str, Any]
 
 
 def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching: bool = True) -> DiffusionAppConfig:
-    """Ours: the model on core 0, every ControlNet on core 1; seeded weights, as the baseline builds them."""
+    """Ours: a model replica on each core, the ControlNets dealt over the cores; seeded weights, as the baseline
+    builds them."""
     source = {"preset": args.preset, "weights": "seeded", "device": args.device, "dtype": args.dtype}
     names = [f"cn{i}" for i in range(args.controlnets)]
     return DiffusionAppConfig(
@@ -167,22 +173,43 @@ def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching:
                             admission_wait_fraction=args.admission_wait_fraction),
         lora=LoRAConfig(directory=lora_dir),
         controlnets=[ControlNetConfig(name=name, seed=i, **source) for i, name in enumerate(names)],
-        device_map=DeviceMap(model=[[0]], controlnets={name: [[1]] for name in names}),
+        device_map=DeviceMap(model=CORES, controlnets={name: [CORES[i % len(CORES)]] for i, name in enumerate(names)}),
     )
 
 
+def serve_app(name: str, import_path: str, args: dict[str, Any], replicas: dict[str, int]) -> dict[str, Any]:
+    """A Serve config application at ``/``: ``replicas`` per deployment, each replica a hundredth of a Ray CPU,
+    every replica under the malloc settings swiftserve's start with."""
+    options = {"ray_actor_options": {"num_cpus": 0.01}}
+    return {"name": name, "route_prefix": "/", "import_path": import_path, "args": args,
+            "runtime_env": REPLICA_RUNTIME_ENV,
+            "deployments": [{"name": deployment, "num_replicas": count, **options}
+                            for deployment, count in replicas.items()]}
+
+
 def systems(args: argparse.Namespace, lora_dir: Path) -> list[System]:
+    """The four contenders; ``vanilla`` on both cores in one replica, the others a replica per core."""
     config = app_config(args, lora_dir)
     ours_map = {"DiffusionModel": config.device_map.model,
                 **{f"ControlNet_{name}": cores for name, cores in config.device_map.controlnets.items()}}
+    model = [config.model_dump(mode="json", exclude_defaults=True)]
+
+    def vanilla(name: str, cores: list[list[int]], adapters: bool) -> dict[str, Any]:
+        return serve_app(name, "benchmarks.vanilla:build_vanilla_app",
+                         {"models": model, "cores": cores, "adapters": adapters}, {})
+
+    def ours(name: str, continuous_batching: bool) -> dict[str, Any]:
+        built = app_config(args, lora_dir, continuous_batching=continuous_batching)
+        return serve_app(name, "serving.app:build_app", built.model_dump(mode="json", exclude_defaults=True),
+                         {deployment: len(cores) for deployment, cores in ours_map.items()})
+
     return [
         System("vanilla", "diffusers, 1 replica x 2 cores, LoRAs loaded + fused per request",
-               {"VanillaDiffusers": [[0, 1]]}, lambda: vanilla_app([config], [[0, 1]], adapters=False)),
+               {"VanillaDiffusers": [[0, 1]]}, vanilla("vanilla", [[0, 1]], adapters=False)),
         System("strongest_vanilla", "diffusers, 2 replicas x 1 core, LoRAs kept loaded as adapters",
-               {"VanillaDiffusers": [[0], [1]]}, lambda: vanilla_app([config], [[0], [1]], adapters=True)),
-        System("ours", "swiftserve, continuous batching", ours_map, lambda: build_app(config)),
-        System("ours_cb_off", "swiftserve, continuous batching off", ours_map,
-               lambda: build_app(app_config(args, lora_dir, continuous_batching=False))),
+               {"VanillaDiffusers": CORES}, vanilla("strongest_vanilla", CORES, adapters=True)),
+        System("ours", "swiftserve, continuous batching", ours_map, ours("ours", True)),
+        System("ours_cb_off", "swiftserve, continuous batching off", ours_map, ours("ours_cb_off", False)),
     ]
 
 
@@ -199,10 +226,18 @@ def one_at_a_time(url: str, bodies: list[bytes], timeout_s: float) -> list[float
     return seconds
 
 
-def engine_busy_s(app: str) -> float:
-    """Seconds ``app``'s model replica has spent computing denoising steps since it started (not waiting on
-    ControlNets)."""
-    return serve.get_deployment_handle("DiffusionModel", app_name=app).engine_busy_s.remote().result()
+def engine_busy_s(app: str, replicas: int) -> float:
+    """Seconds ``app``'s ``replicas`` model replicas have spent computing denoising steps since they started (not
+    waiting on ControlNets), summed; each replica is asked until every one has answered (Serve picks the replica
+    of a call)."""
+    handle = serve.get_deployment_handle("DiffusionModel", app_name=app)
+    busy: dict[int, float] = {}
+    for _ in range(BUSY_READS):
+        pid, seconds = handle.engine_busy.remote().result(timeout_s=60)
+        busy[pid] = seconds
+        if len(busy) == replicas:
+            return sum(busy.values())
+    raise RuntimeError(f"{app}: {len(busy)} of {replicas} model replicas answered {BUSY_READS} engine_busy calls")
 
 
 def run_row(system: str, repeat: int, out: Outcomes) -> dict:
@@ -301,12 +336,11 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}"
         rate, offsets = args.rate, None
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=2**30,
-                 runtime_env=REPLICA_RUNTIME_ENV)  # every system's replicas start as ours do
+                 runtime_env=REPLICA_RUNTIME_ENV)  # every process of the job starts as ours' replicas do
         try:
-            serve.start(http_options={"host": "127.0.0.1", "port": port})
             for repeat, system in itertools.product(range(args.repeats), contenders):
                 phase = time.monotonic()
-                serve.run(system.build(), name=system.name, route_prefix="/")
+                deploy_app(system.app, port)
                 deployed = time.monotonic()
                 one_at_a_time(url, warm, args.timeout_s)
                 if rate is None:
@@ -317,13 +351,14 @@ def main() -> None:
                 if offsets is None:
                     offsets = poisson_offsets(rate, args.seed, count=args.requests)
                 ours = system.name.startswith("ours")
-                before = engine_busy_s(system.name) if ours else 0.0
+                replicas = len(system.device_map.get("DiffusionModel", []))
+                before = engine_busy_s(system.name, replicas) if ours else 0.0
                 warmed = time.monotonic()
                 out = asyncio.run(open_loop(url, _workload(bodies), offsets, timeout_s=args.timeout_s, expect=IMAGE))
                 row = run_row(system.name, repeat, out)
                 if ours:
-                    row["step_s"] = engine_busy_s(system.name) - before
-                    row["engine_busy_fraction"] = row["step_s"] / row["wall_s"]
+                    row["step_s"] = engine_busy_s(system.name, replicas) - before
+                    row["engine_busy_fraction"] = row["step_s"] / (replicas * row["wall_s"])
                 serve.delete(system.name)
                 row["phase_s"] = {"deploy": deployed - phase, "warm_up": warmed - deployed,
                                   "run": row["wall_s"], "total": time.monotonic() - phase}

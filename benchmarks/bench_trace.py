@@ -61,13 +61,13 @@ import numpy as np
 import ray
 from PIL import Image
 from ray import serve
-from ray.serve.schema import ServeDeploySchema
 
-from autoconfig.serve_config import deploy_serve_config
 from autoconfig.workloads import JSON_HEADERS, HttpRequest
 from benchmarks import gentd, lora_storage
 from benchmarks.common import (
+    CORES,
     Outcomes,
+    deploy_app,
     median_present,
     open_loop,
     ranges_overlap,
@@ -100,7 +100,6 @@ NAME = "bench_trace"
 SYSTEMS = ("production", "strongest", "ours")
 GENERATIONS_PATH = "/v1/images/generations"
 IMAGE = b'"b64_json"'
-CORES = [[0], [1]]
 GUIDANCE_SCALE = 7.5
 CALIBRATION_PROMPT = "a red circle on a white background"
 
@@ -239,12 +238,6 @@ def queue_bound(system: str, strongest_queue: int) -> int:
     return strongest_queue if system == "strongest" else -1
 
 
-def deploy(app: dict[str, Any], port: int) -> None:
-    """Replaces whatever runs with ``app``."""
-    deploy_serve_config(ServeDeploySchema.model_validate({"http_options": {"host": "127.0.0.1", "port": port},
-                                                          "applications": [app]}), timeout_s=1800)
-
-
 @contextmanager
 def in_process(system: str, configs: list[DiffusionAppConfig], port: int, strongest_queue: int = -1,
                shared: bool = False) -> Iterator[None]:
@@ -289,7 +282,7 @@ def serving(system: str, configs: list[DiffusionAppConfig], port: int, args: arg
         with in_process(system, configs, port, args.strongest_queue, args.ours_layout == "shared"):
             yield
     else:
-        deploy(serve_app(system, configs, args.strongest_queue, args.ours_layout == "shared"), port)
+        deploy_app(serve_app(system, configs, args.strongest_queue, args.ours_layout == "shared"), port)
         yield
 
 

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from autoconfig.workloads import RequestSource
     from serving.presets import DiffusionComponents
 
+#: One replica on each of the two cores a benchmark's system gets (``DeviceMap`` entries).
+CORES: list[list[int]] = [[0], [1]]
+
 
 ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 
@@ -326,3 +329,14 @@ def to_core_1() -> None:
     read it (a team of two on one pinned core slows them)."""
     os.sched_setaffinity(0, {1})  # this thread only
     torch.set_num_threads(torch.get_num_threads())
+
+
+def deploy_app(app: dict[str, object], port: int) -> None:
+    """Replaces whatever Serve runs with ``app`` (one application of a Serve config), its HTTP proxy on ``port``
+    of 127.0.0.1; waits until it runs."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from autoconfig.serve_config import deploy_serve_config
+
+    deploy_serve_config(ServeDeploySchema.model_validate({"http_options": {"host": "127.0.0.1", "port": port},
+                                                          "applications": [app]}), timeout_s=1800)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -73,10 +74,10 @@ class DiffusionModel(MemoryReport, SendsControlNetCalls):
     async def list_controlnets(self) -> list[str]:
         return await self._backend.list_controlnets()
 
-    async def engine_busy_s(self) -> float:
-        """Seconds this replica's engine loop has spent computing denoising steps since it started (waits for
-        ControlNet services and the CFG worker left out)."""
-        return self._backend.loop.busy_s
+    async def engine_busy(self) -> tuple[int, float]:
+        """This replica's pid and the seconds its engine loop has spent computing denoising steps since it started
+        (waits for ControlNet services and the CFG worker left out)."""
+        return os.getpid(), self._backend.loop.busy_s
 
     async def generate(self, params: GenerationParams) -> GenerationResult | APIError:
         """The result, or the ``APIError`` to answer, as a value: Serve logs an exception a replica method raises

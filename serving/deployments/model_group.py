@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -54,9 +55,10 @@ class DiffusionModelGroup(MemoryReport):
     async def list_controlnets(self, model: str) -> list[str]:
         return await self._backends[model].list_controlnets()
 
-    async def engine_busy_s(self) -> float:
-        """Seconds the models' engine loops have spent computing denoising steps since the replica started."""
-        return sum(backend.loop.busy_s for backend in self._backends.values())
+    async def engine_busy(self) -> tuple[int, float]:
+        """As ``DiffusionModel.engine_busy``: the pid and the seconds the models' engine loops have spent computing
+        denoising steps since the replica started."""
+        return os.getpid(), sum(backend.loop.busy_s for backend in self._backends.values())
 
     async def generate(self, model: str, params: GenerationParams) -> GenerationResult | APIError:
         """As ``DiffusionModel.generate``, on ``model``."""

@@ -1,6 +1,7 @@
 """The model replica's own methods, called on its class without Serve."""
 
 import asyncio
+import os
 import time
 from dataclasses import replace
 
@@ -16,13 +17,13 @@ def test_replica_reports_the_seconds_its_engine_spent_in_denoising_steps():
     params = GenerationParams(prompt="a red circle", width=64, height=64, num_inference_steps=2, guidance_scale=7.5,
                               seed=0)
     try:
-        assert asyncio.run(replica.engine_busy_s()) == 0.0  # nothing denoised yet
+        assert asyncio.run(replica.engine_busy()) == (os.getpid(), 0.0)  # nothing denoised yet
         started = time.perf_counter()
         result = asyncio.run(replica.generate(params))
         elapsed = time.perf_counter() - started
         assert len(result.images) == 1
         # The steps ran while the request was in flight: some time, never more than the request took.
-        assert 0.0 < asyncio.run(replica.engine_busy_s()) <= elapsed
+        assert 0.0 < asyncio.run(replica.engine_busy())[1] <= elapsed
     finally:
         replica._backend.close()
 

@@ -2,6 +2,7 @@
 engine loops on one shared core."""
 
 import asyncio
+import os
 
 from serving.common.errors import APIError
 from serving.config import DiffusionAppConfig, DiffusionModelConfig, ImagesAppConfig
@@ -25,7 +26,7 @@ def test_each_call_reaches_the_model_it_names_and_the_loops_share_one_core():
     try:
         infos = [asyncio.run(group.model_info(name)).name for name in ("a", "b")]
         images = {name: asyncio.run(group.generate(name, PARAMS)).images for name in ("a", "b")}
-        busy = asyncio.run(group.engine_busy_s())
+        pid, busy = asyncio.run(group.engine_busy())
         loops = [backend.loop for backend in group._backends.values()]
     finally:
         for backend in group._backends.values():
@@ -33,6 +34,7 @@ def test_each_call_reaches_the_model_it_names_and_the_loops_share_one_core():
     assert infos == ["a", "b"]
     assert images["a"] != images["b"]  # two models, seeded apart
     assert busy == sum(loop.busy_s for loop in loops) > 0
+    assert pid == os.getpid()
     assert loops[0]._core is loops[1]._core is not None
 
 
