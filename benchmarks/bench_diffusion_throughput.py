@@ -67,6 +67,7 @@ from benchmarks.common import (
     open_loop,
     poisson_offsets,
     ranges_overlap,
+    serve_config_app,
     spread,
     tail,
     write_attention_lora,
@@ -177,31 +178,23 @@ def app_config(args: argparse.Namespace, lora_dir: Path, *, continuous_batching:
     )
 
 
-def serve_app(name: str, import_path: str, args: dict[str, Any], replicas: dict[str, int]) -> dict[str, Any]:
-    """A Serve config application at ``/``: ``replicas`` per deployment, each replica a hundredth of a Ray CPU,
-    every replica under the malloc settings swiftserve's start with."""
-    options = {"ray_actor_options": {"num_cpus": 0.01}}
-    return {"name": name, "route_prefix": "/", "import_path": import_path, "args": args,
-            "runtime_env": REPLICA_RUNTIME_ENV,
-            "deployments": [{"name": deployment, "num_replicas": count, **options}
-                            for deployment, count in replicas.items()]}
-
-
 def systems(args: argparse.Namespace, lora_dir: Path) -> list[System]:
     """The four contenders; ``vanilla`` on both cores in one replica, the others a replica per core."""
     config = app_config(args, lora_dir)
     ours_map = {"DiffusionModel": config.device_map.model,
                 **{f"ControlNet_{name}": cores for name, cores in config.device_map.controlnets.items()}}
-    model = [config.model_dump(mode="json", exclude_defaults=True)]
+    models = [config.model_dump(mode="json", exclude_defaults=True)]
 
     def vanilla(name: str, cores: list[list[int]], adapters: bool) -> dict[str, Any]:
-        return serve_app(name, "benchmarks.vanilla:build_vanilla_app",
-                         {"models": model, "cores": cores, "adapters": adapters}, {})
+        return serve_config_app(name, "benchmarks.vanilla:build_vanilla_app",
+                                {"models": models, "cores": cores, "adapters": adapters},
+                                runtime_env=REPLICA_RUNTIME_ENV)
 
     def ours(name: str, continuous_batching: bool) -> dict[str, Any]:
         built = app_config(args, lora_dir, continuous_batching=continuous_batching)
-        return serve_app(name, "serving.app:build_app", built.model_dump(mode="json", exclude_defaults=True),
-                         {deployment: len(cores) for deployment, cores in ours_map.items()})
+        return serve_config_app(name, "serving.app:build_app", built.model_dump(mode="json", exclude_defaults=True),
+                                {deployment: len(cores) for deployment, cores in ours_map.items()},
+                                runtime_env=REPLICA_RUNTIME_ENV)
 
     return [
         System("vanilla", "diffusers, 1 replica x 2 cores, LoRAs loaded + fused per request",

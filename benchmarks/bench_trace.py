@@ -71,6 +71,7 @@ from benchmarks.common import (
     median_present,
     open_loop,
     ranges_overlap,
+    serve_config_app,
     spread,
     tail,
     write_attention_lora,
@@ -217,19 +218,16 @@ def serve_app(system: str, configs: list[DiffusionAppConfig], strongest_queue: i
     not Ray, decides where it runs). ``strongest_queue``: queued requests per model of ``strongest`` (-1: no
     bound). ``shared``: ours' models in one ``DiffusionModelGroup`` (``shared_replicas``)."""
     models = [config.model_dump(mode="json", exclude_defaults=True) for config in configs]
-    options = {"ray_actor_options": {"num_cpus": 0.01}}
+    if system == "ours" and shared:
+        return serve_config_app(system, "serving.app:build_multi_app", {"models": models, "shared_replicas": True},
+                                {"DiffusionModelGroup": len(configs[0].device_map.model)})
     if system == "ours":
-        if shared:
-            args, deployments = ({"models": models, "shared_replicas": True},
-                                 [("DiffusionModelGroup", len(configs[0].device_map.model))])
-        else:
-            args, deployments = ({"models": models}, [(f"DiffusionModel_{config.model.name}",
-                                                       len(config.device_map.model)) for config in configs])
-        return {"name": system, "route_prefix": "/", "import_path": "serving.app:build_multi_app", "args": args,
-                "deployments": [{"name": name, "num_replicas": replicas, **options} for name, replicas in deployments]}
-    return {"name": system, "route_prefix": "/", "import_path": "benchmarks.vanilla:build_vanilla_app",
-            "args": {"models": models, "cores": CORES, "adapters": system == "strongest",
-                     "max_queued_requests": queue_bound(system, strongest_queue)}}
+        return serve_config_app(system, "serving.app:build_multi_app", {"models": models},
+                                {f"DiffusionModel_{config.model.name}": len(config.device_map.model)
+                                 for config in configs})
+    return serve_config_app(system, "benchmarks.vanilla:build_vanilla_app",
+                            {"models": models, "cores": CORES, "adapters": system == "strongest",
+                             "max_queued_requests": queue_bound(system, strongest_queue)})
 
 
 def queue_bound(system: str, strongest_queue: int) -> int:

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import numpy as np
@@ -329,6 +329,20 @@ def to_core_1() -> None:
     read it (a team of two on one pinned core slows them)."""
     os.sched_setaffinity(0, {1})  # this thread only
     torch.set_num_threads(torch.get_num_threads())
+
+
+def serve_config_app(name: str, import_path: str, args: dict[str, Any], replicas: dict[str, int] | None = None,
+                     runtime_env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One application of a Serve config at ``/``: ``replicas`` per named deployment, each replica taking a
+    hundredth of a Ray CPU (pinning, not Ray, decides where it runs); ``runtime_env``: the application's."""
+    options = {"ray_actor_options": {"num_cpus": 0.01}}
+    app: dict[str, Any] = {"name": name, "route_prefix": "/", "import_path": import_path, "args": args}
+    if runtime_env is not None:
+        app["runtime_env"] = runtime_env
+    if replicas:
+        app["deployments"] = [{"name": deployment, "num_replicas": count, **options}
+                              for deployment, count in replicas.items()]
+    return app
 
 
 def deploy_app(app: dict[str, object], port: int) -> None:
