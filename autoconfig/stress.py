@@ -191,7 +191,8 @@ class StressClient:
         above the SLO whatever happens next, so sending stops and the open requests are cancelled instead of
         drained. Each cancelled request counts with the time it had waited (a lower bound of its latency),
         ``stopped_early`` is set, and the probe is not sustainable.
-        ``achieved_rps`` is the 2xx answers over the window or, if the last answer came later, until it came.
+        ``achieved_rps`` is the 2xx answers over the window or, if the last answer came later, until it came; over
+        the time the probe ran when it stopped early (not over the window it planned).
         """
         if rate <= 0 or duration_s <= 0:
             raise ValueError(f"rate and duration_s must be > 0, got {rate} and {duration_s}")
@@ -261,7 +262,7 @@ class StressClient:
             cancelled=len(waited),
             p50_ms=p50,
             p99_ms=p99,
-            achieved_rps=len(ok_s) / max(elapsed, duration_s),
+            achieved_rps=len(ok_s) / (elapsed if stopped_early else max(elapsed, duration_s)),
             stopped_early=stopped_early,
         )
 

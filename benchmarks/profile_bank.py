@@ -10,6 +10,8 @@ a bank takes can be spread over several runs. ``--top-up DIR`` keeps the grids o
 what they still miss: the repeats their racing needs (``tuner.repeat_best``) and the app as configured (the
 entry's ``starting``, what tuning gains over, with the entry's best measured again right after it, so that the gain
 compares two measurements of one session), writing the topped-up entries to ``--bank``.
+Before profiling a diffusion model it measures its workload's unloaded latency (``--unloaded``) and refuses to start
+where the model's SLO is not about five times it (``--skip-slo-check`` profiles anyway).
 The templates and spaces are in ``benchmarks/autoconfig_bank/``; the bank goes to
 ``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured with unenforced
 shares and coarse probes).
@@ -63,16 +65,17 @@ MODELS = (
     BankModel("dlrm-tiny-disagg-rows8-slo120", "dlrm-tiny-disagg-shards", "rows_per_request=8", 120, 4),
     BankModel("dlrm-small-int8-disagg-rows128-slo200", "dlrm-small-int8-disagg-shards", "rows_per_request=128",
               200, 4),
-    # Diffusion: SLOs about five times each workload's unloaded latency (``--unloaded``; measured in the bank's
-    # README); the search starts at 2 rps, below what a half-CPU replica holds (it never probes under its start).
-    BankModel("diffusion-tiny-32px-2steps-slo150", "diffusion-tiny", "size=32x32,steps=2", 150, 2, space="diffusion"),
-    BankModel("diffusion-tiny-64px-4steps-slo400", "diffusion-tiny", "size=64x64,steps=4", 400, 2, space="diffusion"),
-    BankModel("diffusion-sdxl-tiny-32px-4steps-slo400", "diffusion-sdxl-tiny", "size=32x32,steps=4", 400, 2,
+    # Diffusion: SLOs about five times each workload's unloaded latency on the profiling machine (``--unloaded``;
+    # measured in the bank's README, checked before each profile); the search starts at 2 rps (it never probes
+    # under its start).
+    BankModel("diffusion-tiny-32px-2steps-slo180", "diffusion-tiny", "size=32x32,steps=2", 180, 2, space="diffusion"),
+    BankModel("diffusion-tiny-64px-4steps-slo430", "diffusion-tiny", "size=64x64,steps=4", 430, 2, space="diffusion"),
+    BankModel("diffusion-sdxl-tiny-32px-4steps-slo470", "diffusion-sdxl-tiny", "size=32x32,steps=4", 470, 2,
               space="diffusion"),
-    BankModel("diffusion-sd3-tiny-32px-4steps-slo200", "diffusion-sd3-tiny", "size=32x32,steps=4", 200, 2,
+    BankModel("diffusion-sd3-tiny-32px-4steps-slo220", "diffusion-sd3-tiny", "size=32x32,steps=4", 220, 2,
               space="diffusion"),
-    BankModel("diffusion-tiny-loras-32px-4steps-slo300", "diffusion-tiny-loras",
-              "size=32x32,steps=4,loras=outlined|dark|outlined+dark|", 300, 2, space="diffusion"),
+    BankModel("diffusion-tiny-loras-32px-4steps-slo400", "diffusion-tiny-loras",
+              "size=32x32,steps=4,loras=outlined|dark|outlined+dark|", 400, 2, space="diffusion"),
 )
 
 
@@ -138,6 +141,22 @@ def unloaded_latency_ms(model: BankModel, requests: int = 20, warmup: int = 2) -
     return statistics.median(latencies)
 
 
+#: The multiples of the unloaded latency a diffusion model's SLO may be on the profiling machine.
+SLO_MULTIPLE_RANGE = (4.5, 5.5)
+
+
+def slo_calibration_error(model: BankModel, unloaded_ms: float) -> str | None:
+    """Why ``model``'s SLO does not fit a machine where its workload's unloaded latency is ``unloaded_ms`` (its SLO
+    outside ``SLO_MULTIPLE_RANGE`` of it), or None: a bank entry's SLO is about five times that latency."""
+    multiple = model.slo_p99_ms / unloaded_ms
+    low, high = SLO_MULTIPLE_RANGE
+    if low <= multiple <= high:
+        return None
+    return (f"{model.name}: its SLO of {model.slo_p99_ms:g} ms is {multiple:.1f}x the unloaded {unloaded_ms:.1f} ms "
+            f"measured here, outside {low:g}-{high:g}x: this machine is not the one the SLO was set on; set the "
+            f"SLOs from `--unloaded` here (the model's name carries its SLO) or profile where they were set")
+
+
 def seed_study(storage: str, source: Path) -> None:
     """Copies the bank entry ``source`` into a new study of its model's name, unless a study of that name (an
     interrupted top-up) exists."""
@@ -158,6 +177,8 @@ def main() -> int:
     parser.add_argument("--bank", type=Path, default=BANK)
     parser.add_argument("--top-up", type=Path, metavar="DIR", help="a bank whose entries' grids are kept and whose "
                         "missing repeats are measured")
+    parser.add_argument("--skip-slo-check", action="store_true", help="profile a diffusion model even where its SLO "
+                        f"is outside {SLO_MULTIPLE_RANGE[0]:g}-{SLO_MULTIPLE_RANGE[1]:g}x its unloaded latency here")
     parser.add_argument("--unloaded", action="store_true", help="print each diffusion model's unloaded latency "
                         "(median of 20 sequential requests on an in-process backend of one thread) and its SLO's "
                         "multiple of it, and profile nothing")
@@ -185,6 +206,11 @@ def main() -> int:
                 print(f"{model.name}: not in {args.top_up}, skipped", flush=True)
                 continue
             seed_study(args.storage, args.top_up / f"{model.name}.json")
+        elif model.space == "diffusion" and not args.skip_slo_check:
+            error = slo_calibration_error(model, unloaded_latency_ms(model))
+            if error:
+                print(error, file=sys.stderr, flush=True)
+                return 2
         started = time.monotonic()
         code = subprocess.call(profile_command(model, args.storage, args.bank))
         print(f"{model.name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)

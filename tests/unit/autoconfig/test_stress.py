@@ -226,6 +226,14 @@ def test_a_probe_stops_once_more_than_one_percent_of_its_requests_are_late():
     assert server.open == 0 and 11 <= len(server.requests) <= result.cancelled
 
 
+def test_a_probe_stopped_early_reports_its_answers_per_second_over_the_time_it_ran():
+    server = ConcurrencyServer(delay_s=0.06)  # answers, but 10 ms past a 50 ms SLO
+    result = _measure(server, rate=100, duration_s=10.0, slo_p99_ms=50.0, timeout_s=60.0)
+    assert result.stopped_early and result.completed > 0
+    # stopped within a second of a 10 s window: over the window it would read below a tenth of the answers
+    assert result.achieved_rps >= result.completed / 1.0
+
+
 def test_one_request_over_the_late_budget_puts_the_p99_above_the_slo_and_a_stopped_probe_never_holds():
     slo_ms = 50.0
     for planned in range(1, 1001):

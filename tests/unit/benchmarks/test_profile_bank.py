@@ -5,7 +5,7 @@ import pytest
 
 from autoconfig.space import SearchSpace
 from autoconfig.workloads import parse_workload_options, workload_for_app
-from benchmarks.profile_bank import MODELS, TEMPLATES, template_app, unloaded_latency_ms
+from benchmarks.profile_bank import MODELS, TEMPLATES, slo_calibration_error, template_app, unloaded_latency_ms
 from serving.config import DiffusionAppConfig
 
 
@@ -47,3 +47,12 @@ def test_unloaded_latency_refuses_a_dlrm_model_naming_it():
     dlrm = next(model for model in MODELS if model.space == "bank")
     with pytest.raises(ValueError, match=dlrm.name):
         unloaded_latency_ms(dlrm)
+
+
+def test_a_diffusion_slo_is_checked_against_the_unloaded_latency_of_the_machine_that_profiles():
+    model = next(model for model in DIFFUSION if model.slo_p99_ms == 180)
+    assert slo_calibration_error(model, 36.0) is None  # 5.0x
+    faster = slo_calibration_error(model, 30.0)  # 6.0x: set on a slower machine
+    assert faster is not None and model.name in faster and "6.0x" in faster
+    slower = slo_calibration_error(model, 45.0)  # 4.0x: set on a faster machine
+    assert slower is not None and "4.0x" in slower
