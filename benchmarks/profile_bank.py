@@ -207,10 +207,13 @@ def main() -> int:
                 continue
             seed_study(args.storage, args.top_up / f"{model.name}.json")
         elif model.space == "diffusion" and not args.skip_slo_check:
-            error = slo_calibration_error(model, unloaded_latency_ms(model))
+            unloaded_ms = unloaded_latency_ms(model)
+            error = slo_calibration_error(model, unloaded_ms)
             if error:
                 print(error, file=sys.stderr, flush=True)
                 return 2
+            print(f"{model.name}: unloaded {unloaded_ms:.1f} ms here, SLO {model.slo_p99_ms / unloaded_ms:.1f}x it",
+                  flush=True)
         started = time.monotonic()
         code = subprocess.call(profile_command(model, args.storage, args.bank))
         print(f"{model.name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
