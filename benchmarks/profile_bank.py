@@ -145,16 +145,21 @@ def unloaded_latency_ms(model: BankModel, requests: int = 20, warmup: int = 2) -
 SLO_MULTIPLE_RANGE = (4.5, 5.5)
 
 
+def slo_line(model: BankModel, unloaded_ms: float) -> str:
+    """``model``'s SLO beside its workload's unloaded latency ``unloaded_ms``, and the multiple it is of it."""
+    return (f"{model.name}: unloaded {unloaded_ms:.1f} ms, SLO {model.slo_p99_ms:g} ms = "
+            f"{model.slo_p99_ms / unloaded_ms:.1f}x")
+
+
 def slo_calibration_error(model: BankModel, unloaded_ms: float) -> str | None:
     """Why ``model``'s SLO does not fit a machine where its workload's unloaded latency is ``unloaded_ms`` (its SLO
     outside ``SLO_MULTIPLE_RANGE`` of it), or None: a bank entry's SLO is about five times that latency."""
-    multiple = model.slo_p99_ms / unloaded_ms
     low, high = SLO_MULTIPLE_RANGE
-    if low <= multiple <= high:
+    if low <= model.slo_p99_ms / unloaded_ms <= high:
         return None
-    return (f"{model.name}: its SLO of {model.slo_p99_ms:g} ms is {multiple:.1f}x the unloaded {unloaded_ms:.1f} ms "
-            f"measured here, outside {low:g}-{high:g}x: this machine is not the one the SLO was set on; set the "
-            f"SLOs from `--unloaded` here (the model's name carries its SLO) or profile where they were set")
+    return (f"{slo_line(model, unloaded_ms)} here, outside {low:g}-{high:g}x: this machine is not the one the SLO was "
+            f"set on; set the SLOs from `--unloaded` here (the model's name carries its SLO) or profile where they "
+            f"were set")
 
 
 def seed_study(storage: str, source: Path) -> None:
@@ -190,9 +195,7 @@ def main() -> int:
     if args.unloaded:
         for model in MODELS:
             if model.space == "diffusion" and (not args.only or model.name in args.only):
-                latency = unloaded_latency_ms(model)
-                print(f"{model.name}: unloaded {latency:.1f} ms, SLO {model.slo_p99_ms:g} ms = "
-                      f"{model.slo_p99_ms / latency:.1f}x", flush=True)
+                print(slo_line(model, unloaded_latency_ms(model)), flush=True)
         return 0
     Path("out").mkdir(exist_ok=True)
     for model in MODELS:
@@ -212,8 +215,7 @@ def main() -> int:
             if error:
                 print(error, file=sys.stderr, flush=True)
                 return 2
-            print(f"{model.name}: unloaded {unloaded_ms:.1f} ms here, SLO {model.slo_p99_ms / unloaded_ms:.1f}x it",
-                  flush=True)
+            print(f"{slo_line(model, unloaded_ms)} here", flush=True)
         started = time.monotonic()
         code = subprocess.call(profile_command(model, args.storage, args.bank))
         print(f"{model.name}: exit {code} after {time.monotonic() - started:.0f} s", flush=True)
