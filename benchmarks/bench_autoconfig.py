@@ -4,10 +4,11 @@
         [--second-bank benchmarks/results/autoconfig_bank_v2_second]
 
 Leave-one-model-out: every searcher runs on every profiled model's recorded surface with the other models as its
-prior (the meta-learned searcher trains on those over the same knobs), for ``--seeds`` seeds each. Reported:
-trials to reach within 5% of the model's optimum, within its measurement noise, and the optimum (median / p90 /
-mean over models x seeds), the median as a fraction of the space, and how many times fewer trials the meta
-searcher needs than each baseline (ratio of medians). Baselines: random, TPE, GP, and those that learn from the
+prior (the meta-learned searcher trains on those over the same knobs), for ``--seeds`` seeds each; a model alone
+over its knobs has nothing to learn from and is listed as not replayed (its surface facts and gain still count).
+Reported: trials to reach within 5% of the model's optimum, within its measurement noise, and the optimum
+(median / p90 / mean over models x seeds), the median as a fraction of the space, and how many times fewer trials
+the meta searcher needs than each baseline (ratio of medians). Baselines: random, TPE, GP, and those that learn from the
 bank too: best-on-average (no learning), prior-only (the meta-learned prior, never adapted) and TPE warm-started
 with the other models' best trials. ``summary`` (issue 21): ``meta_median_trials_to_optimum``,
 ``meta_median_fraction_of_space`` (goal <= 0.05), ``best_baseline_median_trials`` (best of best-on-average, prior-
@@ -36,6 +37,7 @@ import argparse
 import json
 import re
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -92,16 +94,16 @@ def surface_facts(entries) -> list[dict[str, object]]:
     return facts
 
 
-def tuning_gains(entries: list[BankEntry], meta_minutes: np.ndarray) -> dict[str, object]:
+def tuning_gains(entries: list[BankEntry], meta_minutes: dict[str, np.ndarray]) -> dict[str, object]:
     """What tuning buys and costs: each model's optimum over its app as shipped (entries that recorded it) and the
-    meta searcher's minutes of recorded trial time to within the tolerance (entries that recorded durations),
-    medians overall and per family (None where no entry recorded it)."""
+    meta searcher's minutes of recorded trial time to within the tolerance (``meta_minutes`` by model: those
+    replayed that recorded durations), medians overall and per family (None where no entry recorded it)."""
     def median(values: list[float]) -> float | None:
         return float(np.median(values)) if values else None
 
     gains = {entry.name: entry.gain_over_starting() for entry in entries}
-    minutes = {entry.name: [float(m) for m in runs if np.isfinite(m)] for entry, runs in zip(entries, meta_minutes,
-                                                                                             strict=True)}
+    minutes = {entry.name: [float(m) for m in meta_minutes.get(entry.name, ()) if np.isfinite(m)]
+               for entry in entries}
 
     def of(names: list[str]) -> dict[str, float | int | None]:
         recorded = [gains[name] for name in names if gains[name] is not None]
@@ -138,6 +140,14 @@ def entry_family(entry: BankEntry) -> str:
     return "diffusion" if "torch_threads" in entry.space.knob_names else "dlrm"
 
 
+def replayable(entries: list[BankEntry]) -> tuple[list[BankEntry], list[BankEntry]]:
+    """The entries that another entry of the same knobs can be a prior for (leave-one-out replays them), and
+    those alone in their family, which no searcher that learns from the bank can be replayed on."""
+    knobs = Counter(entry.space.knob_names for entry in entries)
+    return ([entry for entry in entries if knobs[entry.space.knob_names] > 1],
+            [entry for entry in entries if knobs[entry.space.knob_names] == 1])
+
+
 def short_code(code: str | None) -> str:
     """A commit as its first 7 hex digits (``-dirty`` kept), another version as it is; None as not recorded."""
     if code is None:
@@ -169,7 +179,13 @@ def reproducibility(entries: list[BankEntry], second: list[BankEntry]) -> dict[s
     agreements = [row for row in models if row["agreement"] is not None]
     twice = [row for row in models if "rank_correlation" in row]
     same_model = [row[key] for row in twice for key in ("trials_first_to_second", "trials_second_to_first")]
-    hindsight = hindsight_order_trials(entries)
+    by_space: dict[tuple, list[int]] = {}  # a fixed order ranks the configurations of one space
+    for index, entry in enumerate(entries):
+        by_space.setdefault(entry.space.configurations(), []).append(index)
+    hindsight = [0] * len(entries)
+    for indices in by_space.values():
+        for index, trials in zip(indices, hindsight_order_trials([entries[i] for i in indices]), strict=True):
+            hindsight[index] = trials
     pooled = np.concatenate(floors) if floors else None
     for row, trials in zip(models, hindsight, strict=True):
         row["hindsight_order_trials"] = trials
@@ -268,7 +284,11 @@ def main() -> None:
     args = parser.parse_args()
     source = provenance()  # before this run writes its own results into the tree
     console = Console()
-    entries = load_bank(REPO / args.bank)
+    bank = load_bank(REPO / args.bank)
+    entries, alone = replayable(bank)
+    if alone:
+        console.print(f"not replayed, no other model over the same knobs to learn from: "
+                      f"{', '.join(entry.name for entry in alone)}")
     second = load_bank(REPO / args.second_bank) if (REPO / args.second_bank).is_dir() else []
     names = ["meta", "rgpe", *ABLATIONS, *BASELINES]
     started = time.monotonic()
@@ -291,7 +311,7 @@ def main() -> None:
     ratios = {name: summary[name]["within_median"] / meta for name in BASELINES}
     best_baseline = min(STRONG_BASELINES, key=lambda name: summary[name]["optimum_median"])
     best_in_noise = min(STRONG_BASELINES, key=lambda name: summary[name]["within_noise_median"])
-    repro = reproducibility(entries, second)
+    repro = reproducibility(bank, second)
     goals = {
         "meta_median_trials_to_optimum": summary["meta"]["optimum_median"],
         "meta_median_fraction_of_space": float(np.median(result.searchers["meta"].trials_to_optimum / sizes)),
@@ -317,14 +337,16 @@ def main() -> None:
         "noise_floor_median_trials_to_optimum": repro["noise_floor_median_trials"],
         "noise_floor_mean_trials_to_optimum": repro["noise_floor_mean_trials"],
     }
-    gains = tuning_gains(entries, result.searchers["meta"].minutes_to_within())
+    gains = tuning_gains(bank, dict(zip(result.models, result.searchers["meta"].minutes_to_within(), strict=True)))
     goals |= {key: gains[key] for key in ("median_gain_over_shipped", "models_with_shipped",
                                           "median_minutes_to_within_5pct", "models_with_durations")}
     families = family_medians(entries, result)
-    facts = surface_facts(entries)
+    facts = surface_facts(bank)
     lines = [
-        f"# autoconfig replay on the measured profile bank ({len(entries)} models, {args.seeds} seeds, "
-        f"leave-one-model-out)", "",
+        f"# autoconfig replay on the measured profile bank ({len(bank)} models, {len(entries)} replayed, "
+        f"{args.seeds} seeds, leave-one-model-out)", "",
+        *([f"Not replayed, no other model over the same knobs to learn from: "
+           f"{', '.join(entry.name for entry in alone)}.", ""] if alone else []),
         "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise | measured at | "
         "measured on | most CPU lost to other work | optimum / shipped config |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -376,6 +398,7 @@ def main() -> None:
                "tolerance": args.tolerance, "models": facts,
                "families": families, "tuning_gains": gains,
                "machine": entries[0].machine if entries else {}, "searchers": summary,
+               "not_replayed": [entry.name for entry in alone],
                "within_ratio_vs_meta": ratios, "seconds": elapsed,
                "per_run": {name: {"trials_to_within": report.trials_to_within.tolist(),
                                   "trials_to_optimum": report.trials_to_optimum.tolist()}

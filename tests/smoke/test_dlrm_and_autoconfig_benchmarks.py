@@ -38,12 +38,17 @@ def test_bench_shard_server_serves_one_shard_by_each_flavour(run_benchmark):
 def test_bench_autoconfig_replays_every_searcher_leaving_each_model_of_a_bank_out(run_benchmark, tmp_path):
     bank = tmp_path / "bank"
     bank.mkdir()
-    models = sorted((RESULTS / "autoconfig_bank_v2").glob("*.json"))[:3]  # three of the committed bank's models
-    for entry in models:
+    committed = RESULTS / "autoconfig_bank_v2"
+    dlrm = sorted(committed.glob("dlrm-*.json"))[:2]
+    diffusion = sorted(committed.glob("diffusion-*.json"))[:1]  # alone over its knobs: nothing to learn from
+    for entry in [*dlrm, *diffusion]:
         shutil.copyfile(entry, bank / entry.name)
     payload = run_benchmark("bench_autoconfig", "--seeds", "1", "--bank", str(bank),
                             "--second-bank", str(tmp_path / "none"))
-    assert sorted(model["model"] for model in payload["models"]) == sorted(entry.stem for entry in models)
+    assert sorted(model["model"] for model in payload["models"]) == sorted(entry.stem for entry in [*dlrm, *diffusion])
+    assert payload["not_replayed"] == [entry.stem for entry in diffusion]
+    assert len(payload["per_run"]["meta"]["trials_to_within"]) == len(dlrm)
+    assert set(payload["tuning_gains"]["families"]) == {"dlrm", "diffusion"}
     assert {"meta", "rgpe", "random", "tpe", "gp", "prior-only", "tpe-warm"} <= set(payload["searchers"])
     assert payload["summary"]["meta_median_trials_to_optimum"] >= 1
     assert (tmp_path / "bench_autoconfig.png").stat().st_size > 0
