@@ -311,7 +311,7 @@ def main() -> None:
     ratios = {name: summary[name]["within_median"] / meta for name in BASELINES}
     best_baseline = min(STRONG_BASELINES, key=lambda name: summary[name]["optimum_median"])
     best_in_noise = min(STRONG_BASELINES, key=lambda name: summary[name]["within_noise_median"])
-    repro = reproducibility(bank, second)
+    repro = reproducibility(entries, second)  # the floors beside the goals: of the models replayed
     goals = {
         "meta_median_trials_to_optimum": summary["meta"]["optimum_median"],
         "meta_median_fraction_of_space": float(np.median(result.searchers["meta"].trials_to_optimum / sizes)),

@@ -1,6 +1,7 @@
 """Smoke runs of the DLRM and autoconfig benchmark scripts (the tiny DLRM preset, a second or two per point; three
 models of the committed profile bank replayed with one seed)."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -52,6 +53,25 @@ def test_bench_autoconfig_replays_every_searcher_leaving_each_model_of_a_bank_ou
     assert {"meta", "rgpe", "random", "tpe", "gp", "prior-only", "tpe-warm"} <= set(payload["searchers"])
     assert payload["summary"]["meta_median_trials_to_optimum"] >= 1
     assert (tmp_path / "bench_autoconfig.png").stat().st_size > 0
+
+
+def test_bench_autoconfig_replays_two_families_each_against_its_own_hindsight_order(run_benchmark, tmp_path):
+    bank = tmp_path / "bank"
+    bank.mkdir()
+    committed = RESULTS / "autoconfig_bank_v2"
+    for entry in sorted(committed.glob("dlrm-*.json"))[:2]:
+        shutil.copyfile(entry, bank / entry.name)
+    diffusion = json.loads(sorted(committed.glob("diffusion-*.json"))[0].read_text())
+    for suffix in ("a", "b"):  # two models over the diffusion knobs (one measured surface, two names)
+        diffusion["model"]["name"] = f"diffusion-{suffix}"
+        (bank / f"diffusion-{suffix}.json").write_text(json.dumps(diffusion))
+    payload = run_benchmark("bench_autoconfig", "--seeds", "1", "--bank", str(bank),
+                            "--second-bank", str(tmp_path / "none"))
+    assert payload["not_replayed"] == []
+    assert {family: figures["models"] for family, figures in payload["families"].items()} == {"dlrm": 2,
+                                                                                             "diffusion": 2}
+    hindsight = {row["model"]: row["hindsight_order_trials"] for row in payload["reproducibility"]["models"]}
+    assert hindsight["diffusion-a"] == hindsight["diffusion-b"] == 1  # their one optimum leads their own order
 
 
 def test_profile_dlrm_samples_every_replica_process_of_a_system_under_load(run_benchmark, tmp_path):
