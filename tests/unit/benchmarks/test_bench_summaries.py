@@ -45,7 +45,7 @@ def test_bench_autoconfig_states_the_gain_and_minutes_per_family_only_from_what_
                grid_entry("b", [3.0, 1.0], dlrm).model_copy(update={"starting": shipped}),
                grid_entry("c", [1.0, 2.0], dlrm),
                grid_entry("d", [5.0, 1.0], diffusion)]
-    minutes = np.array([[2.0, 4.0], [np.nan, np.nan], [1.0, 1.0], [np.nan, np.nan]])
+    minutes = {"a": np.array([2.0, 4.0]), "b": np.array([np.nan, np.nan]), "c": np.array([1.0, 1.0])}  # d: not replayed
     gains = tuning_gains(entries, minutes)
     assert gains["median_gain_over_shipped"] == 3.5 and gains["models_with_shipped"] == 2  # of 4.0 and 3.0
     assert gains["median_minutes_to_within_5pct"] == 1.5 and gains["models_with_durations"] == 2  # of 2, 4, 1, 1
