@@ -286,9 +286,10 @@ def main() -> None:
     console = Console()
     bank = load_bank(REPO / args.bank)
     entries, alone = replayable(bank)
+    not_replayed = (f"Not replayed, no other model over the same knobs to learn from: "
+                    f"{', '.join(entry.name for entry in alone)}.")
     if alone:
-        console.print(f"not replayed, no other model over the same knobs to learn from: "
-                      f"{', '.join(entry.name for entry in alone)}")
+        console.print(not_replayed)
     second = load_bank(REPO / args.second_bank) if (REPO / args.second_bank).is_dir() else []
     names = ["meta", "rgpe", *ABLATIONS, *BASELINES]
     started = time.monotonic()
@@ -345,8 +346,7 @@ def main() -> None:
     lines = [
         f"# autoconfig replay on the measured profile bank ({len(bank)} models, {len(entries)} replayed, "
         f"{args.seeds} seeds, leave-one-model-out)", "",
-        *([f"Not replayed, no other model over the same knobs to learn from: "
-           f"{', '.join(entry.name for entry in alone)}.", ""] if alone else []),
+        *([not_replayed, ""] if alone else []),
         "| model | configurations | feasible | within 5% of optimum | optimum | objective | noise | measured at | "
         "measured on | most CPU lost to other work | optimum / shipped config |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
