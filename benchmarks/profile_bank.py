@@ -3,15 +3,18 @@ measured on real Ray Serve deployments of this machine (``autoconfig profile``, 
 raced: measured again until the three best by their means have three runs each (at most eight configurations
 repeated; the entry's noise).
 
-    .venv/bin/python -m benchmarks.profile_bank [--only NAME ...] [--storage URL] [--bank DIR] [--top-up DIR]
+    .venv/bin/python -m benchmarks.profile_bank [--only NAME ...] [--storage URL] [--bank DIR]
+        [--top-up DIR [--remeasure-starting]]
 
 A model already in the bank is skipped; an interrupted one resumes from its study (``--storage``), so the hours
 a bank takes can be spread over several runs. ``--top-up DIR`` keeps the grids of DIR's entries and measures only
 what they still miss: the repeats their racing needs (``tuner.repeat_best``) and the app as configured (the
 entry's ``starting``, what tuning gains over, with the entry's best measured again right after it, so that the gain
-compares two measurements of one session), writing the topped-up entries to ``--bank``.
-Before profiling a diffusion model it measures its workload's unloaded latency (``--unloaded``) and refuses to start
-where the model's SLO is not about five times it (``--skip-slo-check`` profiles anyway).
+compares two measurements of one session), writing the topped-up entries to ``--bank``. ``--remeasure-starting``
+drops the entries' starting points, so that the top-up measures each again beside its best (for a starting point
+measured sessions before its optimum, on a machine whose speed has since moved).
+Before profiling (or topping up) a diffusion model it measures its workload's unloaded latency (``--unloaded``) and
+refuses to start where the model's SLO is not about five times it (``--skip-slo-check`` profiles anyway).
 The templates and spaces are in ``benchmarks/autoconfig_bank/``; the bank goes to
 ``benchmarks/results/autoconfig_bank_v2/`` (the first bank, ``autoconfig_bank/``, was measured with unenforced
 shares and coarse probes).
@@ -162,17 +165,26 @@ def slo_calibration_error(model: BankModel, unloaded_ms: float) -> str | None:
             f"were set")
 
 
-def seed_study(storage: str, source: Path) -> None:
+def seed_study(storage: str, source: Path, *, remeasure_starting: bool = False) -> None:
     """Copies the bank entry ``source`` into a new study of its model's name, unless a study of that name (an
-    interrupted top-up) exists."""
+    interrupted top-up) exists; ``remeasure_starting`` leaves the entry's starting point out, so that ``profile``
+    measures it again, and refuses an existing study that still holds the entry's own."""
     from autoconfig.bank import BankEntry
     from autoconfig.study import StudyError, TuningStudy
 
     entry = BankEntry.load(source)
+    if remeasure_starting:
+        entry = entry.model_copy(update={"starting": None})
     try:
-        TuningStudy.load(storage, entry.name)
+        study = TuningStudy.load(storage, entry.name)
     except StudyError:
         TuningStudy.open(storage, entry.name, entry.space).add_bank_entry(entry)
+        return
+    starting = study.starting_point()
+    if remeasure_starting and starting is not None and "reference_config" not in starting:
+        raise StudyError(f"study {entry.name!r} in {storage} holds a starting point measured without its best "
+                         f"beside it (the entry's own), which --remeasure-starting is to measure again: give a "
+                         f"--storage without that study")
 
 
 def main() -> int:
@@ -182,12 +194,16 @@ def main() -> int:
     parser.add_argument("--bank", type=Path, default=BANK)
     parser.add_argument("--top-up", type=Path, metavar="DIR", help="a bank whose entries' grids are kept and whose "
                         "missing repeats are measured")
+    parser.add_argument("--remeasure-starting", action="store_true", help="with --top-up: measure the entries' "
+                        "starting points again, each beside its best")
     parser.add_argument("--skip-slo-check", action="store_true", help="profile a diffusion model even where its SLO "
                         f"is outside {SLO_MULTIPLE_RANGE[0]:g}-{SLO_MULTIPLE_RANGE[1]:g}x its unloaded latency here")
     parser.add_argument("--unloaded", action="store_true", help="print each diffusion model's unloaded latency "
                         "(median of 20 sequential requests on an in-process backend of one thread) and its SLO's "
                         "multiple of it, and profile nothing")
     args = parser.parse_args()
+    if args.remeasure_starting and not args.top_up:
+        parser.error("--remeasure-starting needs --top-up DIR")
     known = {model.name for model in MODELS}
     unknown = set(args.only or []) - known
     if unknown:
@@ -205,11 +221,18 @@ def main() -> int:
             print(f"{model.name}: already in {args.bank}, skipped", flush=True)
             continue
         if args.top_up:
+            from autoconfig.study import StudyError
+
             if not (args.top_up / f"{model.name}.json").exists():
                 print(f"{model.name}: not in {args.top_up}, skipped", flush=True)
                 continue
-            seed_study(args.storage, args.top_up / f"{model.name}.json")
-        elif model.space == "diffusion" and not args.skip_slo_check:
+            try:
+                seed_study(args.storage, args.top_up / f"{model.name}.json",
+                           remeasure_starting=args.remeasure_starting)
+            except StudyError as error:
+                print(f"error: {error}", file=sys.stderr, flush=True)
+                return 2
+        if model.space == "diffusion" and not args.skip_slo_check:
             unloaded_ms = unloaded_latency_ms(model)
             error = slo_calibration_error(model, unloaded_ms)
             if error:

@@ -100,3 +100,5 @@ def test_profile_bank_skips_a_model_its_bank_holds_and_refuses_one_it_does_not_k
     assert skipped.returncode == 0 and f"{held}: already in {tmp_path}, skipped" in skipped.stdout
     unknown = profile_bank("--only", "no-such-model")
     assert unknown.returncode == 2 and "unknown model(s) ['no-such-model']" in unknown.stderr
+    alone = profile_bank("--only", held, "--remeasure-starting")
+    assert alone.returncode == 2 and "--remeasure-starting needs --top-up DIR" in alone.stderr

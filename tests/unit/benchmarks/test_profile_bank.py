@@ -3,9 +3,19 @@ space whose knobs it reads."""
 
 import pytest
 
+from autoconfig.bank import BankEntry
 from autoconfig.space import SearchSpace
+from autoconfig.study import StudyError, TuningStudy, sqlite_url
 from autoconfig.workloads import parse_workload_options, workload_for_app
-from benchmarks.profile_bank import MODELS, TEMPLATES, slo_calibration_error, template_app, unloaded_latency_ms
+from benchmarks.profile_bank import (
+    BANK,
+    MODELS,
+    TEMPLATES,
+    seed_study,
+    slo_calibration_error,
+    template_app,
+    unloaded_latency_ms,
+)
 from serving.config import DiffusionAppConfig
 
 
@@ -56,3 +66,24 @@ def test_a_diffusion_slo_is_checked_against_the_unloaded_latency_of_the_machine_
     assert faster is not None and model.name in faster and "6.0x" in faster
     slower = slo_calibration_error(model, 45.0)  # 4.0x: set on a faster machine
     assert slower is not None and "4.0x" in slower
+
+
+def test_a_top_up_that_remeasures_the_starting_point_seeds_the_grid_without_it(tmp_path):
+    """``--remeasure-starting``: the entry's trials and repeats are kept and its starting point left out, so that
+    ``autoconfig profile`` measures it again beside the best; a study still holding the entry's own is refused."""
+    source = next(path for path in sorted(BANK.glob("*.json")) if BankEntry.load(path).starting is not None)
+    entry = BankEntry.load(source)
+    kept, fresh = sqlite_url(tmp_path / "kept.db"), sqlite_url(tmp_path / "fresh.db")
+    seed_study(kept, source)
+    assert TuningStudy.load(kept, entry.name).to_bank_entry({"name": entry.name}, {}, "max_rate").starting == (
+        entry.starting)
+    seed_study(fresh, source, remeasure_starting=True)
+    study = TuningStudy.load(fresh, entry.name)
+    reseeded = study.to_bank_entry({"name": entry.name}, {}, "max_rate")
+    assert study.starting_point() is None
+    assert reseeded.trials == entry.trials and reseeded.repeats == entry.repeats
+    with pytest.raises(StudyError, match="--remeasure-starting is to measure again: give a --storage"):
+        seed_study(kept, source, remeasure_starting=True)
+    study.record_starting_point({"status": "ok", "objective": 1.0, "reference_config": {}, "reference_objective": 2.0})
+    seed_study(fresh, source, remeasure_starting=True)  # an interrupted top-up resumes: its starting point stays
+    assert TuningStudy.load(fresh, entry.name).starting_point()["reference_objective"] == 2.0
